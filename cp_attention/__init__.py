@@ -1,0 +1,80 @@
+"""cp_attention: exact context-parallel (ring) attention for PyTorch.
+
+Each rank of a process group holds 1/N of every sequence, sharded by a :class:`Layout`;
+:func:`ring_attention` computes exact attention over the whole sequence, forward and backward.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from .comm import RingComm
+from .kernels import KERNEL_NAMES, get_kernel
+from .layout import LAYOUT_NAMES, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout, get_layout
+from .ring import RingAttentionFunction, RingPlan
+from .schedule import BlockTask, get_schedule, rank_plan, work_model
+from .validation import validate_call
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ring_attention",
+    "get_layout",
+    "Layout",
+    "ContiguousLayout",
+    "ZigzagLayout",
+    "InterleavedLayout",
+    "LAYOUT_NAMES",
+    "KERNEL_NAMES",
+    "BlockTask",
+    "get_schedule",
+    "rank_plan",
+    "work_model",
+    "get_kernel",
+]
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group=None,
+    layout: Union[str, Layout] = "zigzag",
+    causal: bool = True,
+    softmax_scale: "float | None" = None,
+    kernel: str = "auto",
+    return_lse: bool = False,
+):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: ``[batch, local_seq, heads, head_dim]``, this rank's query shard.
+        k, v: ``[batch, local_seq, kv_heads, head_dim]`` / ``[..., v_head_dim]``; ``heads`` must be a
+            multiple of ``kv_heads`` (GQA/MQA). K/V travel with their own heads.
+        group: process group; ``None`` is the default group, and without torch.distributed (or with
+            world size 1) this is plain attention.
+        layout: name or :class:`Layout` the caller used to shard q, k and v.
+        causal: causal mask over GLOBAL positions.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        kernel: ``"auto"``, ``"math"`` or ``"sdpa"``.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k and v; with
+        ``return_lse``, also ``lse [batch, heads, local_seq]`` (natural log; fp32, or fp64 for fp64 inputs).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
+            an unknown layout or kernel, or arguments that differ between ranks. Raised on every
+            rank of the group alike, before any ring communication.
+    """
+    comm = RingComm(group)
+    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size)
+    lay = get_layout(layout)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    steps = rank_plan(lay, causal, comm.rank, comm.world_size, q.shape[1])
+    plan = RingPlan(comm, steps, get_kernel(kernel, q.device, q.dtype), scale)
+    out, lse = RingAttentionFunction.apply(q, k, v, plan)
+    return (out, lse) if return_lse else out

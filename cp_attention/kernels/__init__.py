@@ -1,0 +1,38 @@
+"""Local attention kernels and the registry that picks one by name, device and dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionKernel, accumulation_dtype
+from .math import MathKernel
+from .sdpa import SdpaCpuKernel
+
+__all__ = ["AttentionKernel", "accumulation_dtype", "get_kernel", "KERNEL_NAMES", "MathKernel", "SdpaCpuKernel"]
+
+_KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (SdpaCpuKernel(), MathKernel())}
+# "auto" tries these in order: fastest first, the reference last.
+_AUTO_ORDER = ("sdpa", "math")
+KERNEL_NAMES: tuple[str, ...] = ("auto", *_KERNELS)
+
+
+def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype) -> AttentionKernel:
+    """The kernel called ``name`` ("auto" = the fastest that supports ``device`` and ``dtype``).
+
+    Raises ``ValueError`` for an unknown name or a kernel that does not support the device/dtype.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        for n in _AUTO_ORDER:
+            if _KERNELS[n].supports(device, dtype):
+                return _KERNELS[n]
+        raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}")
+    if name not in _KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; expected one of: {', '.join(KERNEL_NAMES)}")
+    kernel = _KERNELS[name]
+    if not kernel.supports(device, dtype):
+        raise ValueError(
+            f"kernel {name!r} does not support device {device.type} with dtype {dtype}; "
+            f"use kernel='auto' or kernel='math'"
+        )
+    return kernel

@@ -1,0 +1,47 @@
+"""The kernel protocol: one local attention block with its log-sum-exp, forward and backward.
+
+Tensors are bshd: ``q [B, Sq, H, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]`` with
+``H % Hkv == 0`` (GQA/MQA: the kernel broadcasts K/V heads itself, never the caller). Inputs may be
+strided views (slices along the sequence). ``causal`` is the top-left-aligned lower triangle.
+Nothing here assumes a CPU: a kernel declares the devices and dtypes it supports.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["AttentionKernel", "accumulation_dtype"]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype out/LSE/gradients accumulate in: fp32, or fp64 for fp64 inputs (so fp64 stays exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@runtime_checkable
+class AttentionKernel(Protocol):
+    """A local attention backend."""
+
+    name: str
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this kernel runs on ``device`` with inputs of ``dtype``."""
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``out [B, Sq, H, Dv]`` (any float dtype) and ``lse [B, H, Sq]`` (natural log,
+        :func:`accumulation_dtype` of q's dtype). Every query row sees at least one key."""
+        ...
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of this block given the FINAL merged ``out [B, Sq, H, Dv]`` and
+        ``lse [B, H, Sq]`` of these query rows (so the block's probabilities are exp(s - lse)).
+
+        Returns ``dq [B, Sq, H, D]``, ``dk [B, Sk, Hkv, D]``, ``dv [B, Sk, Hkv, Dv]`` in any float dtype.
+        """
+        ...

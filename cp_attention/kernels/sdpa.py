@@ -1,0 +1,46 @@
+"""PyTorch's fused CPU flash-attention ops (``aten._scaled_dot_product_flash_attention_for_cpu``).
+
+The op takes bhsd views of our bshd tensors, broadcasts GQA heads itself, returns a natural-log
+LSE ``[B, H, S]`` (fp32, fp64 for fp64 inputs) with non-contiguous strides, and masks causal
+blocks top-left. It needs equal q/k and v head dims, so a differing v head dim (MLA) is zero-padded,
+which leaves every dot product, and hence the result, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SdpaCpuKernel"]
+
+
+def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+class SdpaCpuKernel:
+    """Fused flash attention on CPU, forward and backward."""
+
+    name = "sdpa"
+    _dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return torch.device(device).type == "cpu" and dtype in self._dtypes
+
+    def forward(self, q, k, v, causal, scale):
+        d = max(q.shape[-1], v.shape[-1])
+        dv = v.shape[-1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _pad_last(q, d).transpose(1, 2), _pad_last(k, d).transpose(1, 2), _pad_last(v, d).transpose(1, 2),
+            0.0, causal, scale=scale,
+        )
+        return out.transpose(1, 2)[..., :dv], lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dqk, dvd = q.shape[-1], v.shape[-1]
+        d = max(dqk, dvd)
+        t = lambda x: _pad_last(x, d).transpose(1, 2)  # noqa: E731
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            t(dout.to(q.dtype)), t(q), t(k), t(v), t(out.to(q.dtype)), lse, 0.0, causal, scale=scale,
+        )
+        return dq.transpose(1, 2)[..., :dqk], dk.transpose(1, 2)[..., :dqk], dv.transpose(1, 2)[..., :dvd]

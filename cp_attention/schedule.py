@@ -1,0 +1,161 @@
+"""Masked ring schedules: which (query rows, key rows) block each rank computes at each ring step.
+
+Pure Python, no torch.distributed. At ring step ``s`` rank ``r`` holds the K/V shard of rank
+``j = (r - s) mod N``. A schedule maps (causal, rank, world_size, step, local_len) to a tuple of
+:class:`BlockTask`. The rules are in DESIGN.md; ``tests/test_schedule.py`` proves against a mask
+oracle that every allowed (query, key) pair is computed exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .layout import Layout, get_layout
+
+__all__ = [
+    "BlockTask",
+    "ScheduleFn",
+    "get_schedule",
+    "register_schedule",
+    "rank_plan",
+    "task_pairs",
+    "work_model",
+    "source_rank",
+]
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """One local attention block: rows ``q_start:q_stop`` of the local queries against rows
+    ``kv_start:kv_stop`` of the K/V shard held at this step.
+
+    ``causal`` means the top-left-aligned lower triangle of the sliced block: query ``i`` of the
+    slice sees key ``k`` of the slice iff ``k <= i``. Tasks are never empty, and every query row of
+    a task sees at least one key. (Packed sequences will add per-document boundaries here.)
+    """
+
+    q_start: int
+    q_stop: int
+    kv_start: int
+    kv_stop: int
+    causal: bool
+
+    @property
+    def q(self) -> slice:
+        return slice(self.q_start, self.q_stop)
+
+    @property
+    def kv(self) -> slice:
+        return slice(self.kv_start, self.kv_stop)
+
+
+ScheduleFn = Callable[[bool, int, int, int, int], "tuple[BlockTask, ...]"]
+
+
+def source_rank(rank: int, world_size: int, step: int) -> int:
+    """The rank whose K/V shard ``rank`` holds at ring ``step``: ``(rank - step) mod world_size``."""
+    return (rank - step) % world_size
+
+
+def _task(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[BlockTask, ...]:
+    # Empty blocks are dropped here so no kernel ever sees one (the CPU flash op crashes on them).
+    if q1 <= q0 or k1 <= k0:
+        return ()
+    return (BlockTask(q0, q1, k0, k1, causal),)
+
+
+def contiguous_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
+    """Contiguous: diagonal block causal, earlier ranks full, later ranks skipped."""
+    j = source_rank(rank, world_size, step)
+    if not causal:
+        return _task(0, n, 0, n, False)
+    if j == rank:
+        return _task(0, n, 0, n, True)
+    if j < rank:
+        return _task(0, n, 0, n, False)
+    return ()
+
+
+def zigzag_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
+    """Zigzag: for j < r all queries see the head chunk of kv; for j > r the tail queries see all kv."""
+    j = source_rank(rank, world_size, step)
+    h = n // 2
+    if not causal:
+        return _task(0, n, 0, n, False)
+    if j == rank:
+        return _task(0, n, 0, n, True)
+    if j < rank:
+        return _task(0, n, 0, h, False)
+    return _task(h, n, 0, n, False)
+
+
+def interleaved_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
+    """Interleaved: local index i holds token i*N + r, so token i*N + r sees key k*N + j iff
+    k <= i (j < r, causal block) or k <= i - 1 (j > r, the block shifted by one)."""
+    j = source_rank(rank, world_size, step)
+    if not causal:
+        return _task(0, n, 0, n, False)
+    if j <= rank:
+        return _task(0, n, 0, n, True)
+    return _task(1, n, 0, n - 1, True)
+
+
+_SCHEDULES: dict[str, ScheduleFn] = {
+    "contiguous": contiguous_schedule,
+    "zigzag": zigzag_schedule,
+    "interleaved": interleaved_schedule,
+}
+
+
+def register_schedule(layout_name: str, fn: ScheduleFn) -> None:
+    """Register the schedule for a new layout (the layout's :attr:`Layout.name`)."""
+    _SCHEDULES[layout_name] = fn
+
+
+def get_schedule(layout: "str | Layout") -> ScheduleFn:
+    """The dispatcher: the masked ring schedule that matches ``layout``.
+
+    Raises ``ValueError`` for an unknown layout or one with no registered schedule.
+    """
+    lay = get_layout(layout)
+    try:
+        return _SCHEDULES[lay.name]
+    except KeyError:
+        raise ValueError(
+            f"no ring schedule registered for layout {lay.name!r}; "
+            f"call cp_attention.schedule.register_schedule({lay.name!r}, fn)"
+        ) from None
+
+
+def rank_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, local_len: int
+              ) -> list[tuple[BlockTask, ...]]:
+    """All ring steps for one rank: ``plan[step]`` is the tuple of tasks at that step."""
+    fn = get_schedule(layout)
+    return [fn(causal, rank, world_size, s, local_len) for s in range(world_size)]
+
+
+def task_pairs(task: BlockTask) -> int:
+    """Number of (query, key) score pairs the task computes."""
+    a = task.q_stop - task.q_start
+    b = task.kv_stop - task.kv_start
+    if not task.causal:
+        return a * b
+    # Top-left triangle: row i sees min(i + 1, b) keys.
+    full_rows = max(0, a - b)
+    tri_rows = a - full_rows
+    return tri_rows * (tri_rows + 1) // 2 + full_rows * b
+
+
+def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int) -> list[list[int]]:
+    """Score pairs per rank and step: ``work[rank][step]``.
+
+    Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks.
+    """
+    lay = get_layout(layout)
+    lay.check(seq_len, world_size)
+    n = seq_len // world_size
+    return [
+        [sum(task_pairs(t) for t in tasks) for tasks in rank_plan(lay, causal, r, world_size, n)]
+        for r in range(world_size)
+    ]

@@ -1,0 +1,163 @@
+"""Input validation that raises the same error on every rank, before any ring communication.
+
+Each rank encodes what it was called with as a short integer signature. The ranks all-gather the
+signatures (one tiny collective) and every rank checks the whole table with the same pure function,
+so a bad input on any one rank raises the same ``ValueError`` on all of them instead of leaving
+the others waiting in a receive.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .kernels import KERNEL_NAMES, get_kernel
+from .layout import get_layout
+from .schedule import _SCHEDULES
+
+__all__ = ["CallSpec", "encode", "check_table", "validate_call"]
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_DEVICE_TYPES = ("cpu", "cuda")
+_UNKNOWN = -1
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """What a rank was called with, decoded from its signature."""
+
+    shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    dtype: int  # index into _DTYPES, or -1 when not one float dtype shared by q, k, v
+    device: int  # index into _DEVICE_TYPES, -1 other, -2 when q, k, v are on different devices
+    layout: int  # index into the registered schedules, -1 unknown
+    kernel: int  # index into KERNEL_NAMES, -1 unknown
+    causal: bool
+    scale: float
+    needs_grad: bool
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",
+           kernel: str) -> list[int]:
+    """This rank's call as a fixed-length list of ints (see :class:`CallSpec`)."""
+    sig: list[int] = []
+    for t in (q, k, v):
+        shape = list(t.shape)[:4] if t.dim() == 4 else []
+        sig += [t.dim(), *(shape + [0] * (4 - len(shape)))]
+    dts = {q.dtype, k.dtype, v.dtype}
+    dt = q.dtype
+    sig.append(_DTYPES.index(dt) if len(dts) == 1 and dt in _DTYPES else _UNKNOWN)
+    devs = {q.device, k.device, v.device}
+    sig.append(-2 if len(devs) > 1 else
+               (_DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _UNKNOWN))
+    try:
+        name = get_layout(layout).name
+        sig.append(list(_SCHEDULES).index(name) if name in _SCHEDULES else _UNKNOWN)
+    except (ValueError, TypeError):
+        sig.append(_UNKNOWN)
+    sig.append(KERNEL_NAMES.index(kernel) if kernel in KERNEL_NAMES else _UNKNOWN)
+    sig.append(int(bool(causal)))
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else float("nan")
+    sig.append(_float_bits(float(scale)))
+    sig.append(int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+    return sig
+
+
+def _decode(sig: list[int]) -> CallSpec:
+    shapes = tuple(tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
+                   for i in range(3))
+    rest = sig[15:]
+    return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], bool(rest[4]), _bits_float(rest[5]), bool(rest[6]))
+
+
+def _local_problem(c: CallSpec, world_size: int) -> "str | None":
+    """What is wrong with one rank's call on its own, or None."""
+    if any(len(s) != 4 for s in c.shapes):
+        dims = ", ".join(f"{n}.dim()={len(s)}" for n, s in zip("qkv", c.shapes))
+        return f"q, k and v must be 4-D [batch, seq, heads, head_dim], got {dims}"
+    (bq, sq, hq, dq), (bk, sk, hk, dk), (bv, sv, hv, dv) = c.shapes
+    if not bq == bk == bv:
+        return f"q, k and v must share the batch size, got {bq}, {bk}, {bv}"
+    if not sq == sk == sv:
+        return (f"q, k and v must have the same local sequence length (this rank's shard), "
+                f"got {sq}, {sk}, {sv}")
+    if sq == 0 or min(hq, hk, dq, dv) == 0:
+        return f"q, k and v must be non-empty, got shapes {c.shapes}"
+    if hk != hv:
+        return f"k and v must have the same number of heads, got {hk} and {hv}"
+    if hq % hk != 0:
+        return (f"the number of query heads must be a multiple of the K/V heads (GQA/MQA), "
+                f"got {hq} query heads and {hk} K/V heads")
+    if dq != dk:
+        return f"q and k must have the same head_dim, got {dq} and {dk} (v may differ)"
+    if c.dtype == _UNKNOWN:
+        return f"q, k and v must share one floating dtype among {', '.join(str(d) for d in _DTYPES)}"
+    if c.device == -2:
+        return "q, k and v must be on the same device"
+    if c.device == _UNKNOWN:
+        return f"unsupported device type; expected one of {', '.join(_DEVICE_TYPES)}"
+    if c.layout == _UNKNOWN:
+        return f"unknown layout; expected one of {', '.join(_SCHEDULES)} (or an alias)"
+    if c.kernel == _UNKNOWN:
+        return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
+    if not math.isfinite(c.scale) or c.scale == 0.0:
+        return f"softmax_scale must be a finite non-zero float, got {c.scale}"
+    layout = list(_SCHEDULES)[c.layout]
+    try:
+        get_layout(layout).check(sq * world_size, world_size)
+    except ValueError as e:
+        return f"local sequence length {sq} x world_size {world_size} = {sq * world_size} tokens: {e}"
+    try:
+        get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], _DTYPES[c.dtype])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+_FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
+                "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
+                "needs_grad": "requires_grad of q, k, v"}
+
+
+def check_table(table: list[list[int]]) -> None:
+    """Check every rank's signature; raise one deterministic ``ValueError`` for the whole group."""
+    world_size = len(table)
+    specs = [_decode(s) for s in table]
+    problems = [(r, _local_problem(c, world_size)) for r, c in enumerate(specs)]
+    bad = [(r, p) for r, p in problems if p is not None]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise ValueError(f"ring_attention: {bad[0][1]} (on rank {bad[0][0]}; ranks with bad input: {ranks})")
+    for field, label in _FIELD_NAMES.items():
+        values = [getattr(c, field) for c in specs]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(
+                f"ring_attention: every rank of the group must pass the same {label}, got {per_rank}; "
+                "shard every tensor with the same layout and call with the same arguments on all ranks"
+            )
+
+
+def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int) -> None:
+    """Validate a ring_attention call across the whole group; raise the same error on every rank."""
+    sig = encode(q, k, v, layout, causal, scale, kernel)
+    if world_size == 1:
+        check_table([sig])
+        return
+    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(sig, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(parts, mine, group=group)
+    check_table([p.tolist() for p in parts])
