@@ -1,0 +1,131 @@
+"""Cases executed inside the gloo worker processes: ``fn(rank, world_size, ...)``.
+
+Each rank builds the same full tensors from the same seed, shards them with the layout, runs the
+ring and compares its shard of the output and of every gradient with the fp64 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import cp_attention as cpa
+from cp_attention.kernels import MathKernel
+from cp_attention.ring import RingAttentionFunction, RingPlan
+from cp_attention.comm import RingComm
+from cp_attention.schedule import rank_plan
+
+from .reference import excess_error, reference_attention
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_inputs(seed: int, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, v_dim: int,
+                dtype: torch.dtype):
+    """Full q, k, v and an upstream gradient, identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, seq, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, seq, kv_heads, v_dim, generator=g).to(dtype)
+    dout = torch.randn(batch, seq, heads, v_dim, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, dtype: str, kernel: str,
+                     heads: int = 4, kv_heads: int = 4, head_dim: int = 16, v_dim: int | None = None,
+                     batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
+                     rtol: float, seed: int = 0) -> dict:
+    """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard."""
+    dt = DTYPES[dtype]
+    v_dim = v_dim or head_dim
+    seq = local_len * world_size
+    q, k, v, dout = make_inputs(seed, batch, seq, heads, kv_heads, head_dim, v_dim, dt)
+    scale_ = scale if scale is not None else head_dim ** -0.5
+
+    # Reference in fp64 on the (already dtype-rounded) full inputs.
+    qr, kr, vr = (t.double().clone().requires_grad_() for t in (q, k, v))
+    out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_)
+    out_ref.backward(dout.double())
+
+    lay = cpa.get_layout(layout)
+    shard = lambda t: lay.shard(t, 1, rank, world_size)  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, softmax_scale=scale,
+                                  kernel=kernel, return_lse=True)
+    out.backward(shard(dout))
+
+    lse_tol = dict(atol=max(atol, 1e-5 if dt != torch.float64 else atol), rtol=rtol)
+    return {
+        "out_dtype_ok": out.dtype == dt and out.shape == (batch, local_len, heads, v_dim),
+        "out": excess_error(out, shard(out_ref), atol, rtol),
+        "lse": excess_error(lse, lay.shard(lse_ref, 2, rank, world_size), **lse_tol),
+        "dq": excess_error(ql.grad, shard(qr.grad), atol, rtol),
+        "dk": excess_error(kl.grad, shard(kr.grad), atol, rtol),
+        "dv": excess_error(vl.grad, shard(vr.grad), atol, rtol),
+        "grad_dtypes_ok": all(t.grad.dtype == dt for t in (ql, kl, vl)),
+    }
+
+
+def pairs_computed(rank: int, world_size: int, *, layout: str, causal: bool, local_len: int) -> dict:
+    """Run the engine with a spy kernel and return how many score pairs each step computed.
+
+    Compared in the test against the schedule's work model and the exact mask size, this shows
+    masked steps are skipped rather than computed and discarded.
+    """
+    seen = []
+
+    class Spy(MathKernel):
+        def forward(self, q, k, v, causal_, scale):
+            rows, cols = q.shape[1], k.shape[1]
+            seen.append(rows * cols if not causal_ else sum(min(i + 1, cols) for i in range(rows)))
+            return super().forward(q, k, v, causal_, scale)
+
+    q, k, v, _ = make_inputs(1, 1, local_len * world_size, 2, 2, 8, 8, torch.float64)
+    lay = cpa.get_layout(layout)
+    ql, kl, vl = (lay.shard(t, 1, rank, world_size) for t in (q, k, v))
+    comm = RingComm(None)
+    plan = RingPlan(comm, rank_plan(lay, causal, rank, world_size, local_len), Spy(), 8 ** -0.5)
+    out, _ = RingAttentionFunction.apply(ql, kl, vl, plan)
+    out_ref, _ = reference_attention(q, k, v, causal, 8 ** -0.5)
+    return {"pairs": sum(seen), "calls": len(seen),
+            "max_err": (out - lay.shard(out_ref, 1, rank, world_size)).abs().max().item()}
+
+
+def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None, subgroup: list | None = None,
+                     **kwargs) -> tuple[str, str]:
+    """Call ring_attention with ``kwargs`` (overridden per rank by ``per_rank[rank]``); return the
+    exception type and message it raised, or ("", "") if it did not raise."""
+    spec = dict(batch=1, local_len=4, heads=4, kv_heads=4, head_dim=8, v_dim=8, dtype="float32",
+                layout="zigzag", causal=True, kernel="auto", softmax_scale=None, requires_grad=True, ndim=4)
+    spec.update(kwargs)
+    spec.update((per_rank or {}).get(rank, {}))
+    dt = DTYPES[spec["dtype"]]
+    q = torch.randn(spec["batch"], spec["local_len"], spec["heads"], spec["head_dim"], dtype=dt)
+    k = torch.randn(spec["batch"], spec["local_len"], spec["kv_heads"], spec["head_dim"], dtype=dt)
+    v = torch.randn(spec["batch"], spec["local_len"], spec["kv_heads"], spec["v_dim"], dtype=dt)
+    if spec["ndim"] == 3:
+        q = q[0]
+    for t in (q, k, v):
+        t.requires_grad_(spec["requires_grad"])
+    group = None
+    if subgroup is not None:
+        group = dist.new_group(subgroup)  # every rank must take part in creating it
+    try:
+        out = cpa.ring_attention(q, k, v, group=group, layout=spec["layout"], causal=spec["causal"],
+                                 softmax_scale=spec["softmax_scale"], kernel=spec["kernel"])
+        if spec["requires_grad"]:
+            out.sum().backward()
+    except Exception as e:  # noqa: BLE001 - the case reports what was raised
+        result = (type(e).__name__, str(e))
+    else:
+        result = ("", "")
+    # Prove the group is still usable (nobody is stuck in a half-finished exchange).
+    dist.barrier()
+    return result
+
+
+def gather_roundtrip(rank: int, world_size: int, *, layout: str) -> bool:
+    """Layout.gather on each rank returns the full tensor."""
+    full = torch.arange(2 * 3 * 4 * world_size * 5, dtype=torch.float32).reshape(2, 3, 4 * world_size, 5)
+    lay = cpa.get_layout(layout)
+    return torch.equal(lay.gather(lay.shard(full, 2, rank, world_size), dim=2), full)

@@ -1,0 +1,47 @@
+"""Independent fp64 reference: naive full attention on the whole sequence, and tolerance helpers.
+
+Deliberately shares no code with cp_attention: explicit score matrix, explicit mask over global
+positions, K/V heads repeated for GQA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# DESIGN.md tolerances (bf16 as TransformerEngine's CP tests use).
+TOLERANCES = {
+    torch.float64: dict(atol=1e-10, rtol=0.0),
+    torch.float32: dict(atol=2e-6, rtol=0.0),
+    torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2),
+}
+BF16_GQA = dict(atol=3.5e-2, rtol=3.5e-2)
+
+
+def tolerance(dtype: torch.dtype, gqa: bool) -> dict:
+    if dtype == torch.bfloat16 and gqa:
+        return BF16_GQA
+    return TOLERANCES[dtype]
+
+
+def reference_attention(q, k, v, causal: bool, scale: float):
+    """Full attention in fp64. q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> (out, lse)."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(rep, dim=2)
+    v = v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = q.shape[1]
+        allowed = torch.arange(s)[None, :] <= torch.arange(s)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+    return out, lse
+
+
+def excess_error(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> float:
+    """max(|a - e| - rtol*|e|) - atol: <= 0 means within tolerance; NaN/Inf give +inf."""
+    a, e = actual.double(), expected.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - e).abs() - rtol * e.abs()).max().item() - atol

@@ -1,0 +1,94 @@
+"""Ring attention on real gloo processes against the fp64 full-attention reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import cp_attention as cpa
+
+from . import dist_cases
+from .reference import tolerance
+
+WORLD_SIZES = (1, 2, 3, 4)
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _assert_within(errors: list[dict], what: str) -> None:
+    for rank, e in enumerate(errors):
+        assert e["out_dtype_ok"] and e["grad_dtypes_ok"], f"rank {rank}: wrong output/grad dtype or shape"
+        for key in ("out", "lse", "dq", "dk", "dv"):
+            assert e[key] <= 0.0, f"{what}: rank {rank} {key} exceeds tolerance by {e[key]:.3e}"
+
+
+MATRIX = list(itertools.product(WORLD_SIZES, cpa.LAYOUT_NAMES, (True, False), HEADS, DTYPES, ("math", "sdpa")))
+
+
+@pytest.mark.parametrize("world_size,layout,causal,heads,dtype,kernel", MATRIX,
+                         ids=["-".join(map(str, p)).replace("True", "causal").replace("False", "full")
+                              for p in MATRIX])
+def test_matches_reference(pools, world_size, layout, causal, heads, dtype, kernel):
+    h, hkv = HEADS[heads]
+    tol = tolerance(DTYPES[dtype], gqa=hkv != h)
+    errors = pools(world_size).run(
+        dist_cases.attention_errors, layout=layout, causal=causal, dtype=dtype, kernel=kernel,
+        heads=h, kv_heads=hkv, seed=world_size * 7 + h, **tol)
+    _assert_within(errors, f"{layout} causal={causal} {heads} {dtype} {kernel}")
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("kernel", ("math", "sdpa"))
+def test_mla_scale_and_batch(pools, world_size, layout, kernel):
+    """v head_dim != q/k head_dim, a custom softmax_scale, batch 3, GQA, fp64."""
+    errors = pools(world_size).run(
+        dist_cases.attention_errors, layout=layout, causal=True, dtype="float64", kernel=kernel,
+        heads=6, kv_heads=2, head_dim=12, v_dim=20, batch=3, scale=0.37, **tolerance(torch.float64, True))
+    _assert_within(errors, f"MLA {layout} {kernel}")
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+@pytest.mark.parametrize("layout,local_len", [("contiguous", 1), ("interleaved", 1), ("zigzag", 2),
+                                              ("interleaved", 2), ("contiguous", 3)])
+def test_tiny_shards(pools, world_size, layout, local_len):
+    """Shards of one or two tokens: interleaved's shifted block and zigzag's halves degenerate."""
+    errors = pools(world_size).run(
+        dist_cases.attention_errors, layout=layout, causal=True, dtype="float64", kernel="sdpa",
+        local_len=local_len, **tolerance(torch.float64, False))
+    _assert_within(errors, f"tiny {layout} n={local_len}")
+
+
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+def test_long_sequence_fp32(pools, layout):
+    """A longer sequence in fp32 (tolerance scaled with sqrt of the length, as DESIGN.md allows)."""
+    world_size, local_len = 4, 256
+    atol = 2e-6 * (local_len * world_size / 64) ** 0.5
+    errors = pools(world_size).run(
+        dist_cases.attention_errors, layout=layout, causal=True, dtype="float32", kernel="auto",
+        heads=2, kv_heads=1, head_dim=32, batch=1, local_len=local_len, atol=atol, rtol=0.0)
+    _assert_within(errors, f"long fp32 {layout}")
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("causal", (True, False))
+def test_each_pair_computed_once(pools, world_size, layout, causal):
+    """The kernel is handed exactly the allowed score pairs: masked steps are skipped, not discarded."""
+    local_len = 6
+    seq = local_len * world_size
+    results = pools(world_size).run(dist_cases.pairs_computed, layout=layout, causal=causal,
+                                    local_len=local_len)
+    model = cpa.work_model(layout, causal, seq, world_size)
+    for rank, res in enumerate(results):
+        assert res["pairs"] == sum(model[rank]), f"rank {rank} computed {res['pairs']} pairs"
+        assert res["calls"] == sum(1 for w in model[rank] if w > 0)
+        assert res["max_err"] < 1e-12
+    assert sum(r["pairs"] for r in results) == (seq * (seq + 1) // 2 if causal else seq * seq)
+
+
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+def test_gather(pools, layout):
+    assert all(pools(3).run(dist_cases.gather_roundtrip, layout=layout))

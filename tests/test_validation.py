@@ -1,0 +1,64 @@
+"""Bad input raises one clear error, the same on every rank, and never leaves a rank hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cp_attention as cpa
+
+from . import dist_cases
+
+CASES = {
+    # name: (kwargs for every rank, per-rank overrides, expected message fragment)
+    "zigzag_odd_local_len": (dict(local_len=3), None,
+                             r"local sequence length 3 x world_size 3 = 9 tokens: zigzag layout needs seq_len "
+                             r"divisible by 2\*world_size=6, got 9; pad the sequence or use layout='contiguous'"),
+    "head_ratio": (dict(heads=3, kv_heads=2), None, "multiple of the K/V heads"),
+    "one_rank_other_head_dim": (dict(), {1: dict(head_dim=6, v_dim=6)}, "same tensor shapes"),
+    "3d_input": (dict(ndim=3), None, r"must be 4-D \[batch, seq, heads, head_dim\]"),
+    "unknown_layout": (dict(layout="diagonal"), None, "unknown layout"),
+    "unknown_kernel": (dict(kernel="flash"), None, "unknown kernel"),
+    "bad_scale": (dict(softmax_scale=float("nan")), None, "softmax_scale must be a finite non-zero float"),
+    "one_rank_other_shape": (dict(), {1: dict(local_len=6)}, "same tensor shapes"),
+    "one_rank_other_layout": (dict(), {2: dict(layout="interleaved")}, "same layout"),
+    "one_rank_other_dtype": (dict(), {0: dict(dtype="float64")}, "same dtype"),
+    "one_rank_other_causal": (dict(), {2: dict(causal=False)}, "same causal"),
+    "one_rank_bad_kernel": (dict(), {1: dict(kernel="nope")}, r"unknown kernel.*\(on rank 1; ranks with bad input: \[1\]\)"),
+    "one_rank_no_grad": (dict(), {0: dict(requires_grad=False)}, "same requires_grad"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_same_error_on_every_rank(pools, name):
+    common, per_rank, fragment = CASES[name]
+    results = pools(3).run(dist_cases.call_and_capture, per_rank=per_rank, timeout=60, **common)
+    kinds = {kind for kind, _ in results}
+    messages = {msg for _, msg in results}
+    assert kinds == {"ValueError"}, results
+    assert len(messages) == 1, f"ranks disagree: {results}"
+    message = messages.pop()
+    assert message.startswith("ring_attention: ")
+    if fragment:
+        assert __import__("re").search(fragment, message), message
+
+
+def test_valid_call_passes(pools):
+    """The harness itself: a good call raises nothing (so the cases above can tell the difference)."""
+    assert pools(3).run(dist_cases.call_and_capture, local_len=6) == [("", "")] * 3
+
+
+def test_rank_outside_group(pools):
+    results = pools(3).run(dist_cases.call_and_capture, subgroup=[0, 1], layout="contiguous", timeout=60)
+    assert results[0] == results[1] == ("", "")
+    assert results[2][0] == "ValueError" and "not a member of the given group" in results[2][1]
+
+
+def test_single_process_errors_are_raised_before_work():
+    q = torch.randn(1, 5, 2, 4)
+    with pytest.raises(ValueError, match="zigzag layout needs seq_len divisible by 2"):
+        cpa.ring_attention(q, q, q, layout="zigzag")
+    with pytest.raises(ValueError, match="share one floating dtype"):
+        cpa.ring_attention(q, q.double(), q, layout="contiguous")
+    with pytest.raises(ValueError, match="share one floating dtype"):
+        cpa.ring_attention(q.long(), q.long(), q.long(), layout="contiguous")
