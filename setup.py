@@ -1,0 +1,28 @@
+"""cp_attention: exact context-parallel (ring) attention for PyTorch."""
+
+from setuptools import setup
+
+EXTRAS = {
+    "hf": ["transformers>=4.50"],
+    "megatron": ["megatron-core>=0.12"],
+    "plots": ["matplotlib>=3.7"],
+    # Need a CUDA machine and compile there; never part of "all".
+    "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
+    "test": ["pytest>=7", "hypothesis>=6"],
+}
+# Everything that installs on a CPU-only machine.
+EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
+
+setup(
+    name="cp_attention",
+    version="0.1.0",
+    description="Exact context-parallel (ring) attention for PyTorch: contiguous, zigzag and interleaved layouts",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["cp_attention", "cp_attention.kernels", "cp_attention.integrations"],
+    package_dir={"cp_attention.integrations": "integrations"},
+    install_requires=["torch>=2.4", "hydra-core>=1.3"],
+    extras_require=EXTRAS,
+    license="Apache-2.0",
+)
