@@ -30,22 +30,44 @@ class RingPlan:
     kernel: AttentionKernel
     scale: float
 
+    @property
+    def kernel_head_major(self) -> bool:
+        return getattr(self.kernel, "head_major_kv", False)
+
 
 class _KVRing:
-    """Shards travelling round the ring. Receives alternate between two buffers of our own, so the
-    caller's tensors are only ever sent, and a buffer is reused only after its send completed."""
+    """Shards travelling round the ring, received alternately into two buffers.
 
-    def __init__(self, comm: RingComm, tensors: tuple[torch.Tensor, ...]) -> None:
+    ``head_major`` keeps each shard in ``[B, H, n, D]`` memory (copied once per call) for kernels
+    that run faster on it; :meth:`views` always hands out ``[B, n, H, D]``-shaped views. The
+    caller's tensors are only ever sent; tensors the ring ``owned`` from the start join the
+    rotation as the second receive buffer, and a buffer is reused only after its send completed.
+    """
+
+    def __init__(self, comm: RingComm, tensors: tuple[torch.Tensor, ...], head_major: bool = False,
+                 owned: bool = False) -> None:
         self.comm = comm
+        self.head_major = head_major
+        if head_major:
+            tensors = tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
+                            for t in tensors)
+        else:
+            tensors = tuple(t.contiguous() for t in tensors)
         self.current = tensors
+        self._initial = tensors if (owned or head_major) else None
         self._buffers: list[tuple[torch.Tensor, ...]] = []
         self._next = 0
         self._pending = None
 
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """The current shard as ``[B, n, H, D]``-shaped tensors (strided views when head-major)."""
+        return tuple(t.transpose(1, 2) for t in self.current) if self.head_major else self.current
+
     def start(self) -> None:
         """Post the exchange: send the current shard, receive the next one into a free buffer."""
         if len(self._buffers) <= self._next:
-            self._buffers.append(tuple(torch.empty_like(t) for t in self.current))
+            reuse = self._next == 1 and self._initial is not None
+            self._buffers.append(self._initial if reuse else tuple(torch.empty_like(t) for t in self.current))
         self._pending = self.comm.exchange(self.current, self._buffers[self._next])
 
     def finish(self) -> None:
@@ -54,6 +76,35 @@ class _KVRing:
         self._pending = None
         self.current = self._buffers[self._next]
         self._next ^= 1
+
+
+def _covers(rows: slice, length: int) -> bool:
+    return rows.start == 0 and rows.stop == length
+
+
+def _add_rows(acc: "torch.Tensor | None", rows: slice, block: torch.Tensor, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``acc[:, rows] += block``. A missing accumulator starts as the block itself when the block
+    covers every row (every schedule's step 0 does), saving a zero fill and a read-modify-write."""
+    if acc is None:
+        if _covers(rows, length):
+            return block.to(dtype).contiguous()
+        acc = block.new_zeros((block.shape[0], length, *block.shape[2:]), dtype=dtype)
+    acc[:, rows] += block
+    return acc
+
+
+def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: slice, o_blk: torch.Tensor,
+                lse_blk: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE-merge a block into (out, lse); like :func:`_add_rows`, a full first block is taken as is."""
+    if out is None:
+        if _covers(rows, length):
+            return o_blk.to(dtype).contiguous(), lse_blk.to(dtype).contiguous()
+        b, _, h, dv = o_blk.shape
+        out = o_blk.new_zeros((b, length, h, dv), dtype=dtype)
+        lse = o_blk.new_full((b, h, length), float("-inf"), dtype=dtype)
+    merge_block(out, lse, o_blk, lse_blk, rows)
+    return out, lse
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -66,19 +117,21 @@ class RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan):
         acc = accumulation_dtype(q.dtype)
         b, n, h, _ = q.shape
-        out = q.new_zeros(b, n, h, v.shape[-1], dtype=acc)
-        lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
-        ring = _KVRing(plan.comm, (k.contiguous(), v.contiguous()))
+        out = lse = None
+        ring = _KVRing(plan.comm, (k, v), head_major=plan.kernel_head_major)
         last = len(plan.steps) - 1
         for s, tasks in enumerate(plan.steps):
             if s < last:
                 ring.start()
-            kc, vc = ring.current
+            kc, vc = ring.views()
             for t in tasks:
                 o_blk, lse_blk = plan.kernel.forward(q[:, t.q], kc[:, t.kv], vc[:, t.kv], t.causal, plan.scale)
-                merge_block(out, lse, o_blk, lse_blk, t.q)
+                out, lse = _merge_rows(out, lse, t.q, o_blk, lse_blk, n, acc)
             if s < last:
                 ring.finish()
+        if out is None:  # no task at all: every row attends to nothing
+            out = q.new_zeros(b, n, h, v.shape[-1], dtype=acc)
+            lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
         out = out.to(q.dtype)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse)
@@ -91,24 +144,28 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=acc)
-        kv = _KVRing(plan.comm, (k.contiguous(), v.contiguous()))
-        # dK/dV accumulators for the shard currently held; they follow that shard round the ring.
-        dkv = _KVRing(plan.comm, (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)))
+        n = q.shape[1]
+        dq = None
+        kv = _KVRing(plan.comm, (k, v), head_major=plan.kernel_head_major)
+        dkv = None  # dK/dV accumulators for the shard currently held; they follow it round the ring
         last = len(plan.steps) - 1
         for s, tasks in enumerate(plan.steps):
             if s < last:
                 kv.start()
-            kc, vc = kv.current
+            kc, vc = kv.views()
             grads = [plan.kernel.backward(dout[:, t.q], q[:, t.q], kc[:, t.kv], vc[:, t.kv], out[:, t.q],
                                           lse[:, :, t.q], t.causal, plan.scale) for t in tasks]
             if s > 0:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
-            dk_acc, dv_acc = dkv.current
+            dk_acc, dv_acc = dkv.current if dkv else (None, None)
             for t, (dq_blk, dk_blk, dv_blk) in zip(tasks, grads):
-                dq[:, t.q] += dq_blk
-                dk_acc[:, t.kv] += dk_blk
-                dv_acc[:, t.kv] += dv_blk
+                dq = _add_rows(dq, t.q, dq_blk, n, acc)
+                dk_acc = _add_rows(dk_acc, t.kv, dk_blk, n, acc)
+                dv_acc = _add_rows(dv_acc, t.kv, dv_blk, n, acc)
+            if dkv is None:
+                dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
+                dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc
+                dkv = _KVRing(plan.comm, (dk_acc, dv_acc), owned=True)
             if plan.comm.world_size > 1:
                 dkv.start()
             if s < last:
@@ -116,4 +173,5 @@ class RingAttentionFunction(torch.autograd.Function):
         if plan.comm.world_size > 1:
             dkv.finish()  # one more hop: our own shard's gradients come home
         dk, dv = dkv.current
+        dq = torch.zeros_like(q) if dq is None else dq
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

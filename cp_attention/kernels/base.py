@@ -25,6 +25,9 @@ class AttentionKernel(Protocol):
     """A local attention backend."""
 
     name: str
+    # Optional: True if the kernel runs faster on K/V stored head-major ([B, H, S, D] memory). The
+    # engine then keeps travelling shards that way and still passes [B, S, H, D]-shaped views.
+    # head_major_kv: bool = False
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with inputs of ``dtype``."""

@@ -22,6 +22,8 @@ class SdpaCpuKernel:
     """Fused flash attention on CPU, forward and backward."""
 
     name = "sdpa"
+    # The op reads K/V head by head; head-major memory makes it 4-11% faster (scripts/benchmark.py).
+    head_major_kv = True
     _dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
