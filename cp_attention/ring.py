@@ -36,27 +36,30 @@ class RingPlan:
 
 
 class _KVRing:
-    """Shards travelling round the ring, received alternately into two buffers.
+    """Shards travelling round the ring: the one held now, and at most one spare buffer to receive
+    the next into.
 
     ``head_major`` keeps each shard in ``[B, H, n, D]`` memory (copied once per call) for kernels
     that run faster on it; :meth:`views` always hands out ``[B, n, H, D]``-shaped views. The
-    caller's tensors are only ever sent; tensors the ring ``owned`` from the start join the
-    rotation as the second receive buffer, and a buffer is reused only after its send completed.
+    caller's tensors are only ever sent; tensors the ring ``owned`` from the start are recycled as
+    receive buffers once their send completed. After the last of ``exchanges`` the spare is dropped,
+    so the final step's compute runs without it.
     """
 
-    def __init__(self, comm: RingComm, tensors: tuple[torch.Tensor, ...], head_major: bool = False,
-                 owned: bool = False) -> None:
+    def __init__(self, comm: RingComm, tensors: tuple[torch.Tensor, ...], exchanges: int,
+                 head_major: bool = False, owned: bool = False) -> None:
         self.comm = comm
         self.head_major = head_major
         if head_major:
             tensors = tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
                             for t in tensors)
+            owned = True
         else:
             tensors = tuple(t.contiguous() for t in tensors)
         self.current = tensors
-        self._initial = tensors if (owned or head_major) else None
-        self._buffers: list[tuple[torch.Tensor, ...]] = []
-        self._next = 0
+        self._callers = None if owned else tensors  # never written into
+        self._remaining = exchanges
+        self._spare: "tuple[torch.Tensor, ...] | None" = None
         self._pending = None
 
     def views(self) -> tuple[torch.Tensor, ...]:
@@ -64,18 +67,20 @@ class _KVRing:
         return tuple(t.transpose(1, 2) for t in self.current) if self.head_major else self.current
 
     def start(self) -> None:
-        """Post the exchange: send the current shard, receive the next one into a free buffer."""
-        if len(self._buffers) <= self._next:
-            reuse = self._next == 1 and self._initial is not None
-            self._buffers.append(self._initial if reuse else tuple(torch.empty_like(t) for t in self.current))
-        self._pending = self.comm.exchange(self.current, self._buffers[self._next])
+        """Post the exchange: send the current shard, receive the next one into the spare buffer."""
+        recv = self._spare if self._spare is not None else tuple(torch.empty_like(t) for t in self.current)
+        self._spare = None
+        self._pending = (self.current, recv, self.comm.exchange(self.current, recv))
 
     def finish(self) -> None:
         """Wait for the exchange and make the received shard current."""
-        self._pending.wait()
+        sent, recv, handle = self._pending
+        handle.wait()
         self._pending = None
-        self.current = self._buffers[self._next]
-        self._next ^= 1
+        self.current = recv
+        self._remaining -= 1
+        if self._remaining > 0 and sent is not self._callers:
+            self._spare = sent
 
 
 def _covers(rows: slice, length: int) -> bool:
@@ -118,8 +123,8 @@ class RingAttentionFunction(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         b, n, h, _ = q.shape
         out = lse = None
-        ring = _KVRing(plan.comm, (k, v), head_major=plan.kernel_head_major)
         last = len(plan.steps) - 1
+        ring = _KVRing(plan.comm, (k, v), last, head_major=plan.kernel_head_major)
         for s, tasks in enumerate(plan.steps):
             if s < last:
                 ring.start()
@@ -146,9 +151,9 @@ class RingAttentionFunction(torch.autograd.Function):
         dout = dout.contiguous()
         n = q.shape[1]
         dq = None
-        kv = _KVRing(plan.comm, (k, v), head_major=plan.kernel_head_major)
-        dkv = None  # dK/dV accumulators for the shard currently held; they follow it round the ring
         last = len(plan.steps) - 1
+        kv = _KVRing(plan.comm, (k, v), last, head_major=plan.kernel_head_major)
+        dkv = None  # dK/dV accumulators for the shard currently held; they follow it round the ring
         for s, tasks in enumerate(plan.steps):
             if s < last:
                 kv.start()
@@ -165,7 +170,8 @@ class RingAttentionFunction(torch.autograd.Function):
             if dkv is None:
                 dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
                 dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc
-                dkv = _KVRing(plan.comm, (dk_acc, dv_acc), owned=True)
+                # N hops: one more than K/V, so every shard's gradients come home
+                dkv = _KVRing(plan.comm, (dk_acc, dv_acc), len(plan.steps), owned=True)
             if plan.comm.world_size > 1:
                 dkv.start()
             if s < last:

@@ -18,6 +18,7 @@ __all__ = [
     "ScheduleFn",
     "get_schedule",
     "register_schedule",
+    "schedule_names",
     "rank_plan",
     "task_pairs",
     "work_model",
@@ -65,13 +66,22 @@ def _task(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[BlockTask, 
     return (BlockTask(q0, q1, k0, k1, causal),)
 
 
-def contiguous_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
-    """Contiguous: diagonal block causal, earlier ranks full, later ranks skipped."""
-    j = source_rank(rank, world_size, step)
+def _whole_block(causal: bool, rank: int, j: int, n: int) -> "tuple[BlockTask, ...] | None":
+    """The cases every layout shares: non-causal is one full block, and at step 0 (j == rank) the
+    local diagonal block is causal. None when the layout's own rule decides."""
     if not causal:
         return _task(0, n, 0, n, False)
     if j == rank:
         return _task(0, n, 0, n, True)
+    return None
+
+
+def contiguous_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
+    """Contiguous: diagonal block causal, earlier ranks full, later ranks skipped."""
+    j = source_rank(rank, world_size, step)
+    whole = _whole_block(causal, rank, j, n)
+    if whole is not None:
+        return whole
     if j < rank:
         return _task(0, n, 0, n, False)
     return ()
@@ -81,10 +91,9 @@ def zigzag_schedule(causal: bool, rank: int, world_size: int, step: int, n: int)
     """Zigzag: for j < r all queries see the head chunk of kv; for j > r the tail queries see all kv."""
     j = source_rank(rank, world_size, step)
     h = n // 2
-    if not causal:
-        return _task(0, n, 0, n, False)
-    if j == rank:
-        return _task(0, n, 0, n, True)
+    whole = _whole_block(causal, rank, j, n)
+    if whole is not None:
+        return whole
     if j < rank:
         return _task(0, n, 0, h, False)
     return _task(h, n, 0, n, False)
@@ -94,9 +103,10 @@ def interleaved_schedule(causal: bool, rank: int, world_size: int, step: int, n:
     """Interleaved: local index i holds token i*N + r, so token i*N + r sees key k*N + j iff
     k <= i (j < r, causal block) or k <= i - 1 (j > r, the block shifted by one)."""
     j = source_rank(rank, world_size, step)
-    if not causal:
-        return _task(0, n, 0, n, False)
-    if j <= rank:
+    whole = _whole_block(causal, rank, j, n)
+    if whole is not None:
+        return whole
+    if j < rank:
         return _task(0, n, 0, n, True)
     return _task(1, n, 0, n - 1, True)
 
@@ -106,6 +116,11 @@ _SCHEDULES: dict[str, ScheduleFn] = {
     "zigzag": zigzag_schedule,
     "interleaved": interleaved_schedule,
 }
+
+
+def schedule_names() -> tuple[str, ...]:
+    """Names of the layouts that have a registered schedule, in registration order."""
+    return tuple(_SCHEDULES)
 
 
 def register_schedule(layout_name: str, fn: ScheduleFn) -> None:

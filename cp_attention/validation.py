@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .kernels import KERNEL_NAMES, get_kernel
 from .layout import get_layout
-from .schedule import _SCHEDULES
+from .schedule import schedule_names
 
 __all__ = ["CallSpec", "encode", "check_table", "validate_call"]
 
@@ -63,7 +63,8 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
                (_DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _UNKNOWN))
     try:
         name = get_layout(layout).name
-        sig.append(list(_SCHEDULES).index(name) if name in _SCHEDULES else _UNKNOWN)
+        names = schedule_names()
+        sig.append(names.index(name) if name in names else _UNKNOWN)
     except (ValueError, TypeError):
         sig.append(_UNKNOWN)
     sig.append(KERNEL_NAMES.index(kernel) if kernel in KERNEL_NAMES else _UNKNOWN)
@@ -109,12 +110,12 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     if c.device == _UNKNOWN:
         return f"unsupported device type; expected one of {', '.join(_DEVICE_TYPES)}"
     if c.layout == _UNKNOWN:
-        return f"unknown layout; expected one of {', '.join(_SCHEDULES)} (or an alias)"
+        return f"unknown layout; expected one of {', '.join(schedule_names())} (or an alias)"
     if c.kernel == _UNKNOWN:
         return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
     if not math.isfinite(c.scale) or c.scale == 0.0:
         return f"softmax_scale must be a finite non-zero float, got {c.scale}"
-    layout = list(_SCHEDULES)[c.layout]
+    layout = schedule_names()[c.layout]
     try:
         get_layout(layout).check(sq * world_size, world_size)
     except ValueError as e:

@@ -62,3 +62,7 @@ def test_single_process_errors_are_raised_before_work():
         cpa.ring_attention(q, q.double(), q, layout="contiguous")
     with pytest.raises(ValueError, match="share one floating dtype"):
         cpa.ring_attention(q.long(), q.long(), q.long(), layout="contiguous")
+    with pytest.raises(ValueError, match="must be on the same device"):
+        cpa.ring_attention(q, q.to("meta"), q, layout="contiguous")
+    with pytest.raises(ValueError, match="q and k must have the same head_dim, got 4 and 6"):
+        cpa.ring_attention(q, torch.randn(1, 5, 2, 6), q, layout="contiguous")
