@@ -1,0 +1,227 @@
+"""HuggingFace cases run inside the gloo workers: tiny models from config classes, no download."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+SEQ = 16
+VOCAB = 64
+# fp64 attention without the fp32 softmax upcast of HF's eager path: the exact reference for
+# models that have no sdpa path (Gemma2).
+REFERENCE_IMPL = "cp_test_fp64_reference"
+
+
+def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                         **kwargs):
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    scores = query @ key.transpose(2, 3) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
+
+
+def _config(family: str, **overrides):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common)
+    elif family == "gemma2":
+        cfg = tf.Gemma2Config(**common, head_dim=8, attn_logit_softcapping=None)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """A tiny fp64 causal LM with deterministic weights (the same on every rank)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(_config(family, **overrides)).double()
+    if family == "gemma2":
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+        tf.AttentionInterface.register(REFERENCE_IMPL, _reference_attention)
+        AttentionMaskInterface.register(REFERENCE_IMPL, eager_mask)
+        model.set_attn_implementation(REFERENCE_IMPL)
+    return model
+
+
+def batch(seed: int = 1, size: int = 2, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (size, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_loss(model, ids, with_logits=False):
+    """Next-token cross-entropy in fp64 on the full sequence (HF's own loss upcasts to fp32)."""
+    logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return (loss, logits) if with_logits else loss
+
+
+def _cp_step(model, ids, group, layout, cphf):
+    local = cphf.shard_batch({"input_ids": ids}, group=group, layout=layout)
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=group)
+    loss.backward()
+    return out, loss
+
+
+def _summed_grads(model, group):
+    grads = []
+    for p in model.parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        grads.append(g)
+    return grads
+
+
+def equivalence(rank: int, world_size: int, *, family: str, layout: str, from_checkpoint: bool = False) -> dict:
+    """Max abs differences of gathered logits, loss and CP-summed gradients against the model without CP."""
+    from cp_attention.integrations import huggingface as cphf
+
+    ref = build(family)
+    if from_checkpoint:
+        # rank 0 writes, every rank loads; the loaded model is both the reference and the patched model
+        # (HF recomputes some buffers on load, so it is not bit-identical to the in-memory original)
+        import transformers as tf
+
+        path = [tempfile.mkdtemp() if rank == 0 else None]
+        dist.broadcast_object_list(path)
+        if rank == 0:
+            ref.save_pretrained(path[0])
+        dist.barrier()
+        ref = tf.AutoModelForCausalLM.from_pretrained(path[0], dtype=torch.float64)
+        if family == "gemma2":
+            ref.set_attn_implementation(REFERENCE_IMPL)
+    model = copy.deepcopy(ref)
+    ids = batch()
+    ref_loss, ref_logits = _reference_loss(ref, ids, with_logits=True)
+    ref_loss.backward()
+    with torch.no_grad():
+        hf_loss = ref(input_ids=ids, labels=ids).loss
+
+    cphf.apply_context_parallel(model, layout=layout)
+    out, loss = _cp_step(model, ids, None, layout, cphf)
+    logits = cphf.gather_sequence(out.logits.detach(), layout=layout)
+    grads = _summed_grads(model, None)
+    return {
+        "logits": (logits - ref_logits).abs().max().item(),
+        "loss": abs(loss.item() - ref_loss.item()),
+        "hf_loss": abs(loss.item() - hf_loss.item()),
+        "grads": max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())),
+        "finite": bool(torch.isfinite(out.logits).all()),
+        "impl": model.config._attn_implementation,
+    }
+
+
+def optimizer_steps(rank: int, world_size: int, *, layout: str, steps: int = 3) -> float:
+    """Max parameter difference after a few AdamW steps with and without CP."""
+    from cp_attention.integrations import huggingface as cphf
+
+    ref = build("llama")
+    model = cphf.apply_context_parallel(copy.deepcopy(ref), layout=layout)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        ids = batch(seed=10 + step)
+        _reference_loss(ref, ids).backward()
+        _cp_step(model, ids, None, layout, cphf)
+        for p, g in zip(model.parameters(), _summed_grads(model, None)):
+            p.grad = g
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _gathered_logits(model, ids, group, layout, cphf):
+    local = cphf.shard_batch({"input_ids": ids}, group=group, layout=layout)
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    return cphf.gather_sequence(out, group=group, layout=layout)
+
+
+def isolation(rank: int, world_size: int) -> dict:
+    """Two patched models with different layouts (one over a subgroup) and one unpatched, in one process."""
+    from cp_attention.integrations import huggingface as cphf
+
+    pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 use it
+    ids = batch(seq=24)  # divisible by 2 * world_size for zigzag on 3 ranks
+    base = build("llama")
+    want = base(input_ids=ids).logits
+    a = cphf.apply_context_parallel(copy.deepcopy(base), layout="zigzag")
+    plain = copy.deepcopy(base)
+    out_a = _gathered_logits(a, ids, None, "zigzag", cphf)
+    result = {"a": (out_a - want).abs().max().item()}
+    if rank < 2:
+        b = cphf.apply_context_parallel(copy.deepcopy(base), group=pair, layout="interleaved")
+        result["b"] = (_gathered_logits(b, ids, pair, "interleaved", cphf) - want).abs().max().item()
+        # model a still runs on the default group with zigzag after b was patched
+        result["a_after_b"] = (_gathered_logits(a, ids, None, "zigzag", cphf) - out_a).abs().max().item()
+    else:
+        _gathered_logits(a, ids, None, "zigzag", cphf)  # keep the default group's collectives in step
+    result["plain"] = (plain(input_ids=ids).logits - want).abs().max().item()
+    result["plain_impl"] = plain.config._attn_implementation
+    return result
+
+
+def world_size_one_is_noop(rank: int, world_size: int) -> dict:
+    """A group of one rank: the model object is untouched and generation still works."""
+    from cp_attention.integrations import huggingface as cphf
+
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    model = build("llama")
+    before = model.config._attn_implementation
+    same = cphf.apply_context_parallel(model, group=groups[rank], layout="zigzag")
+    ids = batch(size=1, seq=4)
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False)
+    return {"same": same is model, "impl": (before, model.config._attn_implementation),
+            "generated": generated.shape[1], "patched": hasattr(model, "_cp_attention")}
+
+
+def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
+    """Run one unsupported feature on a patched model; return the exception type and message."""
+    from cp_attention.integrations import huggingface as cphf
+
+    family, overrides = {"sliding_window": ("mistral", dict(sliding_window=8)),
+                         "softcap": ("gemma2", dict(attn_logit_softcapping=50.0)),
+                         "dropout": ("llama", dict(attention_dropout=0.1))}.get(case, ("llama", {}))
+    ids = batch()
+    try:
+        model = cphf.apply_context_parallel(build(family, **overrides), layout="zigzag")
+        local = cphf.shard_batch({"input_ids": ids}, layout="zigzag")
+        kwargs = dict(input_ids=local["input_ids"], position_ids=local["position_ids"])
+        if case == "padding_batch":
+            mask = torch.ones_like(ids)
+            mask[0, -3:] = 0
+            cphf.shard_batch({"input_ids": ids, "attention_mask": mask}, layout="zigzag")
+        elif case == "padding_forward":
+            mask = torch.ones_like(local["input_ids"])
+            mask[0, 0] = 0
+            model(**kwargs, attention_mask=mask)
+        elif case == "missing_position_ids":
+            model(input_ids=local["input_ids"])
+        elif case == "generate":
+            model.generate(local["input_ids"], max_new_tokens=2)
+        elif case == "kv_cache_decode":
+            out = model(**kwargs, use_cache=True)
+            model(input_ids=local["input_ids"][:, :1], position_ids=local["position_ids"][:, :1] + SEQ,
+                  past_key_values=out.past_key_values)
+        elif case == "dropout":
+            model.train()
+            model(**kwargs)
+        else:
+            model(**kwargs)
+    except Exception as e:  # noqa: BLE001 - the test checks what was raised
+        return type(e).__name__, str(e)
+    return "", ""

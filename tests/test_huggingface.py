@@ -1,0 +1,91 @@
+"""HuggingFace integration on real gloo ranks: logits, loss and gradients equal the model without CP."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+
+import cp_attention as cpa  # noqa: E402
+
+from . import hf_cases  # noqa: E402
+
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
+FP64 = 1e-10  # DESIGN.md: fp64 models, fp64 reference
+# Gemma2's RMSNorm computes in fp32 even in an fp64 model, so gradients summed over ranks differ from
+# the full-sequence ones at fp32 rounding (~2e-7 relative on the norm weights): DESIGN.md's fp32 bound.
+GRAD_TOL = {"gemma2": 2e-6}
+
+
+def _assert_equivalent(results, what, family):
+    for rank, r in enumerate(results):
+        assert r["finite"], f"{what}: rank {rank} produced NaN/Inf"
+        assert r["impl"] == "cp_ring", f"{what}: rank {rank} not patched ({r['impl']})"
+        for key in ("logits", "loss", "grads"):
+            tol = GRAD_TOL.get(family, FP64) if key == "grads" else FP64
+            assert r[key] <= tol, f"{what}: rank {rank} {key} differs by {r[key]:.3e}"
+        assert r["hf_loss"] <= 2e-6, f"{what}: rank {rank} differs from HF's fp32 loss by {r['hf_loss']:.3e}"
+
+
+CASES = list(itertools.product((2, 4), FAMILIES, cpa.LAYOUT_NAMES))
+
+
+@pytest.mark.parametrize("world_size,family,layout", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_matches_model_without_cp(pools, world_size, family, layout):
+    results = pools(world_size).run(hf_cases.equivalence, family=family, layout=layout, timeout=180)
+    _assert_equivalent(results, f"{family} {layout} cp={world_size}", family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loaded_from_checkpoint(pools, family):
+    results = pools(2).run(hf_cases.equivalence, family=family, layout="zigzag", from_checkpoint=True,
+                           timeout=180)
+    _assert_equivalent(results, f"{family} from save_pretrained", family)
+
+
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+def test_optimizer_steps_stay_together(pools, layout):
+    diffs = pools(2).run(hf_cases.optimizer_steps, layout=layout, timeout=180)
+    assert max(diffs) <= 1e-9, diffs
+
+
+def test_two_models_and_an_unpatched_one_coexist(pools):
+    results = pools(3).run(hf_cases.isolation, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["a"] <= FP64 and r["plain"] == 0.0 and r["plain_impl"] == "sdpa", (rank, r)
+        if rank < 2:
+            assert r["b"] <= FP64 and r["a_after_b"] == 0.0, (rank, r)
+
+
+def test_world_size_one_is_an_exact_noop(pools):
+    for r in pools(2).run(hf_cases.world_size_one_is_noop, timeout=180):
+        assert r == {"same": True, "impl": ("sdpa", "sdpa"), "generated": 7, "patched": False}
+
+
+REFUSALS = {
+    "padding_batch": "padding",
+    "padding_forward": "padding",
+    "sliding_window": r"sliding-window attention \(window 8 < global sequence 16\)",
+    "softcap": "softcapping",
+    "dropout": "dropout",
+    "generate": r"generate\(\) is not supported",
+    "kv_cache_decode": "KV cache",
+    "missing_position_ids": "position_ids must be this rank's GLOBAL positions",
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_unsupported_features_are_refused_not_dropped(pools, case):
+    import re
+
+    results = pools(2).run(hf_cases.refusal, case=case, timeout=180)
+    for kind, message in results:
+        assert kind in ("NotImplementedError", "ValueError"), (case, kind, message)
+        assert re.search(REFUSALS[case], message), message
+
+
+def test_supported_features_do_not_trip_the_refusals(pools):
+    """The refusal harness itself: a plain forward on a patched model raises nothing."""
+    assert pools(2).run(hf_cases.refusal, case="none", timeout=180) == [("", "")] * 2
