@@ -3,7 +3,7 @@
 from setuptools import setup
 
 EXTRAS = {
-    "hf": ["transformers>=4.50"],
+    "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
     "megatron": ["megatron-core>=0.12"],
     "plots": ["matplotlib>=3.7"],
     # Need a CUDA machine and compile there; never part of "all".

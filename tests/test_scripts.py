@@ -1,4 +1,4 @@
-"""The benchmark script runs end to end (tiny sizes) and reports every row, torch's ring included."""
+"""Scripts run end to end at tiny sizes: the benchmark (every row, torch's ring included) and the HF example."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,3 +26,14 @@ def test_benchmark_smoke(tmp_path):
         # torch's ring may disappear in a future torch; then its row must say why instead of timing.
         assert (r["fwdbwd_ms"] or 0) > 0 or (r["impl"].startswith("torch_ring") and r["error"]), r
     assert "fwd+bwd x" in proc.stdout
+
+
+def test_finetune_example_smoke():
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    proc = subprocess.run(
+        [sys.executable, "scripts/finetune_hf.py", "--steps", "3", "--seq-len", "64", "--batch", "2",
+         "--log-every", "1", "--layout", "interleaved"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and all(l == l and 0 < l < 10 for l in losses), proc.stdout
