@@ -1,0 +1,278 @@
+"""Layout analysis from the schedule's work model: balance, efficiency, communication, projection.
+
+Pure Python on top of :mod:`cp_attention.schedule` (no torch.distributed, no plotting), so it runs
+for world sizes far beyond one machine. A work matrix is what :func:`cp_attention.work_model`
+returns: ``work[rank][step]`` = score pairs that rank computes at that ring step.
+
+The projection is a deliberately small model (see :func:`project`); its assumptions are listed in
+``scripts/layout_report.py``'s report and in the docstrings here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .layout import Layout, get_layout
+from .schedule import rank_plan, source_rank
+
+__all__ = [
+    "WorkSummary",
+    "AttentionShape",
+    "ClusterSpec",
+    "Projection",
+    "split_problem",
+    "min_pairs",
+    "imbalance",
+    "step_sync_efficiency",
+    "summarize",
+    "kv_bytes_per_hop",
+    "comm_bytes_per_rank",
+    "pair_owners",
+    "flops_per_pair",
+    "project",
+]
+
+Work = Sequence[Sequence[float]]  # work[rank][step]; pairs (modelled) or seconds (measured)
+
+
+def split_problem(layout: "str | Layout", seq_len: int, world_size: int) -> Optional[str]:
+    """Why ``layout`` cannot split ``seq_len`` over ``world_size`` ranks, or None if it can."""
+    try:
+        get_layout(layout).check(seq_len, world_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def min_pairs(seq_len: int, causal: bool) -> int:
+    """The (query, key) pairs full attention must compute: S(S+1)/2 causal, S² otherwise."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def _check_work(work: Work) -> None:
+    if not work or not work[0] or any(len(row) != len(work[0]) for row in work):
+        raise ValueError("work must be a non-empty rank x step matrix with equal-length rows")
+
+
+def imbalance(work: Work) -> float:
+    """Total imbalance: the busiest rank's work over the mean rank's work (1.0 = balanced).
+
+    ``work[rank][step]``. Raises ``ValueError`` for an empty or ragged matrix or zero total work.
+    """
+    _check_work(work)
+    totals = [sum(row) for row in work]
+    mean = sum(totals) / len(totals)
+    if mean <= 0:
+        raise ValueError("imbalance is undefined for zero total work")
+    return max(totals) / mean
+
+
+def step_sync_efficiency(work: Work) -> float:
+    """Ideal time over step-synchronous time: ``(total / N) / sum_s max_r work[r][s]``.
+
+    A ring step waits for its slowest member, so each step costs its busiest rank's work; the
+    ideal spreads the total evenly over N ranks with no waiting. 1.0 = no rank ever waits.
+    Raises ``ValueError`` for an empty or ragged matrix or zero total work.
+    """
+    _check_work(work)
+    steps = len(work[0])
+    slowest = sum(max(row[s] for row in work) for s in range(steps))
+    if slowest <= 0:
+        raise ValueError("efficiency is undefined for zero total work")
+    return sum(map(sum, work)) / len(work) / slowest
+
+
+@dataclass(frozen=True)
+class WorkSummary:
+    """Balance metrics of one (layout, causal, S, N) work matrix. Pair counts are exact integers."""
+
+    world_size: int
+    per_rank: tuple[int, ...]  # score pairs per rank, summed over steps
+    total_pairs: int
+    min_pairs: int
+    imbalance: float
+    step_sync_efficiency: float
+    redundant_fraction: float  # (computed - minimum) / minimum: pairs computed more than needed
+    idle_fraction: float  # rank-time spent waiting at step barriers, relative to the minimum work
+
+
+def summarize(work: Sequence[Sequence[int]], seq_len: int, causal: bool) -> WorkSummary:
+    """All balance metrics for a modelled work matrix ``work[rank][step]`` (score pairs).
+
+    Raises ``ValueError`` for an empty or ragged matrix or zero total work.
+    """
+    eff = step_sync_efficiency(work)
+    n = len(work)
+    total = sum(map(sum, work))
+    need = min_pairs(seq_len, causal)
+    slowest = sum(max(row[s] for row in work) for s in range(len(work[0])))
+    return WorkSummary(
+        world_size=n,
+        per_rank=tuple(sum(row) for row in work),
+        total_pairs=total,
+        min_pairs=need,
+        imbalance=imbalance(work),
+        step_sync_efficiency=eff,
+        redundant_fraction=(total - need) / need,
+        idle_fraction=(n * slowest - total) / need,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one attention call moves and computes besides the sequence: sizes and element bytes."""
+
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    v_head_dim: Optional[int] = None  # None: head_dim
+    elem_bytes: int = 4  # q/k/v element size (2 for bf16/fp16, 4 fp32, 8 fp64)
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def acc_bytes(self) -> int:
+        """The engine accumulates dK/dV in fp32, or fp64 for fp64 inputs."""
+        return 8 if self.elem_bytes == 8 else 4
+
+
+def kv_bytes_per_hop(seq_len: int, world_size: int, shape: AttentionShape, elem_bytes: Optional[int] = None
+                     ) -> int:
+    """Bytes of one K/V shard (what one ring hop sends): ``B * (S/N) * Hkv * (D + Dv) * elem``."""
+    elem = shape.elem_bytes if elem_bytes is None else elem_bytes
+    return shape.batch * (seq_len // world_size) * shape.kv_heads * (shape.head_dim + shape.dv) * elem
+
+
+def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape) -> tuple[int, int]:
+    """Bytes each rank sends: ``(forward, backward)``, the same for every layout.
+
+    Mirrors the engine (``cp_attention/ring.py``): forward sends K/V N-1 times; backward sends
+    K/V N-1 times again plus the dK/dV accumulators (fp32) N times, the last hop bringing them home.
+    """
+    if world_size == 1:
+        return 0, 0
+    kv = kv_bytes_per_hop(seq_len, world_size, shape)
+    dkv = kv_bytes_per_hop(seq_len, world_size, shape, shape.acc_bytes)
+    return (world_size - 1) * kv, (world_size - 1) * kv + world_size * dkv
+
+
+def pair_owners(layout: "str | Layout", causal: bool, seq_len: int, world_size: int
+                ) -> list[tuple[int, int, int, int]]:
+    """Every computed (query, key) pair in GLOBAL token positions: ``(q, k, rank, step)``.
+
+    For mask pictures at small sizes (it lists S² pairs at most). Raises ``ValueError`` if the
+    layout cannot split ``seq_len`` over ``world_size``.
+    """
+    lay = get_layout(layout)
+    lay.check(seq_len, world_size)
+    n = seq_len // world_size
+    pos = [lay.positions(seq_len, r, world_size).tolist() for r in range(world_size)]
+    out = []
+    for r in range(world_size):
+        for s, tasks in enumerate(rank_plan(lay, causal, r, world_size, n)):
+            j = source_rank(r, world_size, s)
+            for t in tasks:
+                for i in range(t.q_stop - t.q_start):
+                    keys = min(i + 1, t.kv_stop - t.kv_start) if t.causal else t.kv_stop - t.kv_start
+                    for c in range(keys):
+                        out.append((pos[r][t.q_start + i], pos[j][t.kv_start + c], r, s))
+    return out
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster for the projection: one ring link and one device's attention throughput."""
+
+    name: str = "cluster"
+    link_gbytes_per_s: float = 50.0  # per direction, per link (GB/s = 1e9 bytes/s)
+    link_latency_us: float = 10.0  # per ring hop
+    attention_tflops: float = 400.0  # sustained attention-kernel throughput per device (1e12 flop/s)
+
+    def __post_init__(self) -> None:
+        if self.link_gbytes_per_s <= 0 or self.attention_tflops <= 0 or self.link_latency_us < 0:
+            raise ValueError(f"cluster needs positive bandwidth and throughput and latency >= 0, got {self}")
+
+
+def flops_per_pair(shape: AttentionShape, backward: bool) -> float:
+    """Matmul flops per (query, key) pair and query head.
+
+    Forward: QKᵀ and PV, ``2(D + Dv)``. Backward (flash style, scores recomputed): QKᵀ, dV, dP,
+    dQ and dK, ``2(3D + 2Dv)`` (2.5x forward for D == Dv).
+    """
+    d, dv = shape.head_dim, shape.dv
+    return 2.0 * (3 * d + 2 * dv) if backward else 2.0 * (d + dv)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Projected attention time (seconds) of one call, forward and backward, with and without
+    overlap of communication and compute, and the ideal (balanced, free communication)."""
+
+    fwd_overlap_s: float
+    fwd_serial_s: float
+    bwd_overlap_s: float
+    bwd_serial_s: float
+    ideal_fwd_s: float
+    ideal_bwd_s: float
+    slowest_fwd_step_s: float  # the longest forward step with overlap
+    comm_bound_steps: int  # forward steps (with overlap) where the hop takes longer than the compute
+
+    @property
+    def efficiency_overlap(self) -> float:
+        """Ideal forward+backward time over the projected time with overlap."""
+        return (self.ideal_fwd_s + self.ideal_bwd_s) / (self.fwd_overlap_s + self.bwd_overlap_s)
+
+    @property
+    def efficiency_serial(self) -> float:
+        """Ideal forward+backward time over the projected time without overlap."""
+        return (self.ideal_fwd_s + self.ideal_bwd_s) / (self.fwd_serial_s + self.bwd_serial_s)
+
+
+def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, cluster: ClusterSpec
+            ) -> Projection:
+    """Project one attention call on ``cluster`` from a modelled work matrix ``work[rank][step]``.
+
+    Model, per ring step s of N (the engine's order):
+      compute_s = max_r work[r][s] * B * H * flops_per_pair / throughput   (a step waits for its slowest rank)
+      forward   comm_s = K/V bytes / bandwidth + latency for s < N-1 (no hop after the last step)
+      backward  comm_s = (K/V bytes [s < N-1] + dK/dV bytes [s >= 1]) / bandwidth + latency: the
+                accumulators of step s-1 share the link with the next K/V; the last dK/dV hop
+                home is never hidden, so it is added after the last step
+      step_s    = max(compute_s, comm_s) with overlap, compute_s + comm_s without.
+    Throughput is the same for every block size; links are full duplex and every hop runs at once.
+    Raises ``ValueError`` for an empty or ragged matrix.
+    """
+    _check_work(work)
+    n = len(work)
+    bh = shape.batch * shape.heads
+    tput = cluster.attention_tflops * 1e12
+    bw = cluster.link_gbytes_per_s * 1e9
+    lat = cluster.link_latency_us * 1e-6
+    kv = kv_bytes_per_hop(seq_len, n, shape) if n > 1 else 0
+    dkv = kv_bytes_per_hop(seq_len, n, shape, shape.acc_bytes) if n > 1 else 0
+    fwd_pair, bwd_pair = flops_per_pair(shape, False) * bh / tput, flops_per_pair(shape, True) * bh / tput
+    slowest = [max(row[s] for row in work) for s in range(len(work[0]))]
+    total = sum(map(sum, work))
+
+    def hop(nbytes: int) -> float:
+        return nbytes / bw + lat if nbytes else 0.0
+
+    fwd_o = fwd_s = bwd_o = bwd_s = worst = 0.0
+    comm_bound = 0
+    for s, pairs in enumerate(slowest):
+        last = s == len(slowest) - 1
+        c, m = pairs * fwd_pair, hop(0 if last else kv)
+        fwd_o += max(c, m)
+        fwd_s += c + m
+        worst = max(worst, max(c, m))
+        comm_bound += m > c
+        c, m = pairs * bwd_pair, hop((0 if last else kv) + (dkv if s else 0))
+        bwd_o += max(c, m)
+        bwd_s += c + m
+    home = hop(dkv)
+    return Projection(fwd_o, fwd_s, bwd_o + home, bwd_s + home, total * fwd_pair / n, total * bwd_pair / n,
+                      worst, comm_bound)
