@@ -1,0 +1,223 @@
+"""The training loop on a data-parallel x context-parallel DeviceMesh, and its launcher.
+
+Each data-parallel replica takes its rows of the global micro-batch; inside a replica the CP ranks
+hold 1/cp of every sequence. The CP loss is the replica's mean over all its tokens, so summing
+gradients over the whole world and dividing by dp gives exactly the gradient of a dp-only run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import cp_attention as cpa
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .data import VOCAB_SIZE, ByteBatches, load_bytes
+
+__all__ = ["validate_config", "launch", "train"]
+
+
+def validate_config(cfg: dict, world_size: int) -> None:
+    """Fail fast, before any process starts, on a config that cannot run. Raises ``ValueError`` or
+    ``FileNotFoundError`` saying what to change."""
+    cp = cfg["cp_size"]
+    if cp < 1 or world_size % cp != 0:
+        raise ValueError(f"cp_size={cp} must divide the world size {world_size} (dp = world / cp); "
+                         f"set cp_size to a divisor of {world_size} or change nproc / --nproc-per-node")
+    layout = cpa.get_layout(cfg["layout"]["name"])
+    seq = cfg["trainer"]["seq_len"]
+    if seq % layout.divisor(cp) != 0:
+        raise ValueError(f"trainer.seq_len={seq} cannot be split by the {layout.name} layout over cp_size={cp}: "
+                         f"it needs a multiple of {layout.divisor(cp)}; change trainer.seq_len or layout")
+    if cfg["kernel"]["name"] not in cpa.KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {cfg['kernel']['name']!r}; expected one of {', '.join(cpa.KERNEL_NAMES)}")
+    for key in ("resume_from",):
+        if cfg["trainer"].get(key):
+            latest_checkpoint(cfg["trainer"][key])
+    data = cfg["data"]
+    if data["source"] in ("text", "jsonl") and not (data.get("path") and Path(data["path"]).is_file()):
+        raise FileNotFoundError(f"data.source={data['source']} needs data.path to name an existing file, "
+                                f"got {data.get('path')!r}")
+    path = cfg["model"].get("pretrained_path")
+    if path and not Path(path).is_dir():
+        raise FileNotFoundError(f"model.pretrained_path={path!r} is not a directory saved with save_pretrained")
+    t = cfg["trainer"]
+    for key in ("steps", "micro_batch", "grad_accum"):
+        if t[key] < 1:
+            raise ValueError(f"trainer.{key} must be >= 1, got {t[key]}")
+
+
+def build_model(model_cfg: dict):
+    """A causal LM from a local checkpoint or from a tiny config preset (random weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_cfg.get("pretrained_path"):
+        model = AutoModelForCausalLM.from_pretrained(model_cfg["pretrained_path"])
+    else:
+        kwargs = {k: v for k, v in model_cfg.items() if k not in ("family", "pretrained_path")}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_cfg["family"], vocab_size=VOCAB_SIZE,
+                                                                      **kwargs))
+    if model.config.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the byte "
+                         f"tokenizer's ({VOCAB_SIZE})")
+    return model
+
+
+def _optimizer(params, optim_cfg: dict, steps: int):
+    kind = optim_cfg["name"]
+    if kind == "adamw":
+        opt = torch.optim.AdamW(params, lr=optim_cfg["lr"], weight_decay=optim_cfg["weight_decay"],
+                                betas=tuple(optim_cfg["betas"]))
+    elif kind == "sgd":
+        opt = torch.optim.SGD(params, lr=optim_cfg["lr"], momentum=optim_cfg.get("momentum", 0.0))
+    else:
+        raise ValueError(f"unknown optim.name {kind!r}; expected adamw or sgd")
+    warmup = optim_cfg.get("warmup_steps", 0)
+
+    def factor(step: int) -> float:  # linear warm-up, then cosine to min_lr_ratio
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        floor = optim_cfg.get("min_lr_ratio", 0.1)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def train(cfg: dict, run_dir: str) -> Optional[dict]:
+    """Train on this rank (the process group is initialised). Returns the final metrics on rank 0."""
+    from cp_attention.integrations import huggingface as cphf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t, cp = cfg["trainer"], cfg["cp_size"]
+    dp = world // cp
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (dp, cp), mesh_dim_names=("dp", "cp"))
+    cp_group, dp_rank = mesh["cp"].get_group(), mesh["dp"].get_local_rank()
+    layout = cfg["layout"]["name"]
+    is_main = rank == 0
+
+    torch.manual_seed(t["seed"])
+    random.seed(t["seed"])
+    model = build_model(cfg["model"]).to(device)
+    cphf.apply_context_parallel(model, group=cp_group, layout=layout, kernel=cfg["kernel"]["name"])
+    opt, sched = _optimizer(model.parameters(), cfg["optim"], t["steps"])
+    d = cfg["data"]
+    batches = ByteBatches(load_bytes(d["source"], d.get("path"), d.get("text_key", "text"), seed=t["seed"]),
+                          t["seq_len"], t["seed"])
+    start = 0
+    if t.get("resume_from"):
+        state = load_checkpoint(t["resume_from"])
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        batches.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        start = state["step"]
+
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    metrics_path = Path(run_dir) / "metrics.jsonl"
+    bar = None
+    if is_main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t["steps"], initial=start, desc=f"train {layout} dp={dp} cp={cp}", dynamic_ncols=True)
+    tokens_per_step = dp * t["micro_batch"] * t["grad_accum"] * t["seq_len"]
+    t0, last = time.perf_counter(), {}
+    model.train()
+    # stop_after ends this launch early (a time-limited job) with a checkpoint to resume from
+    end = t["steps"] if not t.get("stop_after") else min(t["steps"], start + t["stop_after"])
+    for step in range(start, end):
+        loss_sum = 0.0
+        for _ in range(t["grad_accum"]):
+            # the same global batch on every rank; each dp replica takes its rows
+            ids = batches.next(dp * t["micro_batch"])[dp_rank * t["micro_batch"]: (dp_rank + 1) * t["micro_batch"]]
+            local = cphf.shard_batch({"input_ids": ids.to(device)}, group=cp_group, layout=layout)
+            out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=cp_group)
+            (loss / t["grad_accum"]).backward()
+            loss_sum += loss.item() / t["grad_accum"]
+        # CP ranks hold shares of their replica's gradient (sum); replicas are averaged (divide by dp)
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(dp)
+        if t.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        stat = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(stat)
+        loss_value = stat.item() / world  # equal on the CP ranks of a replica: the mean over replicas
+        done = step + 1
+        if is_main:
+            elapsed = time.perf_counter() - t0
+            last = {"step": done, "loss": loss_value, "lr": sched.get_last_lr()[0],
+                    "tokens": done * tokens_per_step, "tokens_per_s": (done - start) * tokens_per_step / elapsed,
+                    "elapsed_s": elapsed}
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{last['tokens_per_s']:,.0f}")
+            if done % t["log_every"] == 0 or done == t["steps"]:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(last) + "\n")
+        if is_main and ((t["ckpt_every"] and done % t["ckpt_every"] == 0) or done == end):
+            save_checkpoint(ckpt_dir, done, {
+                "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "data": batches.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "config": cfg})
+    if bar is not None:
+        bar.close()
+    dist.barrier()
+    return last if is_main else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, cfg: dict, run_dir: str, port: int, world: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        train(cfg, run_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(cfg: dict, run_dir: str) -> None:
+    """Run training: under ``torchrun`` on the ranks it started (NCCL on GPU, gloo on CPU), otherwise
+    on ``cfg['nproc']`` gloo ranks spawned here. All ranks write to rank 0's ``run_dir``."""
+    import torch.multiprocessing as mp
+
+    if "RANK" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        validate_config(cfg, world)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+        try:
+            shared = [run_dir]
+            dist.broadcast_object_list(shared, src=0)  # rank 0's Hydra directory is everyone's
+            train(cfg, shared[0])
+        finally:
+            dist.destroy_process_group()
+        return
+    world = cfg["nproc"]
+    validate_config(cfg, world)
+    mp.spawn(_spawned, args=(cfg, run_dir, _free_port(), world), nprocs=world)

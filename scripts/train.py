@@ -1,0 +1,41 @@
+#!/usr/bin/env python
+"""Train a causal LM with context parallelism; every setting comes from the Hydra configs in configs/.
+
+    python scripts/train.py                                   # 2 gloo ranks spawned here, cp_size=2
+    python scripts/train.py layout=interleaved trainer.steps=200
+    python scripts/train.py -m layout=contiguous,zigzag,interleaved
+    torchrun --nproc-per-node=4 scripts/train.py cp_size=2    # dp=2 x cp=2 (NCCL on GPU, gloo on CPU)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+_RANK = os.environ.get("RANK", "0")
+if _RANK != "0":
+    # Under torchrun only rank 0 makes a Hydra run directory; the others use it (broadcast) and stay quiet.
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+                 "hydra/hydra_logging=disabled"]
+
+
+@hydra.main(config_path="../configs", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from cp_attention.training.loop import launch
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    if _RANK == "0":
+        Path(run_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    launch(OmegaConf.to_container(cfg, resolve=True), run_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""scripts/train.py end to end: outputs, DP x CP gradients, exact resume, sweeps, fail-fast configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the hf extra")
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["trainer.seq_len=64", "trainer.micro_batch=2", "trainer.log_every=1", "trainer.ckpt_every=0",
+        "model.hidden_size=32", "model.intermediate_size=64"]
+
+
+def train(run_dir: Path, *overrides: str, launcher: "list[str] | None" = None, check: bool = True):
+    keys = {o.split("=", 1)[0] for o in overrides}
+    tiny = [o for o in TINY if o.split("=", 1)[0] not in keys]  # an explicit override replaces the tiny default
+    cmd = (launcher or [sys.executable]) + ["scripts/train.py", *tiny, f"hydra.run.dir={run_dir}", *overrides]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def weights(run_dir: Path) -> dict:
+    from cp_attention.training import load_checkpoint
+
+    return load_checkpoint(run_dir / "checkpoints")["model"]
+
+
+def test_outputs_and_falling_loss(tmp_path):
+    train(tmp_path, "trainer.steps=12")
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5, metrics  # bytes: ~5.6 at random init
+    assert all(m["tokens_per_s"] > 0 for m in metrics)
+    assert (tmp_path / "config.yaml").read_text().count("cp_size: 2") == 1
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000012.pt"
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_dp_times_cp_gradients_match_dp_only(tmp_path):
+    """One SGD step with lr=1 moves the weights by exactly the gradient."""
+    sgd = ["optim=sgd", "optim.lr=1.0", "trainer.steps=1", "trainer.grad_clip=null"]
+    train(tmp_path / "dp2cp2", "nproc=4", "cp_size=2", *sgd)
+    train(tmp_path / "dp2", "nproc=2", "cp_size=1", *sgd)
+    a, b = weights(tmp_path / "dp2cp2"), weights(tmp_path / "dp2")
+    moved = max((a[k] - weights_at_init(tmp_path)[k]).abs().max().item() for k in a)
+    assert moved > 1e-3  # the step did something
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0, msg=k)
+
+
+def weights_at_init(tmp_path: Path) -> dict:
+    """The initial weights: a zero-step-sized SGD step from the same seed."""
+    run = tmp_path / "init"
+    if not run.exists():
+        train(run, "nproc=2", "cp_size=1", "optim=sgd", "optim.lr=0.0", "trainer.steps=1")
+    return weights(run)
+
+
+def test_resume_continues_exactly(tmp_path):
+    train(tmp_path / "straight", "trainer.steps=6")
+    train(tmp_path / "resumed", "trainer.steps=6", "trainer.stop_after=3")
+    assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step_0000003.pt"
+    train(tmp_path / "resumed2", "trainer.steps=6", f"trainer.resume_from={tmp_path / 'resumed'}")
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sweep_over_layouts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/train.py", "-m", "layout=contiguous,interleaved", "trainer.steps=2", *TINY,
+         f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = sorted(p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file())
+    assert len(runs) == 2 and runs[0].startswith("0_layout=contiguous,") and \
+        runs[1].startswith("1_layout=interleaved,"), runs
+
+
+def test_torchrun_ranks_share_one_output_dir(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29611"]
+    proc = train(tmp_path / "run", "trainer.steps=2", launcher=launcher)
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert proc.stdout.count("train zigzag") <= 1  # only rank 0 reports
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.seq_len=102"], "cannot be split by the zigzag layout over cp_size=2"),
+    (["cp_size=3"], "cp_size=3 must divide the world size 2"),
+    (["trainer.resume_from=/nonexistent/ckpt"], "no checkpoint at '/nonexistent/ckpt'"),
+    (["layout=diagonal"], "Could not find 'layout/diagonal'"),
+    (["kernel.name=flash"], "unknown kernel 'flash'"),
+    (["data=text_file"], "data.source=text needs data.path"),
+])
+def test_bad_configs_fail_fast(tmp_path, overrides, message):
+    proc = train(tmp_path, *overrides, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
