@@ -22,7 +22,7 @@ setup(
     python_requires=">=3.10",
     packages=["cp_attention", "cp_attention.kernels", "cp_attention.integrations"],
     package_dir={"cp_attention.integrations": "integrations"},
-    install_requires=["torch>=2.4", "hydra-core>=1.3"],
+    install_requires=["torch>=2.4", "hydra-core>=1.3", "tqdm"],
     extras_require=EXTRAS,
     license="Apache-2.0",
 )
