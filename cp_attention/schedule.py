@@ -66,49 +66,38 @@ def _task(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[BlockTask, 
     return (BlockTask(q0, q1, k0, k1, causal),)
 
 
-def _whole_block(causal: bool, rank: int, j: int, n: int) -> "tuple[BlockTask, ...] | None":
-    """The cases every layout shares: non-causal is one full block, and at step 0 (j == rank) the
-    local diagonal block is causal. None when the layout's own rule decides."""
-    if not causal:
-        return _task(0, n, 0, n, False)
-    if j == rank:
-        return _task(0, n, 0, n, True)
-    return None
+def _ring_schedule(name: str, earlier: Callable[[int], "tuple[BlockTask, ...]"],
+                   later: Callable[[int], "tuple[BlockTask, ...]"], doc: str) -> ScheduleFn:
+    """A layout's schedule from its two causal rules: the block for K/V from an earlier rank
+    (j < r) and from a later one (j > r), each a function of the local length n. What every layout
+    shares is here: non-causal is one full block, and the diagonal (j == r) is causal."""
+
+    def schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
+        j = source_rank(rank, world_size, step)
+        if not causal:
+            return _task(0, n, 0, n, False)
+        if j == rank:
+            return _task(0, n, 0, n, True)
+        return earlier(n) if j < rank else later(n)
+
+    schedule.__name__ = schedule.__qualname__ = f"{name}_schedule"
+    schedule.__doc__ = doc
+    return schedule
 
 
-def contiguous_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
-    """Contiguous: diagonal block causal, earlier ranks full, later ranks skipped."""
-    j = source_rank(rank, world_size, step)
-    whole = _whole_block(causal, rank, j, n)
-    if whole is not None:
-        return whole
-    if j < rank:
-        return _task(0, n, 0, n, False)
-    return ()
+contiguous_schedule = _ring_schedule(
+    "contiguous", earlier=lambda n: _task(0, n, 0, n, False), later=lambda n: (),
+    doc="Contiguous: diagonal block causal, earlier ranks full, later ranks skipped.")
 
+zigzag_schedule = _ring_schedule(
+    "zigzag", earlier=lambda n: _task(0, n, 0, n // 2, False), later=lambda n: _task(n // 2, n, 0, n, False),
+    doc="Zigzag: for j < r all queries see the head chunk of kv; for j > r the tail queries see all kv.")
 
-def zigzag_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
-    """Zigzag: for j < r all queries see the head chunk of kv; for j > r the tail queries see all kv."""
-    j = source_rank(rank, world_size, step)
-    h = n // 2
-    whole = _whole_block(causal, rank, j, n)
-    if whole is not None:
-        return whole
-    if j < rank:
-        return _task(0, n, 0, h, False)
-    return _task(h, n, 0, n, False)
-
-
-def interleaved_schedule(causal: bool, rank: int, world_size: int, step: int, n: int) -> tuple[BlockTask, ...]:
-    """Interleaved: local index i holds token i*N + r, so token i*N + r sees key k*N + j iff
-    k <= i (j < r, causal block) or k <= i - 1 (j > r, the block shifted by one)."""
-    j = source_rank(rank, world_size, step)
-    whole = _whole_block(causal, rank, j, n)
-    if whole is not None:
-        return whole
-    if j < rank:
-        return _task(0, n, 0, n, True)
-    return _task(1, n, 0, n - 1, True)
+# Local index i holds token i*N + r, so token i*N + r sees key k*N + j iff k <= i (j < r: a causal
+# block) or k <= i - 1 (j > r: the causal block shifted by one).
+interleaved_schedule = _ring_schedule(
+    "interleaved", earlier=lambda n: _task(0, n, 0, n, True), later=lambda n: _task(1, n, 0, n - 1, True),
+    doc="Interleaved: causal blocks; for j > r shifted by one (q[1:] x kv[:-1]).")
 
 
 _SCHEDULES: dict[str, ScheduleFn] = {
