@@ -41,9 +41,8 @@ def validate_config(cfg: dict, world_size: int) -> None:
                          f"it needs a multiple of {layout.divisor(cp)}; change trainer.seq_len or layout")
     if cfg["kernel"]["name"] not in cpa.KERNEL_NAMES:
         raise ValueError(f"unknown kernel {cfg['kernel']['name']!r}; expected one of {', '.join(cpa.KERNEL_NAMES)}")
-    for key in ("resume_from",):
-        if cfg["trainer"].get(key):
-            latest_checkpoint(cfg["trainer"][key])
+    if cfg["trainer"].get("resume_from"):
+        latest_checkpoint(cfg["trainer"]["resume_from"])  # raises FileNotFoundError naming the path
     data = cfg["data"]
     if data["source"] in ("text", "jsonl") and not (data.get("path") and Path(data["path"]).is_file()):
         raise FileNotFoundError(f"data.source={data['source']} needs data.path to name an existing file, "
