@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Compare the contiguous, zigzag and interleaved layouts: modelled, measured and projected.
+
+    python scripts/compare_layouts.py                                  # configs/experiment/default.yaml
+    python scripts/compare_layouts.py experiment=smoke                 # tiny, for tests
+    python scripts/compare_layouts.py measure.world_sizes=[1,2,4] heads=16 dtype=bfloat16 causal=false
+    python scripts/compare_layouts.py out_dir=results/layouts          # instead of the Hydra run dir
+
+Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
+A (layout, world size, S) the layout cannot split is skipped and listed in the report.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run this checkout, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from cp_attention import KERNEL_NAMES, get_layout  # noqa: E402
+from cp_attention.analysis import AttentionShape, ClusterSpec  # noqa: E402
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def check_config(cfg: dict) -> None:
+    """Raise ``ValueError`` naming the key, what it got and what it accepts, before any work."""
+    def fail(key: str, got, want: str) -> None:
+        raise ValueError(f"config {key}={got!r}: expected {want} (override with {key}=...)")
+
+    if not cfg["layouts"]:
+        fail("layouts", cfg["layouts"], "a non-empty list of layout names")
+    for lay in cfg["layouts"]:
+        try:
+            get_layout(lay)
+        except ValueError as e:
+            fail("layouts", lay, str(e).split("expected ", 1)[-1])
+    if not isinstance(cfg["causal"], bool):
+        fail("causal", cfg["causal"], "true or false")
+    if cfg["dtype"] not in _DTYPE_BYTES:
+        fail("dtype", cfg["dtype"], " or ".join(_DTYPE_BYTES))
+    if cfg["kernel"] not in KERNEL_NAMES:
+        fail("kernel", cfg["kernel"], " or ".join(KERNEL_NAMES))
+    for key in ("batch", "heads", "head_dim", "repeats"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            fail(key, cfg[key], "a positive integer")
+    kv = cfg["kv_heads"] or cfg["heads"]
+    if cfg["heads"] % kv:
+        fail("kv_heads", cfg["kv_heads"], f"a divisor of heads={cfg['heads']}")
+    for key in ("model.world_sizes", "model.seq_lens", "model.seq_plot_world_sizes", "measure.world_sizes",
+                "measure.seq_lens", "projection.world_sizes", "projection.seq_lens"):
+        part, name = key.split(".")
+        vals = cfg[part][name]
+        if not isinstance(vals, list) or not all(isinstance(v, int) and v >= 1 for v in vals):
+            fail(key, vals, "a list of positive integers, e.g. [1,2,4]")
+    for key in ("model.seq_len", "atlas.world_size", "atlas.seq_len", "bars.world_size"):
+        part, name = key.split(".")
+        if not isinstance(cfg[part][name], int) or cfg[part][name] < 1:
+            fail(key, cfg[part][name], "a positive integer")
+    if cfg["atlas"]["seq_len"] > 256:
+        fail("atlas.seq_len", cfg["atlas"]["seq_len"], "at most 256 (the atlas draws every token pair)")
+
+
+def run(cfg: dict, out: Path) -> Path:
+    """The whole comparison for a resolved config dict; returns the report's path."""
+    import layout_tables as tables
+    from layout_report import write_results
+
+    check_config(cfg)
+    cfg = {**cfg, "layouts": list(dict.fromkeys(get_layout(x).name for x in cfg["layouts"]))}  # aliases -> names
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+
+    lays, causal, m = cfg["layouts"], cfg["causal"], cfg["model"]
+    shape = AttentionShape(cfg["batch"], cfg["heads"], cfg["kv_heads"] or cfg["heads"], cfg["head_dim"],
+                           elem_bytes=_DTYPE_BYTES[cfg["dtype"]])
+    # The pictures need their own world sizes modelled too, whatever model.world_sizes says.
+    sizes = sorted({*m["world_sizes"], *m["seq_plot_world_sizes"], cfg["bars"]["world_size"]})
+    skipped: list[dict] = []
+    res = {
+        "modelled": tables.modelled(lays, causal, sizes, sorted({*m["seq_lens"], m["seq_len"]}), shape, skipped),
+        "work_per_rank_step": tables.work_rows(lays, causal, sizes, m["seq_len"], skipped),
+        "mask_atlas": tables.atlas_rows(lays, causal, cfg["atlas"]["seq_len"], cfg["atlas"]["world_size"], skipped),
+    }
+    p = cfg["projection"]
+    res["projection"] = tables.projection_rows(lays, causal, p["world_sizes"], p["seq_lens"],
+                                               AttentionShape(**p["shape"]), ClusterSpec(**p["cluster"]), skipped)
+    log(f"modelled {len(res['modelled'])} (layout, N, S) combinations and the projection")
+
+    measured = {"wall": [], "steps": [], "summary": [], "skipped": [], "meta": {}}
+    if cfg["measure"]["world_sizes"] and cfg["measure"]["seq_lens"]:
+        from bench_common import limit_malloc_caching
+        from layout_measure import measure_all
+
+        limit_malloc_caching()
+        keys = ("batch", "heads", "kv_heads", "head_dim", "dtype", "kernel", "repeats")
+        measured = measure_all({**cfg["measure"], **{k: cfg[k] for k in keys}}, lays, causal, log)
+    res["measured_wall"] = measured["wall"]
+    res["measured_steps"] = measured["steps"]
+    res["measured_summary"] = tables.with_modelled_efficiency(measured["summary"], causal)
+    res["skipped"] = skipped + measured["skipped"]
+    path = write_results(out, cfg, res, measured["meta"], log)
+    log(f"wrote {path}")
+    return path
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="compare_layouts")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    out = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        check_config(resolved)
+    except ValueError as e:  # a config mistake: say it plainly instead of a traceback
+        sys.exit(f"compare_layouts: {e}")
+    run(resolved, out)
+
+
+if __name__ == "__main__":
+    main()
