@@ -4,7 +4,7 @@
     python scripts/compare_layouts.py                                  # configs/experiment/default.yaml
     python scripts/compare_layouts.py experiment=smoke                 # tiny, for tests
     python scripts/compare_layouts.py measure.world_sizes=[1,2,4] heads=16 dtype=bfloat16 causal=false
-    python scripts/compare_layouts.py out_dir=results/layouts          # instead of the Hydra run dir
+    python scripts/compare_layouts.py out_dir=results/layouts          # default: outputs/compare_layouts/<time>
 
 Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
 A (layout, world size, S) the layout cannot split is skipped and listed in the report.
@@ -116,7 +116,7 @@ def run(cfg: dict, out: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    out = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    out = Path(HydraConfig.get().runtime.output_dir)  # == out_dir: the config makes them one folder
     resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
         check_config(resolved)
