@@ -26,13 +26,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 
-def text_bytes() -> torch.Tensor:
-    """Python's bundled help texts as a byte tensor (a few MB of real English)."""
-    from pydoc_data.topics import topics
-
-    return torch.frombuffer(bytearray("\n".join(topics.values()).encode("utf-8")), dtype=torch.uint8).long()
-
-
 def build_model(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,8 +39,10 @@ def train(args: argparse.Namespace) -> list[float]:
     """Run the fine-tuning loop on this rank; returns the loss of every step."""
     from cp_attention.integrations import huggingface as cphf
 
+    from cp_attention.training import load_bytes
+
     rank = dist.get_rank()
-    data = text_bytes()
+    data = load_bytes("builtin")  # Python's bundled help texts as bytes
     model = cphf.apply_context_parallel(build_model(args.seed), layout=args.layout, kernel=args.kernel)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)  # the same batches on every rank

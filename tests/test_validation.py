@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_same_error_on_every_rank(pools, name):
     message = messages.pop()
     assert message.startswith("ring_attention: ")
     if fragment:
-        assert __import__("re").search(fragment, message), message
+        assert re.search(fragment, message), message
 
 
 def test_valid_call_passes(pools):

@@ -14,7 +14,7 @@ import random
 import socket
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
