@@ -1,0 +1,365 @@
+"""Megatron-core cases run inside the gloo workers: a tiny real ``GPTModel`` on CPU, no download.
+
+The CP=1 reference runs megatron's own ``DotProductAttention`` and ``RotaryEmbedding``, which
+hard-code CUDA; it runs in its own worker under :func:`megatron_cuda_hardcodes_on_cpu`, the only
+place any megatron code is patched. The CP models run in other workers with no patch at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+SEQ = 24  # zigzag splits it for CP 2, 3 and 4
+VOCAB = 64
+IGNORE = -100
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+
+
+@contextlib.contextmanager
+def megatron_cuda_hardcodes_on_cpu() -> Iterator[None]:
+    """Patch exactly the CUDA hard-codes megatron-core's CP=1 path hits on a machine with no GPU.
+
+    - ``torch.cuda.current_device``: RoPE's ``get_emb`` moves ``inv_freq`` there, and the global
+      memory buffer the local ``DotProductAttention`` uses allocates there. It returns ``"cpu"``.
+    - ``fused_softmax.get_default_causal_mask``: builds its mask with ``device="cuda"``.
+    - ``tensor_parallel.get_cuda_rng_tracker`` (as the local ``DotProductAttention`` sees it): its
+      ``fork()`` needs CUDA RNG state; with dropout 0 a no-op fork is exact.
+    """
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.dot_product_attention as dpa
+
+    class _NoCudaRngTracker:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
+
+        def is_initialized(self) -> bool:
+            return False
+
+    saved = (torch.cuda.current_device, fused_softmax.get_default_causal_mask,
+             dpa.tensor_parallel.get_cuda_rng_tracker)
+    torch.cuda.current_device = lambda: "cpu"
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    dpa.tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: _NoCudaRngTracker()
+    try:
+        yield
+    finally:
+        (torch.cuda.current_device, fused_softmax.get_default_causal_mask,
+         dpa.tensor_parallel.get_cuda_rng_tracker) = saved
+
+
+def cuda_hardcodes_unpatched() -> bool:
+    """True if none of the patches of :func:`megatron_cuda_hardcodes_on_cpu` is in effect."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.dot_product_attention as dpa
+
+    return (torch.cuda.current_device.__module__ == "torch.cuda"
+            and fused_softmax.get_default_causal_mask.__module__ == "megatron.core.transformer.utils"
+            and dpa.tensor_parallel.get_cuda_rng_tracker.__module__ == "megatron.core.tensor_parallel.random")
+
+
+_PARALLEL: dict[str, Any] = {}
+
+
+def parallel_state(cp: int):
+    """megatron's parallel state with CP size ``cp`` (TP = PP = 1), initialised once per worker."""
+    from megatron.core import parallel_state as ps
+
+    if _PARALLEL.get("cp") != cp or not ps.model_parallel_is_initialized():
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=False)
+        _PARALLEL["cp"] = cp
+    return ps
+
+
+def config(cp: int, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(MODEL, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+              params_dtype=torch.float64, normalization="RMSNorm", context_parallel_size=cp)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build(cp: int, spec=None, position_embedding_type: str = "rope", seed: int = 0, **overrides):
+    """A tiny fp64 ``GPTModel``; ``spec`` defaults to megatron's local layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(seed)
+    spec = spec if spec is not None else get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(config(cp, **overrides), spec, vocab_size=VOCAB, max_sequence_length=4 * SEQ,
+                    position_embedding_type=position_embedding_type).double()
+
+
+def full_batch(seed: int = 1, size: int = 2, with_mask: bool = False) -> dict[str, torch.Tensor]:
+    """A megatron batch dict over the full sequence (labels already shifted, like megatron's datasets)."""
+    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+             "loss_mask": (torch.rand(size, SEQ, generator=torch.Generator().manual_seed(seed)) > 0.2).double(),
+             "position_ids": torch.arange(SEQ).expand(size, SEQ)}
+    if with_mask:  # megatron's convention: True = masked out, [b, 1, s, s]
+        batch["attention_mask"] = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(size, 1, SEQ, SEQ)
+    return batch
+
+
+def _losses(model, batch):
+    """(fp64 masked mean next-token loss from the logits, its parts, megatron's own per-token loss)."""
+    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+    per_token = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    mcore = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return logits, (per_token * batch["loss_mask"].flatten()).sum(), batch["loss_mask"].sum(), mcore
+
+
+def reference(rank: int, world_size: int, model_kw: dict, with_mask: bool = False) -> dict:
+    """CP=1 with megatron's own attention and RoPE: weights, logits, losses and gradients."""
+    with megatron_cuda_hardcodes_on_cpu():
+        parallel_state(1)
+        model = build(1, **model_kw)
+        batch = full_batch(with_mask=with_mask)
+        logits, num, den, mcore = _losses(model, batch)
+        (num / den).backward()
+    return {"state": model.state_dict(), "logits": logits.detach(), "loss": (num / den).item(),
+            "mcore_loss": ((mcore * batch["loss_mask"]).sum() / den).item(),
+            "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layout: "str | None" = None):
+    from cp_attention.integrations import megatron as cpm
+
+    model = build(world_size, spec=cpm.get_gpt_layer_ring_spec(layout, normalization="RMSNorm"), **model_kw)
+    model.load_state_dict(ref["state"])
+    cpm.apply_context_parallel(model)
+    if rope_layout is not None:  # a deliberately wrong RoPE, to show the test can see it
+        for m in model.modules():
+            if isinstance(m, cpm.LayoutRotaryEmbedding):
+                m.__init__(m.rope, rope_layout, m.group)
+    return model
+
+
+def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: dict, with_mask: bool = False,
+                rope_layout: "str | None" = None) -> dict:
+    """CP=world_size vs the reference: max abs differences of gathered logits, losses and summed grads."""
+    from cp_attention.integrations import megatron as cpm
+
+    ps = parallel_state(world_size)
+    group = ps.get_context_parallel_group()
+    model = _cp_model(world_size, layout, ref, model_kw, rope_layout)
+    local = cpm.get_batch_on_this_cp_rank(full_batch(with_mask=with_mask), layout=layout)
+    logits, num, den, mcore = _losses(model, local)
+    stats = torch.stack([num.detach(), den, (mcore.double() * local["loss_mask"]).sum().detach()])
+    dist.all_reduce(stats, group=group)
+    (num / stats[1]).backward()  # this rank's share of the global mean
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        grads[name] = g
+    full_logits = cpm.cpa.get_layout(layout).gather(logits.detach(), dim=1, group=group)
+    return {
+        "logits": (full_logits - ref["logits"]).abs().max().item(),
+        "loss": abs(stats[0].item() / stats[1].item() - ref["loss"]),
+        "mcore_loss": abs(stats[2].item() / stats[1].item() - ref["mcore_loss"]),
+        "grads": max((grads[n] - g).abs().max().item() for n, g in ref["grads"].items()),
+        "finite": bool(torch.isfinite(logits).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values()),
+        "unpatched": cuda_hardcodes_unpatched(),
+        "attention": sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__}),
+    }
+
+
+def _error(fn) -> str:
+    """``"ExcType: message"`` of what ``fn()`` raised, or ``"no error"``."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _qkv(local: int, batch: int = 2, heads: int = 4, groups: int = 2, dim: int = 8, seed: int = 0):
+    """Random ``[s, b, h, d]`` query and ``[s, b, g, d]`` key/value in fp64."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(local, batch, heads, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(local, batch, groups, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v
+
+
+def _ring(world_size: int, layout: str = "zigzag", cfg=None, **kwargs):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from cp_attention.integrations import megatron as cpm
+
+    kw = dict(config=cfg or config(world_size), layer_number=1, attn_mask_type=AttnMaskType.causal,
+              attention_type="self", layout=layout)
+    kw.update(kwargs)
+    return cpm.RingDotProductAttention(**kw)
+
+
+def refusals(rank: int, world_size: int) -> dict[str, str]:
+    """Every unsupported input or setting, and the error it raised on this rank."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import get_batch_on_this_cp_rank as megatron_get_batch
+
+    from cp_attention.integrations import megatron as cpm
+
+    parallel_state(world_size)
+    local = SEQ // world_size
+    q, k, v = _qkv(local)
+    out: dict[str, str] = {}
+    spec = cpm.get_gpt_layer_ring_spec("zigzag", normalization="RMSNorm")
+    # learned_absolute: with RoPE, megatron's own zigzag slicing would call .cuda() before the check.
+    model = build(world_size, spec=spec, position_embedding_type="learned_absolute")
+    batch = cpm.get_batch_on_this_cp_rank(full_batch(), layout="zigzag")
+    out["not_prepared"] = _error(lambda: model(batch["tokens"], batch["position_ids"], None))
+    ring = _ring(world_size)
+    ring.global_positions_ready = True
+    out["attention_bias"] = _error(lambda: ring(q, k, v, None, attention_bias=torch.zeros(1, 4, local, SEQ)))
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, SEQ]), max_seqlen_q=SEQ)
+    out["packed"] = _error(lambda: ring(q, k, v, None, packed_seq_params=packed))
+    dropout = _ring(world_size, attention_dropout=0.1)
+    dropout.global_positions_ready = True
+    out["dropout_train"] = _error(lambda: dropout(q, k, v, None))
+    out["dropout_eval"] = _error(lambda: dropout.eval()(q, k, v, None))
+    full_mask = full_batch(with_mask=True)["attention_mask"]
+    padding = full_mask.clone()
+    padding[..., -1] = True  # the last key is padding
+    out["padding_mask"] = _error(lambda: ring(q, k, v, cpm.get_batch_on_this_cp_rank(
+        {"attention_mask": padding}, layout="zigzag")["attention_mask"]))
+    # Only rank 0 passes a wrong mask: every rank must still raise, none may wait in the ring.
+    one_bad = padding if rank == 0 else full_mask
+    out["one_rank_bad_mask"] = _error(lambda: ring(q, k, v, cpm.get_batch_on_this_cp_rank(
+        {"attention_mask": one_bad}, layout="zigzag")["attention_mask"]))
+    interleaved = _ring(world_size, layout="interleaved")
+    interleaved.global_positions_ready = True
+    zigzag_sliced = megatron_get_batch({"attention_mask": full_mask.clone()})["attention_mask"]
+    out["mask_sliced_for_another_layout"] = _error(lambda: interleaved(q, k, v, zigzag_sliced))
+    out["unsharded_mask"] = _error(lambda: ring(q, k, v, full_mask))
+    out["cp_comm_type"] = _error(lambda: _ring(world_size, cp_comm_type="a2a"))
+    out["window"] = _error(lambda: _ring(world_size, cfg=config(world_size, window_size=(4, 0))))
+    out["softmax_sink"] = _error(lambda: _ring(world_size, cfg=config(world_size, softmax_type="off-by-one")))
+    out["cross_attention"] = _error(lambda: _ring(world_size, attention_type="cross"))
+    out["cp_size_mismatch"] = _error(lambda: _ring(world_size, cfg=config(1)))
+    out["unknown_layout"] = _error(lambda: _ring(world_size, layout="diagonal"))
+    out["unknown_kernel"] = _error(lambda: _ring(world_size, kernel="cudnn"))
+    out["no_ring_in_model"] = _error(lambda: cpm.apply_context_parallel(torch.nn.Linear(2, 2)))
+    mixed = build(world_size, spec=spec)
+    mixed.decoder.layers[1].self_attention.core_attention.layout = cpm.cpa.get_layout("interleaved")
+    out["mixed_layouts"] = _error(lambda: cpm.apply_context_parallel(mixed))
+    # Like YaRN: a RotaryEmbedding subclass whose tables LayoutRotaryEmbedding does not reproduce.
+    # (YarnRotaryEmbedding itself cannot be built without CUDA.)
+    scaled = build(world_size, spec=spec)
+    scaled.rotary_pos_emb = type("ScaledRotaryEmbedding", (RotaryEmbedding,), {})(
+        kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    out["rope_subclass"] = _error(lambda: cpm.apply_context_parallel(scaled))
+    out["rope_subclass_left_untouched"] = type(scaled.rotary_pos_emb).__name__
+    ragged = {"tokens": torch.zeros(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, SEQ - 4, dtype=torch.long)}
+    out["ragged_batch"] = _error(lambda: cpm.get_batch_on_this_cp_rank(ragged))
+    out["unsplittable_batch"] = _error(lambda: cpm.get_batch_on_this_cp_rank({"tokens": torch.zeros(2, 6)}))
+    out["te_backend"] = _error(lambda: cpm.get_gpt_layer_ring_spec(backend="transformer_engine"))
+    out["unknown_backend"] = _error(lambda: cpm.get_gpt_layer_ring_spec(backend="apex"))
+    return out
+
+
+def core_attention_cp1(rank: int, world_size: int) -> dict[str, float]:
+    """At CP=1, RingDotProductAttention vs megatron's DotProductAttention on the same q, k, v (GQA)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    out = {}
+    with megatron_cuda_hardcodes_on_cpu():
+        parallel_state(1)
+        q, k, v = _qkv(SEQ)
+        for mask_type in (AttnMaskType.causal, AttnMaskType.no_mask):
+            for name, kw, cfg_kw in (("default", {}, {}), ("softmax_scale", {"softmax_scale": 0.3}, {}),
+                                     ("qk_layer_scaling", {}, {"apply_query_key_layer_scaling": True})):
+                cfg = config(1, **cfg_kw)
+                args = dict(config=cfg, layer_number=2, attn_mask_type=mask_type, attention_type="self", **kw)
+                ring = _ring(1, cfg=cfg, **{**args, "config": cfg})
+                qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+                qm, km, vm = (t.clone().requires_grad_() for t in (q, k, v))
+                got, want = ring(qr, kr, vr, None), DotProductAttention(**args)(qm, km, vm, None)
+                grad = torch.randn_like(got, generator=torch.Generator().manual_seed(3))
+                got.backward(grad)
+                want.backward(grad)
+                diffs = [(got - want).abs().max()] + [(a.grad - b.grad).abs().max()
+                                                        for a, b in ((qr, qm), (kr, km), (vr, vm))]
+                out[f"{mask_type.name}/{name}"] = max(d.item() for d in diffs)
+                out[f"{mask_type.name}/{name}/shape"] = tuple(got.shape) == tuple(want.shape)
+    return out
+
+
+def megatron_rope_table(rank: int, world_size: int, kw: dict, offset: int) -> torch.Tensor:
+    """megatron's RotaryEmbedding table for the whole sequence (CP=1)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    with megatron_cuda_hardcodes_on_cpu():
+        parallel_state(1)
+        return RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True, **kw)(
+            SEQ, offset=offset)
+
+
+def rope_rows(rank: int, world_size: int, table: torch.Tensor, kw: dict, offset: int) -> dict[str, bool]:
+    """LayoutRotaryEmbedding rows vs the rows of megatron's full table at the layout's positions."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from cp_attention.integrations import megatron as cpm
+
+    group = parallel_state(world_size).get_context_parallel_group()
+    out = {}
+    for layout in cpm.cpa.LAYOUT_NAMES:
+        rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True, **kw)
+        wrapped = cpm.LayoutRotaryEmbedding(rope, layout, group)
+        rows = wrapped(SEQ, offset=offset)
+        positions = cpm.cpa.get_layout(layout).positions(SEQ, rank, world_size)
+        out[layout] = torch.equal(rows, table.index_select(0, positions)) and wrapped(SEQ, offset) is rows
+    out["delegates"] = wrapped.get_rotary_seq_len(None, None, torch.zeros(3), config(world_size)) == 3 * world_size
+    return out
+
+
+def batch_sharding(rank: int, world_size: int) -> dict[str, bool]:
+    """get_batch_on_this_cp_rank: megatron's own for zigzag; an exact round trip for every layout."""
+    from megatron.core.utils import get_batch_on_this_cp_rank as megatron_get_batch
+
+    from cp_attention.integrations import megatron as cpm
+
+    group = parallel_state(world_size).get_context_parallel_group()
+    full = full_batch(with_mask=True)
+    full["note"] = "not a tensor"
+    full["absent"] = None
+    snapshot = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full.items()}
+    tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    theirs = megatron_get_batch({k: v.clone() for k, v in tensors.items()})
+    out = {"zigzag_is_megatrons": all(torch.equal(cpm.get_batch_on_this_cp_rank(full)[k], theirs[k])
+                                      for k in tensors)}
+    for layout in cpm.cpa.LAYOUT_NAMES:
+        lay = cpm.cpa.get_layout(layout)
+        local = cpm.get_batch_on_this_cp_rank(full, layout=layout, cp_group=group)
+        out[layout] = (all(torch.equal(lay.gather(local[k], dim=2 if k == "attention_mask" else 1, group=group),
+                                       v) for k, v in tensors.items())
+                       and local["note"] == "not a tensor" and local["absent"] is None
+                       and torch.equal(local["position_ids"][0], lay.positions(SEQ, rank, world_size)))
+    out["input_untouched"] = all(torch.equal(full[k], v) if isinstance(v, torch.Tensor) else full[k] == v
+                                 for k, v in snapshot.items())
+    return out
+
+
+def layout_from_config(rank: int, world_size: int) -> dict[str, str]:
+    """Where RingDotProductAttention takes its layout from: the spec, else config.cp_layout, else zigzag."""
+    from cp_attention.integrations import megatron as cpm
+
+    parallel_state(world_size)
+    cfg = config(world_size)
+    cfg.cp_layout = "striped"
+    kw = dict(layer_number=1, attn_mask_type=None, attention_type="self")
+    return {"config": cpm.ring_core_attention()(config=cfg, **kw).layout.name,
+            "spec_wins": cpm.ring_core_attention("contiguous")(config=cfg, **kw).layout.name,
+            "default": cpm.ring_core_attention()(config=config(world_size), **kw).layout.name}

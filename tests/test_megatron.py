@@ -1,0 +1,171 @@
+"""Megatron-core integration on real gloo ranks: a tiny GPTModel with CP equals the same model at CP=1."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
+
+import cp_attention as cpa  # noqa: E402
+
+from . import megatron_cases as mc  # noqa: E402
+
+FP64 = 1e-10  # DESIGN.md: fp64 model, fp64 reference
+FP32 = 2e-6  # megatron's own loss is computed in fp32
+
+_REFS: dict = {}
+
+
+def _reference(pools, with_mask=False, **model_kw):
+    """The CP=1 run (megatron's own attention and RoPE), computed once per model in a 1-rank worker."""
+    key = (with_mask, tuple(sorted(model_kw.items())))
+    if key not in _REFS:
+        _REFS[key] = pools(1).run(mc.reference, model_kw=model_kw, with_mask=with_mask, timeout=180)[0]
+    return _REFS[key]
+
+
+def _equivalence(pools, world_size, layout, with_mask=False, rope_layout=None, **model_kw):
+    ref = _reference(pools, with_mask=with_mask, **model_kw)
+    return pools(world_size).run(mc.equivalence, layout=layout, ref=ref, model_kw=model_kw, with_mask=with_mask,
+                                 rope_layout=rope_layout, timeout=180)
+
+
+def _assert_equivalent(results, what):
+    for rank, r in enumerate(results):
+        assert r["finite"], f"{what}: rank {rank} produced NaN/Inf"
+        assert r["attention"] == ["RingDotProductAttention", "SelfAttention"], (what, r["attention"])
+        assert r["unpatched"], f"{what}: rank {rank} ran with megatron's CUDA hard-codes patched"
+        for key in ("logits", "loss", "grads"):
+            assert r[key] <= FP64, f"{what}: rank {rank} {key} differs by {r[key]:.3e}"
+        assert r["mcore_loss"] <= FP32, f"{what}: rank {rank} megatron's loss differs by {r['mcore_loss']:.3e}"
+
+
+CASES = list(itertools.product((2, 3, 4), cpa.LAYOUT_NAMES))
+
+
+@pytest.mark.parametrize("world_size,layout", CASES, ids=[f"cp{w}-{lay}" for w, lay in CASES])
+def test_gpt_model_matches_cp1(pools, world_size, layout):
+    _assert_equivalent(_equivalence(pools, world_size, layout), f"{layout} cp={world_size}")
+
+
+VARIANTS = {
+    "mha": dict(num_query_groups=4),
+    "mqa": dict(num_query_groups=1),
+    "rotary_interleaved": dict(rotary_interleaved=True),
+    "learned_absolute": dict(position_embedding_type="learned_absolute"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("layout", ("zigzag", "interleaved"))
+def test_model_variants_match_cp1(pools, variant, layout):
+    _assert_equivalent(_equivalence(pools, 2, layout, **VARIANTS[variant]), f"{variant} {layout}")
+
+
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+def test_causal_mask_sharded_by_the_layout_is_accepted(pools, layout):
+    _assert_equivalent(_equivalence(pools, 2, layout, with_mask=True), f"{layout} with mask")
+
+
+def test_rope_at_the_wrong_positions_is_detected(pools):
+    """Megatron's own RoPE slicing is zigzag's: under interleaved it would be wrong, and visibly so."""
+    results = _equivalence(pools, 2, "interleaved", rope_layout="zigzag")
+    for key in ("logits", "grads"):
+        assert min(r[key] for r in results) > 1e4 * FP64, (key, [r[key] for r in results])
+
+
+REFUSED = {
+    "not_prepared": ("RuntimeError", "apply_context_parallel(model)"),
+    "attention_bias": ("NotImplementedError", "attention_bias"),
+    "packed": ("NotImplementedError", "packed sequences"),
+    "dropout_train": ("NotImplementedError", "attention_dropout=0.0"),
+    "padding_mask": ("NotImplementedError", "cannot honour any other attention_mask"),
+    "one_rank_bad_mask": ("NotImplementedError", "on at least one rank"),
+    "mask_sliced_for_another_layout": ("NotImplementedError", "layout='interleaved'"),
+    "unsharded_mask": ("NotImplementedError", "[b, 1, 12, 24]"),
+    "cp_comm_type": ("ValueError", "cp_comm_type='a2a'"),
+    "window": ("NotImplementedError", "window_size"),
+    "softmax_sink": ("NotImplementedError", "softmax_type='off-by-one'"),
+    "cross_attention": ("NotImplementedError", "self attention only"),
+    "cp_size_mismatch": ("ValueError", "context_parallel_size=1"),
+    "unknown_layout": ("ValueError", "diagonal"),
+    "unknown_kernel": ("ValueError", "cudnn"),
+    "no_ring_in_model": ("ValueError", "get_gpt_layer_ring_spec"),
+    "mixed_layouts": ("ValueError", "['interleaved', 'zigzag']"),
+    "rope_subclass": ("NotImplementedError", "ScaledRotaryEmbedding"),
+    "ragged_batch": ("ValueError", "batch['labels'] has sequence length 20"),
+    "unsplittable_batch": ("ValueError", "zigzag layout needs seq_len divisible by 2*world_size=4, got 6"),
+    "te_backend": ("ImportError", "TransformerEngine"),
+    "unknown_backend": ("ValueError", "'apex'"),
+}
+
+
+def test_unsupported_inputs_are_refused_on_every_rank(pools):
+    results = pools(2).run(mc.refusals, timeout=180)
+    for name, (exc, fragment) in REFUSED.items():
+        for rank, r in enumerate(results):
+            assert r[name].startswith(exc + ":"), f"{name} on rank {rank}: {r[name]}"
+            assert fragment in r[name], f"{name} on rank {rank}: {fragment!r} not in {r[name]!r}"
+        assert results[0][name] == results[1][name], f"{name}: ranks raised different errors"
+    for rank, r in enumerate(results):
+        assert r["dropout_eval"] == "no error", r["dropout_eval"]  # dropout is a no-op in eval mode
+        assert r["rope_subclass_left_untouched"] == "ScaledRotaryEmbedding", "a refused model was half-modified"
+
+
+def test_core_attention_at_cp1_is_megatrons_dot_product_attention(pools):
+    results = pools(1).run(mc.core_attention_cp1, timeout=180)[0]
+    for name, value in results.items():
+        if name.endswith("/shape"):
+            assert value, f"{name}: output shape differs from DotProductAttention's"
+        else:
+            assert value <= FP64, f"{name}: differs from DotProductAttention by {value:.3e}"
+
+
+ROPE = {"plain": ({}, 0), "interleaved_pairs": ({"rotary_interleaved": True}, 0),
+        "offset_and_interpolation": ({"seq_len_interpolation_factor": 2.0}, 5)}
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("rope", sorted(ROPE))
+def test_rotary_rows_are_megatrons_table_at_global_positions(pools, rope, world_size):
+    kw, offset = ROPE[rope]
+    table = pools(1).run(mc.megatron_rope_table, kw=kw, offset=offset, timeout=120)[0]
+    for rank, r in enumerate(pools(world_size).run(mc.rope_rows, table=table, kw=kw, offset=offset, timeout=120)):
+        assert all(r.values()), (rank, r)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_batch_sharding(pools, world_size):
+    for rank, r in enumerate(pools(world_size).run(mc.batch_sharding, timeout=120)):
+        assert all(r.values()), (rank, r)
+
+
+def test_layout_comes_from_the_spec_then_the_config(pools):
+    for r in pools(2).run(mc.layout_from_config, timeout=120):
+        assert r == {"config": "interleaved", "spec_wins": "contiguous", "default": "zigzag"}, r
+
+
+def test_use_ring_attention_replaces_every_core_attention_slot():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from cp_attention.integrations import megatron as cpm
+
+    local = get_gpt_layer_local_spec()
+    ring = cpm.use_ring_attention(local, layout="interleaved")
+    assert ring.submodules.self_attention.submodules.core_attention is cpm.ring_core_attention("interleaved")
+    assert local.submodules.self_attention.submodules.core_attention is DotProductAttention, "input spec modified"
+    assert issubclass(cpm.ring_core_attention("striped"), cpm.RingDotProductAttention)
+    assert cpm.ring_core_attention("striped") is cpm.ring_core_attention("interleaved")
+    block = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec() for _ in range(3)])
+    ring_block = cpm.use_ring_attention(block, layout="contiguous")
+    assert len(ring_block.layer_specs) == 3
+    for layer in ring_block.layer_specs:
+        assert layer.submodules.self_attention.submodules.core_attention is cpm.ring_core_attention("contiguous")
+    with pytest.raises(ValueError, match="no core_attention slot"):
+        cpm.use_ring_attention(local.submodules.mlp)
+    with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
+        cpm.ring_core_attention("diagonal")
