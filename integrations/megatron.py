@@ -282,11 +282,13 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
 
     Checks that every :class:`RingDotProductAttention` shares one layout and CP group, and replaces
     every ``RotaryEmbedding`` with a :class:`LayoutRotaryEmbedding`, so RoPE uses each token's
-    global position under that layout. Idempotent; a no-op at CP size 1. Returns ``model``.
+    global position under that layout (at CP size 1, the positions themselves, computed without the
+    GPU megatron's own ``get_emb`` insists on). Idempotent. Returns ``model``.
 
     Raises:
         ValueError: no ring core attention in the model, or attentions with different layouts or groups.
-        NotImplementedError: a rotary embedding type other than ``RotaryEmbedding`` at CP size > 1.
+        NotImplementedError: a rotary embedding type other than ``RotaryEmbedding`` (YaRN, mRoPE);
+            the model is left unchanged.
     """
     rings = [m for m in model.modules() if isinstance(m, RingDotProductAttention)]
     if not rings:
@@ -298,8 +300,8 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"all ring attentions of a model must share one layout and CP group, got layouts "
                          f"{layouts} and groups {sorted(map(str, groups))}")
     first = rings[0]
-    if first.cp_size > 1:
-        _swap_rotary_embeddings(model, first.layout, first.cp_group)
+    # Also at CP size 1, where the rows are megatron's own: the wrapper needs no GPU.
+    _swap_rotary_embeddings(model, first.layout, first.cp_group)
     for m in rings:
         m.global_positions_ready = True
     return model
