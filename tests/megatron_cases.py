@@ -363,3 +363,41 @@ def layout_from_config(rank: int, world_size: int) -> dict[str, str]:
     return {"config": cpm.ring_core_attention()(config=cfg, **kw).layout.name,
             "spec_wins": cpm.ring_core_attention("contiguous")(config=cfg, **kw).layout.name,
             "default": cpm.ring_core_attention()(config=config(world_size), **kw).layout.name}
+
+
+def example_losses(rank: int, world_size: int, argv: list) -> list:
+    """The losses of ``scripts/pretrain_megatron.py``'s training loop, run in this worker."""
+    import importlib.util
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_megatron.py"
+    spec = importlib.util.spec_from_file_location("pretrain_megatron", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    if ps.model_parallel_is_initialized():  # the script sets up its own TP x CP x DP state
+        ps.destroy_model_parallel()
+    _PARALLEL.clear()
+    return script.train(script.parse_args(["--world-size", str(world_size), *argv]))
+
+
+def pg_collection_group(rank: int, world_size: int, layout: str) -> dict:
+    """CP over ``pg_collection.cp`` (two independent pairs of ranks), not megatron's global CP group."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from cp_attention.integrations import megatron as cpm
+
+    from .reference import reference_attention
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    ring = _ring(2, layout=layout, cfg=config(2), pg_collection=ProcessGroupCollection(cp=pair))
+    ring.global_positions_ready = True
+    q, k, v = _qkv(SEQ, seed=rank // 2)  # each pair attends over its own sequence
+    lay = cpm.cpa.get_layout(layout)
+    local = [lay.shard(t, 0, rank % 2, 2) for t in (q, k, v)]
+    got = ring(*local, None)
+    want, _ = reference_attention(*(t.transpose(0, 1) for t in (q, k, v)), causal=True, scale=8 ** -0.5)
+    want = lay.shard(want.transpose(0, 1), 0, rank % 2, 2).flatten(2)
+    return {"group": ring.cp_group is pair and ring.cp_size == 2, "error": (got - want).abs().max().item()}
