@@ -4,7 +4,7 @@ from setuptools import setup
 
 EXTRAS = {
     "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
-    "megatron": ["megatron-core>=0.12"],
+    "megatron": ["megatron-core>=0.16"],  # core_attention slot as a builder; tested on 0.16.1
     "plots": ["matplotlib>=3.7"],
     # Need a CUDA machine and compile there; never part of "all".
     "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
@@ -20,7 +20,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["cp_attention", "cp_attention.kernels", "cp_attention.integrations"],
+    packages=["cp_attention", "cp_attention.kernels", "cp_attention.training", "cp_attention.integrations"],
     package_dir={"cp_attention.integrations": "integrations"},
     install_requires=["torch>=2.4", "hydra-core>=1.3", "tqdm"],
     extras_require=EXTRAS,
