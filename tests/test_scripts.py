@@ -37,3 +37,17 @@ def test_finetune_example_smoke():
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and all(l == l and 0 < l < 10 for l in losses), proc.stdout
+
+
+def test_megatron_example_smoke():
+    pytest.importorskip("megatron.core", reason="needs the megatron extra")
+    proc = subprocess.run(
+        [sys.executable, "scripts/pretrain_megatron.py", "--steps", "3", "--seq-len", "64", "--batch", "2",
+         "--log-every", "1", "--layout", "interleaved"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and all(l == l and 0 < l < 10 for l in losses), proc.stdout
+    bad = subprocess.run([sys.executable, "scripts/pretrain_megatron.py", "--seq-len", "66"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "zigzag layout needs seq_len divisible by 2*world_size=4, got 66" in bad.stderr
