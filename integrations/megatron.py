@@ -170,8 +170,8 @@ class RingDotProductAttention(MegatronModule):
                                       "RingDotProductAttention; use rotary or learned absolute positions")
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences (packed_seq_params / THD format) are not supported by "
-                                      "RingDotProductAttention until varlen support lands; pass padded-free "
-                                      "[s, b] batches without packed_seq_params")
+                                      "RingDotProductAttention until varlen support lands; pass unpacked [s, b] "
+                                      "batches without packed_seq_params")
         if self.training and self.dropout_p > 0:
             raise NotImplementedError(f"attention dropout ({self.dropout_p}) is not supported by ring attention; "
                                       "set config.attention_dropout=0.0")

@@ -139,9 +139,8 @@ def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layo
     model.load_state_dict(ref["state"])
     cpm.apply_context_parallel(model)
     if rope_layout is not None:  # a deliberately wrong RoPE, to show the test can see it
-        for m in model.modules():
-            if isinstance(m, cpm.LayoutRotaryEmbedding):
-                m.__init__(m.rope, rope_layout, m.group)
+        model.rotary_pos_emb = cpm.LayoutRotaryEmbedding(model.rotary_pos_emb.rope, rope_layout,
+                                                         model.rotary_pos_emb.group)
     return model
 
 
