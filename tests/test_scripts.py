@@ -51,3 +51,14 @@ def test_megatron_example_smoke():
     bad = subprocess.run([sys.executable, "scripts/pretrain_megatron.py", "--seq-len", "66"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "zigzag layout needs seq_len divisible by 2*world_size=4, got 66" in bad.stderr
+
+
+def test_megatron_benchmark_smoke():
+    pytest.importorskip("megatron.core", reason="needs the megatron extra")
+    proc = subprocess.run([sys.executable, "scripts/benchmark_megatron.py", "--seq-lens", "256", "--repeats", "1",
+                           "--layers", "1", "--heads", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line.strip().startswith("256")}
+    assert sorted(rows) == ["baseline", "cp2/contiguous", "cp2/interleaved", "cp2/zigzag"], proc.stdout
+    for impl, cols in rows.items():  # fwd ms, fwd x, fwd+bwd ms, fwd+bwd x, peak MiB
+        assert all(float(c) > 0 for c in cols[2:6]), (impl, cols)
