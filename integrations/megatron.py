@@ -287,8 +287,8 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
 
     Raises:
         ValueError: no ring core attention in the model, or attentions with different layouts or groups.
-        NotImplementedError: a rotary embedding type other than ``RotaryEmbedding`` (YaRN, mRoPE);
-            the model is left unchanged.
+        NotImplementedError: a rotary embedding type other than ``RotaryEmbedding`` (YaRN, mRoPE),
+            or multi-token prediction with a layout other than zigzag; the model is left unchanged.
     """
     rings = [m for m in model.modules() if isinstance(m, RingDotProductAttention)]
     if not rings:
@@ -300,6 +300,10 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"all ring attentions of a model must share one layout and CP group, got layouts "
                          f"{layouts} and groups {sorted(map(str, groups))}")
     first = rings[0]
+    if first.cp_size > 1 and first.layout.name != "zigzag" and getattr(first.config, "mtp_num_layers", None):
+        raise NotImplementedError(f"multi-token prediction (mtp_num_layers={first.config.mtp_num_layers}) rolls "
+                                  "its labels across CP ranks assuming the zigzag layout; use layout='zigzag' "
+                                  f"with MTP, not {first.layout.name!r}")
     # Also at CP size 1, where the rows are megatron's own: the wrapper needs no GPU.
     _swap_rotary_embeddings(model, first.layout, first.cp_group)
     for m in rings:

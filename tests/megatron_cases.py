@@ -260,6 +260,9 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
         kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
     out["rope_subclass"] = _error(lambda: cpm.apply_context_parallel(scaled))
     out["rope_subclass_left_untouched"] = type(scaled.rotary_pos_emb).__name__
+    mtp = build(world_size, spec=cpm.get_gpt_layer_ring_spec("interleaved", normalization="RMSNorm"),
+                mtp_num_layers=1)
+    out["mtp_not_zigzag"] = _error(lambda: cpm.apply_context_parallel(mtp))
     ragged = {"tokens": torch.zeros(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, SEQ - 4, dtype=torch.long)}
     out["ragged_batch"] = _error(lambda: cpm.get_batch_on_this_cp_rank(ragged))
     out["unsplittable_batch"] = _error(lambda: cpm.get_batch_on_this_cp_rank({"tokens": torch.zeros(2, 6)}))

@@ -95,6 +95,7 @@ REFUSED = {
     "no_ring_in_model": ("ValueError", "get_gpt_layer_ring_spec"),
     "mixed_layouts": ("ValueError", "['interleaved', 'zigzag']"),
     "rope_subclass": ("NotImplementedError", "ScaledRotaryEmbedding"),
+    "mtp_not_zigzag": ("NotImplementedError", "multi-token prediction (mtp_num_layers=1)"),
     "ragged_batch": ("ValueError", "batch['labels'] has sequence length 20"),
     "unsplittable_batch": ("ValueError", "zigzag layout needs seq_len divisible by 2*world_size=4, got 6"),
     "te_backend": ("ImportError", "TransformerEngine"),
