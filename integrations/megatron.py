@@ -12,8 +12,8 @@ without TransformerEngine:
 
 The CP group is megatron's (``parallel_state`` or ``pg_collection.cp``). Features the ring cannot
 honour exactly are refused with an error that names them: attention bias, packed sequences,
-attention dropout, masks other than the causal or empty one, sliding windows, softmax sinks and
-``cp_comm_type`` other than ``"p2p"``.
+attention dropout, masks other than the causal or empty one, sliding windows, softmax sinks,
+``cp_comm_type`` other than ``"p2p"``, YaRN/mRoPE, and multi-token prediction under a non-zigzag layout.
 """
 
 from __future__ import annotations
