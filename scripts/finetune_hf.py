@@ -13,8 +13,6 @@ the CP group, which gives exactly the gradients of the model without CP.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from cp_attention.training.ranks import run_on_ranks  # noqa: E402
 
 
 def build_model(seed: int):
@@ -66,15 +65,6 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
-    try:
-        train(args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not under torchrun")
@@ -87,18 +77,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5)
     args = p.parse_args()
-    if "RANK" in os.environ:  # under torchrun: the environment names the rendezvous
-        dist.init_process_group("gloo")
-        args.world_size = dist.get_world_size()
-        try:
-            train(args)
-        finally:
-            dist.destroy_process_group()
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port), nprocs=args.world_size)
+    run_on_ranks(train, args.world_size, args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 import warnings
@@ -25,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from cp_attention.training.ranks import run_on_ranks  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
 
@@ -99,15 +99,6 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
-    try:
-        train(args)
-    finally:
-        dist.destroy_process_group()
-
-
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     """Command-line arguments, with ``world_size`` from torchrun's environment when present.
 
@@ -144,17 +135,7 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if "RANK" in os.environ:  # under torchrun: the environment names the rendezvous
-        dist.init_process_group("gloo")
-        try:
-            train(args)
-        finally:
-            dist.destroy_process_group()
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port), nprocs=args.world_size)
+    run_on_ranks(train, args.world_size, args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-import socket
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,6 +22,7 @@ import cp_attention as cpa
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import VOCAB_SIZE, ByteBatches, load_bytes
+from .ranks import spawn_gloo
 
 __all__ = ["validate_config", "launch", "train"]
 
@@ -183,26 +183,9 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
     return last if is_main else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned(rank: int, cfg: dict, run_dir: str, port: int, world: int) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        train(cfg, run_dir)
-    finally:
-        dist.destroy_process_group()
-
-
 def launch(cfg: dict, run_dir: str) -> None:
     """Run training: under ``torchrun`` on the ranks it started (NCCL on GPU, gloo on CPU), otherwise
     on ``cfg['nproc']`` gloo ranks spawned here. All ranks write to rank 0's ``run_dir``."""
-    import torch.multiprocessing as mp
-
     if "RANK" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         validate_config(cfg, world)
@@ -219,4 +202,4 @@ def launch(cfg: dict, run_dir: str) -> None:
         return
     world = cfg["nproc"]
     validate_config(cfg, world)
-    mp.spawn(_spawned, args=(cfg, run_dir, _free_port(), world), nprocs=world)
+    spawn_gloo(train, world, cfg, run_dir)
