@@ -62,6 +62,12 @@ _APPLY_HINT = ("call cp_attention.integrations.megatron.apply_context_parallel(m
                "the model")
 
 
+def _checked_kernel(kernel: str) -> str:
+    if kernel not in cpa.KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {cpa.KERNEL_NAMES}")
+    return kernel
+
+
 def _resolve_cp_group(pg_collection):
     if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
         return pg_collection.cp
@@ -99,9 +105,7 @@ class RingDotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.layout = cpa.get_layout(layout or getattr(config, "cp_layout", None) or DEFAULT_LAYOUT)
-        if kernel not in cpa.KERNEL_NAMES:
-            raise ValueError(f"unknown kernel {kernel!r}; expected one of {cpa.KERNEL_NAMES}")
-        self.kernel = kernel
+        self.kernel = _checked_kernel(kernel)
         self.cp_group = _resolve_cp_group(pg_collection)
         self.cp_rank, self.cp_size = group_rank_and_size(self.cp_group)
         if self.cp_size != config.context_parallel_size:
@@ -193,9 +197,7 @@ def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto") -> t
     arguments (aliases included) return the same class. Raises ``ValueError`` for an unknown
     layout or kernel.
     """
-    if kernel not in cpa.KERNEL_NAMES:
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of {cpa.KERNEL_NAMES}")
-    return _ring_class(None if layout is None else cpa.get_layout(layout).name, kernel)
+    return _ring_class(None if layout is None else cpa.get_layout(layout).name, _checked_kernel(kernel))
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,11 +215,11 @@ def _replace_core_attention(node: Any, builder: type, seen: set) -> int:
     if id(node) in seen:
         return 0
     seen.add(id(node))
-    count = 0
     if isinstance(node, (list, tuple)):
         return sum(_replace_core_attention(item, builder, seen) for item in node)
     if not dataclasses.is_dataclass(node) or isinstance(node, type):
         return 0
+    count = 0
     for field in dataclasses.fields(node):
         if field.name == "core_attention":
             setattr(node, field.name, builder)

@@ -12,7 +12,6 @@ import argparse
 import datetime
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from cp_attention import get_layout, ring_attention  # noqa: E402
+from cp_attention.training.ranks import free_port  # noqa: E402,F401 - re-exported to the scripts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYOUTS = ("contiguous", "zigzag", "interleaved")
@@ -188,13 +188,6 @@ def check_torch_ring(args, group, rank: int, ws: int) -> float:
 
 
 # ---------------------------------------------------------------- worker processes
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for the gloo rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def baseline_worker(_: int, args, seq: int, out_path: str) -> None:
     """World size 1 (no process group): ring_attention runs the kernel on the full sequence."""

@@ -285,7 +285,7 @@ def core_attention_cp1(rank: int, world_size: int) -> dict[str, float]:
                                      ("qk_layer_scaling", {}, {"apply_query_key_layer_scaling": True})):
                 cfg = config(1, **cfg_kw)
                 args = dict(config=cfg, layer_number=2, attn_mask_type=mask_type, attention_type="self", **kw)
-                ring = _ring(1, cfg=cfg, **{**args, "config": cfg})
+                ring = _ring(1, **args)
                 qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
                 qm, km, vm = (t.clone().requires_grad_() for t in (q, k, v))
                 got, want = ring(qr, kr, vr, None), DotProductAttention(**args)(qm, km, vm, None)
