@@ -17,6 +17,7 @@ __all__ = [
     "ZigzagLayout",
     "InterleavedLayout",
     "get_layout",
+    "register_layout",
     "LAYOUT_NAMES",
 ]
 
@@ -156,15 +157,37 @@ class InterleavedLayout(Layout):
         return torch.arange(rank, seq_len, world_size)
 
 
-_LAYOUTS: tuple[Layout, ...] = (ContiguousLayout(), ZigzagLayout(), InterleavedLayout())
+# Every known layout, built-in first, then those added with register_layout, in that order.
+_LAYOUTS: list[Layout] = [ContiguousLayout(), ZigzagLayout(), InterleavedLayout()]
+LAYOUT_NAMES: tuple[str, ...] = tuple(lay.name for lay in _LAYOUTS)  # the built-in layouts
 _BY_NAME: dict[str, Layout] = {n: lay for lay in _LAYOUTS for n in (lay.name, *lay.aliases)}
-LAYOUT_NAMES: tuple[str, ...] = tuple(lay.name for lay in _LAYOUTS)
+
+
+def register_layout(layout: Layout) -> None:
+    """Make a user-defined layout resolvable by its name and aliases (``get_layout("mine")``).
+
+    Registering an equal layout again is a no-op, so a module that registers on import may be
+    imported twice (spawned worker processes re-import it). Raises ``TypeError`` for a non-Layout
+    and ``ValueError`` for a name that is empty or already taken by a different layout.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"register_layout needs a Layout instance, got {type(layout).__name__}")
+    names = [n.lower() for n in (layout.name, *layout.aliases)]
+    if not layout.name:
+        raise ValueError(f"{type(layout).__name__} has an empty name; set the class attribute `name`")
+    for n in names:
+        taken = _BY_NAME.get(n)
+        if taken is not None and type(taken) is not type(layout):
+            raise ValueError(f"layout name {n!r} is already taken by {taken!r}; choose another name")
+    if layout.name.lower() not in _BY_NAME:
+        _LAYOUTS.append(layout)
+    _BY_NAME.update({n: layout for n in names})
 
 
 def get_layout(layout: "str | Layout") -> Layout:
     """Resolve a layout name (or alias, case-insensitive) or pass a :class:`Layout` through.
 
-    Raises ``ValueError`` for an unknown name, listing the known ones.
+    Raises ``ValueError`` for an unknown name, listing the known ones (built-in and registered).
     """
     if isinstance(layout, Layout):
         return layout

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .layout import Layout, get_layout
+from .layout import Layout, get_layout, register_layout
 
 __all__ = [
     "BlockTask",
@@ -112,9 +112,18 @@ def schedule_names() -> tuple[str, ...]:
     return tuple(_SCHEDULES)
 
 
-def register_schedule(layout_name: str, fn: ScheduleFn) -> None:
-    """Register the schedule for a new layout (the layout's :attr:`Layout.name`)."""
-    _SCHEDULES[layout_name] = fn
+def register_schedule(layout: "str | Layout", fn: ScheduleFn) -> None:
+    """Register the schedule ``fn`` for a layout: a :class:`Layout` instance (also registered with
+    :func:`~cp_attention.layout.register_layout`, so its name resolves everywhere) or a layout's name.
+
+    A user-defined layout then works end to end: ``ring_attention``, ``work_model`` and the layout
+    comparison. ``tests/test_schedule.py`` shows how to prove a schedule against the mask oracle.
+    Raises what :func:`~cp_attention.layout.register_layout` raises.
+    """
+    if isinstance(layout, Layout):
+        register_layout(layout)
+        layout = layout.name
+    _SCHEDULES[layout] = fn
 
 
 def get_schedule(layout: "str | Layout") -> ScheduleFn:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .dtypes import FLOAT_DTYPES
 from .kernels import KERNEL_NAMES, get_kernel
-from .layout import get_layout
+from .layout import Layout, get_layout
 from .schedule import schedule_names
 
 __all__ = ["CallSpec", "encode", "check_table", "validate_call"]
 
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_TYPES = ("cpu", "cuda")
 _UNKNOWN = -1
 
@@ -31,7 +31,7 @@ class CallSpec:
     """What a rank was called with, decoded from its signature."""
 
     shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-    dtype: int  # index into _DTYPES, or -1 when not one float dtype shared by q, k, v
+    dtype: int  # index into FLOAT_DTYPES, or -1 when not one float dtype shared by q, k, v
     device: int  # index into _DEVICE_TYPES, -1 other, -2 when q, k, v are on different devices
     layout: int  # index into the registered schedules, -1 unknown
     kernel: int  # index into KERNEL_NAMES, -1 unknown
@@ -57,7 +57,7 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
         sig += [t.dim(), *(shape + [0] * (4 - len(shape)))]
     dts = {q.dtype, k.dtype, v.dtype}
     dt = q.dtype
-    sig.append(_DTYPES.index(dt) if len(dts) == 1 and dt in _DTYPES else _UNKNOWN)
+    sig.append(FLOAT_DTYPES.index(dt) if len(dts) == 1 and dt in FLOAT_DTYPES else _UNKNOWN)
     devs = {q.device, k.device, v.device}
     sig.append(-2 if len(devs) > 1 else
                (_DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _UNKNOWN))
@@ -104,7 +104,7 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     if dq != dk:
         return f"q and k must have the same head_dim, got {dq} and {dk} (v may differ)"
     if c.dtype == _UNKNOWN:
-        return f"q, k and v must share one floating dtype among {', '.join(str(d) for d in _DTYPES)}"
+        return f"q, k and v must share one floating dtype among {', '.join(str(d) for d in FLOAT_DTYPES)}"
     if c.device == -2:
         return "q, k and v must be on the same device"
     if c.device == _UNKNOWN:
@@ -115,13 +115,8 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
     if not math.isfinite(c.scale) or c.scale == 0.0:
         return f"softmax_scale must be a finite non-zero float, got {c.scale}"
-    layout = schedule_names()[c.layout]
     try:
-        get_layout(layout).check(sq * world_size, world_size)
-    except ValueError as e:
-        return f"local sequence length {sq} x world_size {world_size} = {sq * world_size} tokens: {e}"
-    try:
-        get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], _DTYPES[c.dtype])
+        get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype])
     except ValueError as e:
         return str(e)
     return None
@@ -132,8 +127,13 @@ _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device t
                 "needs_grad": "requires_grad of q, k, v"}
 
 
-def check_table(table: list[list[int]]) -> None:
-    """Check every rank's signature; raise one deterministic ``ValueError`` for the whole group."""
+def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
+    """Check every rank's signature; raise one deterministic ``ValueError`` for the whole group.
+
+    ``layout`` is the caller's resolved layout (it may be user-defined and known to no registry);
+    ``None`` resolves the agreed layout by name. It is consulted only once every rank is known to
+    pass the same layout and shapes, so every rank reaches the same verdict.
+    """
     world_size = len(table)
     specs = [_decode(s) for s in table]
     problems = [(r, _local_problem(c, world_size)) for r, c in enumerate(specs)]
@@ -149,16 +149,25 @@ def check_table(table: list[list[int]]) -> None:
                 f"ring_attention: every rank of the group must pass the same {label}, got {per_rank}; "
                 "shard every tensor with the same layout and call with the same arguments on all ranks"
             )
+    sq = specs[0].shapes[0][1]
+    if layout is None:
+        layout = get_layout(schedule_names()[specs[0].layout])
+    try:
+        layout.check(sq * world_size, world_size)
+    except ValueError as e:
+        raise ValueError(f"ring_attention: local sequence length {sq} x world_size {world_size} = "
+                         f"{sq * world_size} tokens: {e}") from None
 
 
 def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int) -> None:
     """Validate a ring_attention call across the whole group; raise the same error on every rank."""
     sig = encode(q, k, v, layout, causal, scale, kernel)
+    resolved = layout if isinstance(layout, Layout) else None
     if world_size == 1:
-        check_table([sig])
+        check_table([sig], resolved)
         return
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(sig, dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(parts, mine, group=group)
-    check_table([p.tolist() for p in parts])
+    check_table([p.tolist() for p in parts], resolved)

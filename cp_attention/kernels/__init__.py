@@ -8,12 +8,20 @@ from .base import AttentionKernel, accumulation_dtype
 from .math import MathKernel
 from .sdpa import SdpaCpuKernel
 
-__all__ = ["AttentionKernel", "accumulation_dtype", "get_kernel", "KERNEL_NAMES", "MathKernel", "SdpaCpuKernel"]
+__all__ = ["AttentionKernel", "accumulation_dtype", "check_kernel_name", "get_kernel", "KERNEL_NAMES", "MathKernel",
+           "SdpaCpuKernel"]
 
 _KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (SdpaCpuKernel(), MathKernel())}
 # "auto" tries these in order: fastest first, the reference last.
 _AUTO_ORDER = ("sdpa", "math")
 KERNEL_NAMES: tuple[str, ...] = ("auto", *_KERNELS)
+
+
+def check_kernel_name(name: str) -> str:
+    """Return ``name`` if it names a kernel (or ``"auto"``); raise ``ValueError`` listing the names otherwise."""
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {name!r}; expected one of: {', '.join(KERNEL_NAMES)}")
+    return name
 
 
 def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype) -> AttentionKernel:
@@ -27,9 +35,7 @@ def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype) -> A
             if _KERNELS[n].supports(device, dtype):
                 return _KERNELS[n]
         raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}")
-    if name not in _KERNELS:
-        raise ValueError(f"unknown kernel {name!r}; expected one of: {', '.join(KERNEL_NAMES)}")
-    kernel = _KERNELS[name]
+    kernel = _KERNELS[check_kernel_name(name)]
     if not kernel.supports(device, dtype):
         raise ValueError(
             f"kernel {name!r} does not support device {device.type} with dtype {dtype}; "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import FLOAT_DTYPES
+
 __all__ = ["SdpaCpuKernel"]
 
 
@@ -24,10 +26,8 @@ class SdpaCpuKernel:
     name = "sdpa"
     # The op reads K/V head by head; head-major memory makes it 4-11% faster (scripts/benchmark.py).
     head_major_kv = True
-    _dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return torch.device(device).type == "cpu" and dtype in self._dtypes
+        return torch.device(device).type == "cpu" and dtype in FLOAT_DTYPES
 
     def forward(self, q, k, v, causal, scale):
         d = max(q.shape[-1], v.shape[-1])

@@ -1,0 +1,99 @@
+"""Start the ranks of a job: a free port, a process group that is torn down on every exit path,
+ranks spawned on this machine (gloo), or the ranks torchrun started.
+
+The one bootstrap shared by the training launcher, the example scripts, the benchmarks and the
+test worker pools.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["free_port", "process_group", "spawn", "run_on_ranks"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_size: Optional[int] = None,
+                  port: Optional[int] = None, timeout_s: Optional[float] = None) -> Iterator[None]:
+    """Initialise the default process group for the ``with`` block and destroy it however the block ends.
+
+    With ``rank=None`` the group comes from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; NCCL ranks also take ``LOCAL_RANK`` as their CUDA device);
+    otherwise ``rank``, ``world_size`` and ``port`` give a TCP rendezvous on 127.0.0.1.
+    ``timeout_s`` bounds every collective, so a lost peer fails the job instead of hanging it.
+    Raises ``ValueError`` for a rank without ``world_size`` and ``port``.
+    """
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if rank is not None:
+        if world_size is None or port is None:
+            raise ValueError(f"process_group(rank={rank}) also needs world_size and port, "
+                             f"got world_size={world_size}, port={port}")
+        kwargs.update(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    elif backend == "nccl" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s: Optional[float],
+                  fn: Callable[..., Any], args: tuple, out_path: str) -> None:
+    torch.set_num_threads(threads)
+    with process_group("gloo", rank=rank, world_size=world_size, port=port, timeout_s=timeout_s):
+        result = fn(*args)
+    if rank == 0:
+        with open(out_path, "wb") as f:
+            pickle.dump(result, f)
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional[int] = None,
+          timeout_s: Optional[float] = None) -> Any:
+    """Call ``fn(*args)`` on ``world_size`` fresh gloo ranks on this machine; return rank 0's result.
+
+    ``fn`` must be picklable (a module-level function) and so must its result. Each rank runs
+    ``threads`` torch threads (default: the machine's cores shared out). Raises
+    ``torch.multiprocessing.ProcessRaisedException`` if a rank fails.
+    """
+    import torch.multiprocessing as mp
+
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.pkl")
+        mp.spawn(_spawned_rank, args=(world_size, free_port(), threads, timeout_s, fn, args, out_path),
+                 nprocs=world_size, join=True)
+        with open(out_path, "rb") as f:
+            return pickle.load(f)
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                 timeout_s: Optional[float] = None) -> Any:
+    """Call ``fn(*args)`` on every rank of a job and return this process's (or rank 0's) result.
+
+    Under torchrun (``RANK`` set) it runs here, in a ``backend`` group built from torchrun's
+    environment; otherwise on ``world_size`` gloo ranks spawned here (see :func:`spawn`).
+    """
+    if "RANK" not in os.environ:
+        return spawn(fn, world_size, *args, timeout_s=timeout_s)
+    with process_group(backend, timeout_s=timeout_s):
+        return fn(*args)
