@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_attention as cpa
+from cp_attention._extras import require_extra
 from cp_attention.comm import group_rank_and_size
+from cp_attention.kernels import check_kernel_name
 
 __all__ = ["apply_context_parallel", "shard_batch", "causal_lm_loss", "gather_sequence", "ATTN_IMPLEMENTATION"]
 
@@ -29,11 +31,9 @@ IGNORE_INDEX = -100
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("cp_attention.integrations.huggingface needs transformers: "
-                          "pip install 'cp_attention[hf]'") from e
+    require_extra("hf", ("transformers",), "cp_attention.integrations.huggingface")
+    import transformers
+
     return transformers
 
 
@@ -127,8 +127,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     whose config enables a feature the ring cannot honour (attention logit softcapping).
     """
     lay = cpa.get_layout(layout)
-    if kernel not in cpa.KERNEL_NAMES:
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of: {', '.join(cpa.KERNEL_NAMES)}")
+    check_kernel_name(kernel)
     rank, world_size = group_rank_and_size(group)
     if world_size == 1:
         return model

@@ -28,20 +28,20 @@ import torch
 import torch.distributed as dist
 
 import cp_attention as cpa
+from cp_attention._extras import require_extra
 from cp_attention.comm import group_rank_and_size
+from cp_attention.kernels import check_kernel_name
 
-try:
-    from megatron.core import parallel_state
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-        MultimodalRotaryEmbedding,
-        RotaryEmbedding,
-    )
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.utils import is_layer_window_attention
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("cp_attention.integrations.megatron needs megatron-core: "
-                      "pip install 'cp_attention[megatron]'") from e
+require_extra("megatron", ("megatron.core",), "cp_attention.integrations.megatron")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # noqa: E402
+    MultimodalRotaryEmbedding,
+    RotaryEmbedding,
+)
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.utils import is_layer_window_attention  # noqa: E402
 
 from ._megatron_rope import LayoutRotaryEmbedding
 
@@ -60,12 +60,6 @@ __all__ = [
 DEFAULT_LAYOUT = "zigzag"
 _APPLY_HINT = ("call cp_attention.integrations.megatron.apply_context_parallel(model) once after building "
                "the model")
-
-
-def _checked_kernel(kernel: str) -> str:
-    if kernel not in cpa.KERNEL_NAMES:
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of {cpa.KERNEL_NAMES}")
-    return kernel
 
 
 def _resolve_cp_group(pg_collection):
@@ -105,7 +99,7 @@ class RingDotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.layout = cpa.get_layout(layout or getattr(config, "cp_layout", None) or DEFAULT_LAYOUT)
-        self.kernel = _checked_kernel(kernel)
+        self.kernel = check_kernel_name(kernel)
         self.cp_group = _resolve_cp_group(pg_collection)
         self.cp_rank, self.cp_size = group_rank_and_size(self.cp_group)
         if self.cp_size != config.context_parallel_size:
@@ -197,7 +191,7 @@ def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto") -> t
     arguments (aliases included) return the same class. Raises ``ValueError`` for an unknown
     layout or kernel.
     """
-    return _ring_class(None if layout is None else cpa.get_layout(layout).name, _checked_kernel(kernel))
+    return _ring_class(None if layout is None else cpa.get_layout(layout).name, check_kernel_name(kernel))
 
 
 @functools.lru_cache(maxsize=None)
