@@ -13,10 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+import hydra
+from omegaconf import DictConfig, OmegaConf
 
 _RANK = os.environ.get("RANK", "0")
 if _RANK != "0":

@@ -368,20 +368,15 @@ def layout_from_config(rank: int, world_size: int) -> dict[str, str]:
 
 
 def example_losses(rank: int, world_size: int, argv: list) -> list:
-    """The losses of ``scripts/pretrain_megatron.py``'s training loop, run in this worker."""
-    import importlib.util
-    from pathlib import Path
-
+    """The losses of the Megatron example's training loop (``scripts/pretrain_megatron.py``), run in this worker."""
     from megatron.core import parallel_state as ps
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_megatron.py"
-    spec = importlib.util.spec_from_file_location("pretrain_megatron", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    if ps.model_parallel_is_initialized():  # the script sets up its own TP x CP x DP state
+    from cp_attention.training import megatron_example
+
+    if ps.model_parallel_is_initialized():  # the example sets up its own TP x CP x DP state
         ps.destroy_model_parallel()
     _PARALLEL.clear()
-    return script.train(script.parse_args(["--world-size", str(world_size), *argv]))
+    return megatron_example.train(megatron_example.parse_args(["--world-size", str(world_size), *argv]))
 
 
 def pg_collection_group(rank: int, world_size: int, layout: str) -> dict:

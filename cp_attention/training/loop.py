@@ -20,9 +20,11 @@ import torch.distributed as dist
 
 import cp_attention as cpa
 
+from ..kernels import check_kernel_name
+from ..launch import process_group, spawn
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import VOCAB_SIZE, ByteBatches, load_bytes
-from .ranks import spawn_gloo
+from .steps import train_step
 
 __all__ = ["validate_config", "launch", "train"]
 
@@ -39,8 +41,7 @@ def validate_config(cfg: dict, world_size: int) -> None:
     if seq % layout.divisor(cp) != 0:
         raise ValueError(f"trainer.seq_len={seq} cannot be split by the {layout.name} layout over cp_size={cp}: "
                          f"it needs a multiple of {layout.divisor(cp)}; change trainer.seq_len or layout")
-    if cfg["kernel"]["name"] not in cpa.KERNEL_NAMES:
-        raise ValueError(f"unknown kernel {cfg['kernel']['name']!r}; expected one of {', '.join(cpa.KERNEL_NAMES)}")
+    check_kernel_name(cfg["kernel"]["name"])
     if cfg["trainer"].get("resume_from"):
         latest_checkpoint(cfg["trainer"]["resume_from"])  # raises FileNotFoundError naming the path
     data = cfg["data"]
@@ -103,7 +104,7 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
     dp = world // cp
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (dp, cp), mesh_dim_names=("dp", "cp"))
-    cp_group, dp_rank = mesh["cp"].get_group(), mesh["dp"].get_local_rank()
+    cp_group, dp_group, dp_rank = mesh["cp"].get_group(), mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     layout = cfg["layout"]["name"]
     is_main = rank == 0
 
@@ -135,30 +136,22 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
         bar = tqdm(total=t["steps"], initial=start, desc=f"train {layout} dp={dp} cp={cp}", dynamic_ncols=True)
     tokens_per_step = dp * t["micro_batch"] * t["grad_accum"] * t["seq_len"]
     t0, last = time.perf_counter(), {}
+
+    def loss_fn(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        local = cphf.shard_batch({"input_ids": ids.to(device)}, group=cp_group, layout=layout)
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+        loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=cp_group)
+        return loss, loss.detach()
+
     model.train()
     # stop_after ends this launch early (a time-limited job) with a checkpoint to resume from
     end = t["steps"] if not t.get("stop_after") else min(t["steps"], start + t["stop_after"])
     for step in range(start, end):
-        loss_sum = 0.0
-        for _ in range(t["grad_accum"]):
-            # the same global batch on every rank; each dp replica takes its rows
-            ids = batches.next(dp * t["micro_batch"])[dp_rank * t["micro_batch"]: (dp_rank + 1) * t["micro_batch"]]
-            local = cphf.shard_batch({"input_ids": ids.to(device)}, group=cp_group, layout=layout)
-            out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
-            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=cp_group)
-            (loss / t["grad_accum"]).backward()
-            loss_sum += loss.item() / t["grad_accum"]
-        # CP ranks hold shares of their replica's gradient (sum); replicas are averaged (divide by dp)
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad.div_(dp)
-        if t.get("grad_clip"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        stat = torch.tensor([loss_sum], dtype=torch.float64)
+        # the same global batch on every rank; each dp replica takes its rows
+        micro = [batches.next(dp * t["micro_batch"])[dp_rank * t["micro_batch"]: (dp_rank + 1) * t["micro_batch"]]
+                 for _ in range(t["grad_accum"])]
+        stat = train_step(model, opt, micro, loss_fn, cp_group=cp_group, dp_group=dp_group, scheduler=sched,
+                          grad_clip=t.get("grad_clip"))
         dist.all_reduce(stat)
         loss_value = stat.item() / world  # equal on the CP ranks of a replica: the mean over replicas
         done = step + 1
@@ -183,23 +176,22 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
     return last if is_main else None
 
 
+def _train_in_shared_dir(cfg: dict, run_dir: str) -> Optional[dict]:
+    shared = [run_dir]
+    dist.broadcast_object_list(shared, src=0)  # under torchrun rank 0's Hydra directory is everyone's
+    return train(cfg, shared[0])
+
+
 def launch(cfg: dict, run_dir: str) -> None:
     """Run training: under ``torchrun`` on the ranks it started (NCCL on GPU, gloo on CPU), otherwise
-    on ``cfg['nproc']`` gloo ranks spawned here. All ranks write to rank 0's ``run_dir``."""
+    on ``cfg['nproc']`` gloo ranks spawned here. All ranks write to rank 0's ``run_dir``.
+
+    Raises what :func:`validate_config` raises, before any rank starts.
+    """
     if "RANK" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
-        validate_config(cfg, world)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend)
-        try:
-            shared = [run_dir]
-            dist.broadcast_object_list(shared, src=0)  # rank 0's Hydra directory is everyone's
-            train(cfg, shared[0])
-        finally:
-            dist.destroy_process_group()
+        validate_config(cfg, int(os.environ["WORLD_SIZE"]))
+        with process_group("nccl" if torch.cuda.is_available() else "gloo"):
+            _train_in_shared_dir(cfg, run_dir)
         return
-    world = cfg["nproc"]
-    validate_config(cfg, world)
-    spawn_gloo(train, world, cfg, run_dir)
+    validate_config(cfg, cfg["nproc"])
+    spawn(train, cfg["nproc"], cfg, run_dir)

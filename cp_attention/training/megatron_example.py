@@ -1,0 +1,119 @@
+"""Pre-train a tiny megatron-core GPTModel with context parallelism, nothing downloaded
+(``scripts/pretrain_megatron.py``).
+
+The model is megatron's own ``GPTModel`` built from ``get_gpt_layer_ring_spec`` (ring attention in
+the ``core_attention`` slot, any layout); the text is Python's ``pydoc_data.topics`` as bytes.
+Ranks are laid out by megatron's ``parallel_state`` as TP x CP x DP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..dtypes import DTYPES, dtype_from_name
+from ..layout import get_layout
+from .cli import example_parser
+from .data import load_bytes
+from .steps import progress_line, train_step
+
+__all__ = ["build_model", "batches", "train", "parse_args"]
+
+# megatron-core on a CPU machine: its optional CUDA extensions are absent by design.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
+
+
+def build_model(args: argparse.Namespace):
+    """A tiny GPTModel with ring attention, prepared for CP (RoPE at global positions)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from cp_attention.integrations import megatron as cpm
+
+    dtype = dtype_from_name(args.dtype)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+        normalization="RMSNorm", attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
+        tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size, params_dtype=dtype)
+    torch.manual_seed(args.seed)
+    spec = cpm.get_gpt_layer_ring_spec(args.layout, kernel=args.kernel, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=256, max_sequence_length=args.seq_len,
+                     position_embedding_type="rope").to(dtype)
+    return cpm.apply_context_parallel(model)
+
+
+def batches(args: argparse.Namespace) -> Iterator[dict]:
+    """Full-sequence megatron batch dicts (the same on every rank), shifted labels and a loss mask."""
+    data = load_bytes("builtin")  # Python's bundled help texts as bytes
+    gen = torch.Generator().manual_seed(args.seed)
+    positions = torch.arange(args.seq_len).expand(args.batch, args.seq_len)
+    while True:
+        starts = torch.randint(0, data.numel() - args.seq_len - 1, (args.batch,), generator=gen)
+        window = torch.stack([data[s: s + args.seq_len + 1] for s in starts.tolist()])
+        yield {"tokens": window[:, :-1], "labels": window[:, 1:], "position_ids": positions,
+               "loss_mask": torch.ones(args.batch, args.seq_len)}
+
+
+def train(args: argparse.Namespace) -> list[float]:
+    """Run the pre-training loop on this rank; returns the global mean loss of every step."""
+    from megatron.core import parallel_state as ps
+
+    from cp_attention.integrations import megatron as cpm
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size)
+    cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
+    dp_size = ps.get_data_parallel_world_size()
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = batches(args)
+
+    def loss_fn(full: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        local = cpm.get_batch_on_this_cp_rank(full, layout=args.layout)
+        per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        local_sum = (per_token * local["loss_mask"]).sum()
+        stats = torch.stack([local_sum.detach(), local["loss_mask"].sum()])
+        dist.all_reduce(stats, group=cp_group)
+        # This rank's share of the sequence's mean loss: summed over CP it is the full gradient.
+        return local_sum / stats[1], stats[0] / stats[1]
+
+    losses = []
+    t0 = time.perf_counter()
+    try:
+        for step in range(args.steps):
+            full = [next(data) for _ in range(dp_size)][ps.get_data_parallel_rank()]  # one batch per DP replica
+            losses.append(train_step(model, opt, [full], loss_fn, cp_group=cp_group, dp_group=dp_group).item())
+            if dist.get_rank() == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+                tok_s = (step + 1) * args.batch * args.seq_len * dp_size / (time.perf_counter() - t0)
+                print(progress_line(step, losses[-1], tok_s), flush=True)
+    finally:
+        ps.destroy_model_parallel()
+    return losses
+
+
+def parse_args(argv: Optional[list[str]] = None, description: str = __doc__) -> argparse.Namespace:
+    """Command-line arguments, with ``world_size`` from torchrun's environment when present.
+
+    Exits with a usage error if the sizes do not fit together or the layout cannot split ``seq_len``.
+    """
+    p = example_parser(description)
+    p.add_argument("--cp-size", type=int, default=None, help="default: world size / tp size")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    args = p.parse_args(argv)
+    if "RANK" in os.environ:
+        args.world_size = int(os.environ["WORLD_SIZE"])
+    args.cp_size = args.cp_size or args.world_size // args.tp_size
+    if args.cp_size < 1 or args.world_size % (args.tp_size * args.cp_size):
+        p.error(f"--world-size {args.world_size} must be a multiple of tp_size x cp_size = "
+                f"{args.tp_size} x {args.cp_size}")
+    try:  # fail here, not on every rank
+        get_layout(args.layout).check(args.seq_len, args.cp_size)
+    except ValueError as e:
+        p.error(str(e))
+    return args

@@ -1,0 +1,76 @@
+"""What every training loop here shares: the CP/DP gradient convention and one optimizer step.
+
+Each CP rank computes its share of a loss that is the mean over ALL the replica's tokens
+(:func:`cp_attention.integrations.huggingface.causal_lm_loss` does this), so the gradients summed
+over the CP group are exactly the gradients without CP; data-parallel replicas are then averaged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["reduce_gradients", "train_step", "progress_line"]
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp_group=None, dp_group=None) -> None:
+    """Sum the gradients over ``cp_group`` and average them over ``dp_group``, in place.
+
+    ``cp_group=None`` is the default group, as in ``ring_attention``; ``dp_group=None`` means no data
+    parallelism. Gradients travel as one flattened bucket per dtype and device, so each group costs
+    one collective per bucket. Parameters without a gradient are left alone.
+    """
+    params = model.parameters() if isinstance(model, torch.nn.Module) else model
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    cp_size, dp_size = _group_size(cp_group), (_group_size(dp_group) if dp_group is not None else 1)
+    if cp_size == dp_size == 1:
+        return
+    for grads in buckets.values():
+        flat = _flatten_dense_tensors(grads)
+        if cp_size > 1:
+            dist.all_reduce(flat, group=cp_group)
+        if dp_size > 1:
+            dist.all_reduce(flat, group=dp_group)
+            flat.div_(dp_size)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[Any],
+               loss_fn: Callable[[Any], "tuple[torch.Tensor, torch.Tensor]"], *, cp_group=None, dp_group=None,
+               scheduler: Optional[Any] = None, grad_clip: Optional[float] = None) -> torch.Tensor:
+    """One optimizer step over ``micro_batches`` (gradient accumulation); returns the mean loss value.
+
+    ``loss_fn(batch)`` returns ``(objective, value)``: this rank's share of the batch's global mean
+    loss, to back-propagate, and the value to report (detached). Gradients are reduced with
+    :func:`reduce_gradients`, clipped to ``grad_clip`` if given, then the optimizer and ``scheduler``
+    step and the gradients are cleared. The result is an fp64 tensor, so nothing here syncs the host.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for batch in micro_batches:
+        objective, value = loss_fn(batch)
+        (objective / len(micro_batches)).backward()
+        total = total.to(value.device) + value.detach().double() / len(micro_batches)
+    reduce_gradients(model, cp_group, dp_group)
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def progress_line(step: int, loss: float, tokens_per_s: float) -> str:
+    """The examples' log line: ``step    3  loss 5.1234  12,345 tokens/s``."""
+    return f"step {step:4d}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s"
