@@ -1,10 +1,5 @@
-#!/usr/bin/env python
-"""Compare the contiguous, zigzag and interleaved layouts: modelled, measured and projected.
-
-    python scripts/compare_layouts.py                                  # configs/experiment/default.yaml
-    python scripts/compare_layouts.py experiment=smoke                 # tiny, for tests
-    python scripts/compare_layouts.py measure.world_sizes=[1,2,4] heads=16 dtype=bfloat16 causal=false
-    python scripts/compare_layouts.py out_dir=results/layouts          # default: outputs/compare_layouts/<time>
+"""Compare layouts (the built-in three, or any registered one): modelled, measured and projected
+(``scripts/compare_layouts.py``).
 
 Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
 A (layout, world size, S) the layout cannot split is skipped and listed in the report.
@@ -12,20 +7,31 @@ A (layout, world size, S) the layout cannot split is skipped and listed in the r
 
 from __future__ import annotations
 
-import sys
+import importlib
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run this checkout, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ..dtypes import DTYPES
+from ..kernels import check_kernel_name
+from ..layout import get_layout
+from ..analysis import AttentionShape, ClusterSpec
+from . import layout_tables as tables
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+__all__ = ["check_config", "import_plugins", "run"]
 
-from cp_attention import KERNEL_NAMES, get_layout  # noqa: E402
-from cp_attention.analysis import AttentionShape, ClusterSpec  # noqa: E402
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+def import_plugins(cfg: dict) -> None:
+    """Import the modules named in ``cfg["plugins"]``: user-defined layouts register themselves
+    (``register_schedule(MyLayout(), fn)``) when their module is imported.
+
+    Raises ``ValueError`` naming a module that cannot be imported.
+    """
+    for name in cfg.get("plugins") or ():
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ValueError(f"config plugins={name!r}: cannot import it ({e}); expected an importable "
+                             "module that registers a layout (override with plugins=[...])") from None
 
 
 def check_config(cfg: dict) -> None:
@@ -42,10 +48,12 @@ def check_config(cfg: dict) -> None:
             fail("layouts", lay, str(e).split("expected ", 1)[-1])
     if not isinstance(cfg["causal"], bool):
         fail("causal", cfg["causal"], "true or false")
-    if cfg["dtype"] not in _DTYPE_BYTES:
-        fail("dtype", cfg["dtype"], " or ".join(_DTYPE_BYTES))
-    if cfg["kernel"] not in KERNEL_NAMES:
-        fail("kernel", cfg["kernel"], " or ".join(KERNEL_NAMES))
+    if cfg["dtype"] not in DTYPES:
+        fail("dtype", cfg["dtype"], " or ".join(DTYPES))
+    try:
+        check_kernel_name(cfg["kernel"])
+    except ValueError as e:
+        fail("kernel", cfg["kernel"], str(e).split("expected one of: ", 1)[-1])
     for key in ("batch", "heads", "head_dim", "repeats"):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             fail(key, cfg[key], "a positive integer")
@@ -67,10 +75,13 @@ def check_config(cfg: dict) -> None:
 
 
 def run(cfg: dict, out: Path) -> Path:
-    """The whole comparison for a resolved config dict; returns the report's path."""
-    import layout_tables as tables
-    from layout_report import write_results
+    """The whole comparison for a resolved config dict, written into ``out``; returns the report's path.
 
+    Raises ``ValueError`` naming the config key for a config that cannot run, before any work.
+    """
+    from .layout_report import write_results
+
+    import_plugins(cfg)
     check_config(cfg)
     cfg = {**cfg, "layouts": list(dict.fromkeys(get_layout(x).name for x in cfg["layouts"]))}  # aliases -> names
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +92,7 @@ def run(cfg: dict, out: Path) -> Path:
 
     lays, causal, m = cfg["layouts"], cfg["causal"], cfg["model"]
     shape = AttentionShape(cfg["batch"], cfg["heads"], cfg["kv_heads"] or cfg["heads"], cfg["head_dim"],
-                           elem_bytes=_DTYPE_BYTES[cfg["dtype"]])
+                           elem_bytes=DTYPES[cfg["dtype"]].itemsize)
     # The pictures need their own world sizes modelled too, whatever model.world_sizes says.
     sizes = sorted({*m["world_sizes"], *m["seq_plot_world_sizes"], cfg["bars"]["world_size"]})
     skipped: list[dict] = []
@@ -97,8 +108,8 @@ def run(cfg: dict, out: Path) -> Path:
 
     measured = {"wall": [], "steps": [], "summary": [], "skipped": [], "meta": {}}
     if cfg["measure"]["world_sizes"] and cfg["measure"]["seq_lens"]:
-        from bench_common import limit_malloc_caching
-        from layout_measure import measure_all
+        from .layout_measure import measure_all
+        from .measure import limit_malloc_caching
 
         limit_malloc_caching()
         keys = ("batch", "heads", "kv_heads", "head_dim", "dtype", "kernel", "repeats")
@@ -110,20 +121,3 @@ def run(cfg: dict, out: Path) -> Path:
     path = write_results(out, cfg, res, measured["meta"], log)
     log(f"wrote {path}")
     return path
-
-
-@hydra.main(version_base="1.3", config_path="../configs", config_name="compare_layouts")
-def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    out = Path(HydraConfig.get().runtime.output_dir)  # == out_dir: the config makes them one folder
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    try:
-        check_config(resolved)
-    except ValueError as e:  # a config mistake: say it plainly instead of a traceback
-        sys.exit(f"compare_layouts: {e}")
-    run(resolved, out)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Per (world size, S): single-process attention (the baseline) and the real ``ring_attention`` of
 every layout, with PyTorch's ring as a peer row, timed and memory-profiled by
-``bench_common``; then, on every rank, the kernel calls of that rank's schedule timed step by step
+``attention_bench``; then, on every rank, the kernel calls of that rank's schedule timed step by step
 (:func:`step_times`), which is the compute the ring engine does at each step without its merges and
 communication.
 """
@@ -17,9 +17,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from bench_common import DTYPES, baseline_worker, free_port, ring_worker, spawn
-from cp_attention import get_kernel, get_layout, rank_plan
-from cp_attention.analysis import imbalance, split_problem, step_sync_efficiency
+from ..analysis import imbalance, split_problem, step_sync_efficiency
+from ..dtypes import dtype_from_name
+from ..kernels import get_kernel
+from ..layout import get_layout
+from ..schedule import rank_plan
+from .attention_bench import measure_seq
+
+__all__ = ["step_times", "measure_all"]
 
 PASSES = ("fwd", "bwd")
 
@@ -27,7 +32,7 @@ PASSES = ("fwd", "bwd")
 def _local_inputs(args, n: int, head_major_kv: bool) -> tuple[torch.Tensor, ...]:
     """Random local q, k, v, dout ``[B, n, H, D]``; K/V head-major in memory where the engine keeps them so."""
     g = torch.Generator().manual_seed(4321 + n)
-    dt = DTYPES[args.dtype]
+    dt = dtype_from_name(args.dtype)
     b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
     q, dout = (torch.randn(b, n, h, d, generator=g).to(dt) for _ in range(2))
     if head_major_kv:
@@ -37,7 +42,7 @@ def _local_inputs(args, n: int, head_major_kv: bool) -> tuple[torch.Tensor, ...]
     return q, k, v, dout
 
 
-def _layout_step_ms(args, group, rank: int, ws: int, seq: int, layout: str) -> torch.Tensor:
+def _layout_step_ms(args, group, rank: int, ws: int, seq: int, layout) -> torch.Tensor:
     """This rank's kernel time per step, ``[2 (fwd, bwd), steps]`` in ms, median over repeats.
 
     A barrier starts every step on every rank together, so the ranks contend for the machine as
@@ -45,7 +50,7 @@ def _layout_step_ms(args, group, rank: int, ws: int, seq: int, layout: str) -> t
     """
     n = seq // ws
     plan = rank_plan(get_layout(layout), args.causal, rank, ws, n)
-    kernel = get_kernel(args.kernel, "cpu", DTYPES[args.dtype])
+    kernel = get_kernel(args.kernel, "cpu", dtype_from_name(args.dtype))
     q, k, v, dout = _local_inputs(args, n, getattr(kernel, "head_major_kv", False))
     scale = args.head_dim ** -0.5
     # Backward needs each block's out/LSE; the block's own are as good as the merged ones for timing.
@@ -78,7 +83,7 @@ def step_times(args, group, rank: int, ws: int, seq: int) -> dict:
         mine = _layout_step_ms(args, group, rank, ws, seq, layout)
         parts = [torch.empty_like(mine) for _ in range(ws)]
         dist.all_gather(parts, mine, group=group)
-        result[layout] = torch.stack(parts)
+        result[get_layout(layout).name] = torch.stack(parts)
     return {"step_ms": result}
 
 
@@ -127,11 +132,11 @@ def measure_all(m: dict, layouts: list[str], causal: bool, log: Callable[[str], 
                     ok.append(lay)
             if not ok:
                 continue
-            args = argparse.Namespace(**{**m, "world_size": ws, "layouts": ok, "causal": causal,
-                                         "kv_heads": m["kv_heads"] or m["heads"]})
+            # Layout objects, not names: unpickling one in a worker imports (and so registers) its module.
+            args = argparse.Namespace(**{**m, "world_size": ws, "layouts": [get_layout(x) for x in ok],
+                                         "causal": causal, "kv_heads": m["kv_heads"] or m["heads"]})
             t0 = time.perf_counter()
-            base = spawn(baseline_worker, 1, args, seq)
-            ring = spawn(ring_worker, ws, args, seq, free_port(), step_times)
+            base, ring = measure_seq(args, seq, step_times)
             log(f"measured world size {ws}, S={seq} in {time.perf_counter() - t0:.0f} s")
             tables["wall"] += _wall_rows(base["rows"] + ring["rows"], ws)
             for lay, ms in ring["step_ms"].items():
@@ -146,7 +151,7 @@ def measure_all(m: dict, layouts: list[str], causal: bool, log: Callable[[str], 
                                          "rank": r, "step": s, "ms": work[r][s]}
                                         for r in range(ws) for s in range(ws)]
             tables["meta"][f"ws{ws}_S{seq}"] = {
-                "baseline_threads": base["threads"], "threads_per_rank": ring["threads_per_rank"],
+                "baseline_threads": base["threads"], "threads_per_rank": ring["threads"],
                 "memory": ring["memory"], "torch_ring_check_max_abs_err": ring.get("torch_ring_check_max_abs_err"),
             }
     return tables

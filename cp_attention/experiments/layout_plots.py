@@ -10,7 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from cp_attention.analysis import imbalance, step_sync_efficiency
+from .._extras import require_extra
+from ..analysis import imbalance, step_sync_efficiency
 
 Records = list[dict]
 _LAYOUT_COLORS = {"contiguous": "C3", "zigzag": "C0", "interleaved": "C2"}
@@ -19,13 +20,9 @@ _LAYOUT_WIDTH = {"zigzag": (4.0, 0.45)}
 
 
 def _plt():
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError(
-            "the layout comparison draws its pictures with matplotlib, which is not installed; "
-            "install the 'plots' extra: pip install -e '.[plots]' (or pip install 'matplotlib>=3.7')"
-        ) from e
+    require_extra("plots", ("matplotlib",), "the layout comparison's pictures")
+    import matplotlib
+
     matplotlib.use("Agg")  # files only: no display on a cluster or in CI
     import matplotlib.pyplot as plt
     return plt

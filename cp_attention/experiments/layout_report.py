@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Callable, Optional
 
-import layout_plots as plots
+from . import layout_plots as plots
 
 Records = list[dict]
 NOISY = 0.25  # a row whose repeats spread more than this is flagged in the report

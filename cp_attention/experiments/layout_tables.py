@@ -10,10 +10,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterable
 
-from cp_attention import work_model
-from cp_attention.analysis import (
+from ..analysis import (
     AttentionShape, ClusterSpec, comm_bytes_per_rank, pair_owners, project, split_problem, summarize,
 )
+from ..schedule import work_model
 
 Records = list[dict]
 

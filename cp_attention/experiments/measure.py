@@ -1,37 +1,20 @@
-"""Measurement machinery shared by the benchmark scripts: inputs, implementations, timing, peak
-memory and worker processes over gloo.
-
-Used by ``scripts/benchmark.py`` and ``scripts/compare_layouts.py``. Workers receive an ``args``
-namespace with: world_size, layouts, batch, heads, kv_heads, head_dim, dtype, kernel, repeats,
-torch_ring, timeout.
+"""Measurement machinery shared by the benchmarks and the layout comparison: result rows, peak
+memory, and median timings of the slowest rank.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import pickle
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # time this checkout, installed or not
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from cp_attention import get_layout, ring_attention  # noqa: E402
-from cp_attention.training.ranks import free_port  # noqa: E402,F401 - re-exported to the scripts
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LAYOUTS = ("contiguous", "zigzag", "interleaved")
-CHECK_SEQ = 1024  # the torch-ring correctness check runs once, at this small length
+__all__ = ["Row", "memory_method", "measure", "limit_malloc_caching", "print_table", "sweep"]
 
 
 @dataclass
@@ -71,6 +54,7 @@ def _reset_peak() -> bool:
 
 
 def memory_method() -> str:
+    """How peak memory is measured on this machine, for the report."""
     return "VmHWM after clear_refs, minus RSS before the call" if _reset_peak() else \
         "clear_refs not writable: process-lifetime VmHWM minus RSS before the call (an upper bound)"
 
@@ -117,146 +101,6 @@ def measure(impls: dict[str, tuple[Callable, Callable]], seq: int, repeats: int,
     return rows
 
 
-# ---------------------------------------------------------------- inputs and implementations
-
-def make_inputs(args, seq: int) -> tuple[torch.Tensor, ...]:
-    """Full-sequence q, k, v, dout ``[B, S, H, D]``; the same on every rank (seeded)."""
-    g = torch.Generator().manual_seed(1234 + seq)
-    dt = DTYPES[args.dtype]
-    b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
-    shapes = ((b, seq, h, d), (b, seq, hkv, d), (b, seq, hkv, d), (b, seq, h, d))
-    return tuple(torch.randn(s, generator=g).to(dt) for s in shapes)
-
-
-def ours(q, k, v, dout, group, layout: str, kernel: str, causal: bool = True) -> tuple[Callable, Callable]:
-    """Forward-only and forward+backward closures for cp_attention.ring_attention."""
-    def fwd():
-        with torch.no_grad():
-            return ring_attention(q, k, v, group, layout=layout, causal=causal, kernel=kernel)
-
-    def fwdbwd():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # fresh leaves: no grad accumulation
-        ring_attention(*leaves, group, layout=layout, causal=causal, kernel=kernel).backward(dout)
-        return leaves
-    return fwd, fwdbwd
-
-
-def torch_ring(q, k, v, dout, group, causal: bool = True) -> tuple[Callable, Callable]:
-    """Closures for torch's _templated_ring_attention(+_backward) on bhsd shards (zigzag layout).
-
-    torch's CP calls these two from its own op's forward and backward, outside autograd, so both run
-    under no_grad here. Raises if the private API is gone.
-    """
-    from torch.distributed.tensor.experimental._context_parallel import _attention as ta
-
-    ta._cp_options.enable_load_balance = True  # head-tail balancing == our zigzag layout
-    fop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))  # its native bhsd
-    kw = dict(dropout_p=0.0, scale=q.shape[-1] ** -0.5)
-
-    def fwd():
-        with torch.no_grad():
-            return ta._templated_ring_attention(group, 2, fop, q, k, v, is_causal=causal, **kw)[:2]
-
-    def fwdbwd():
-        with torch.no_grad():
-            out, lse = fwd()
-            return ta._templated_ring_attention_backward(group, 2, bop, dout, "grad_out", q, k, v, out, lse,
-                                                         causal, **kw)[:3]
-    return fwd, fwdbwd
-
-
-def check_seq(ws: int) -> int:
-    """The length of the torch-ring check: CHECK_SEQ rounded down to what zigzag can split."""
-    return max(2 * ws, CHECK_SEQ - CHECK_SEQ % (2 * ws))
-
-
-def check_torch_ring(args, group, rank: int, ws: int) -> float:
-    """Max abs difference (fp32, S=check_seq) between torch's ring and ours: output and dq, dk, dv."""
-    small = argparse.Namespace(**{**vars(args), "dtype": "float32"})
-    lay = get_layout("zigzag")
-    q, k, v, dout = (lay.shard(t, 1, rank, ws) for t in make_inputs(small, check_seq(ws)))
-    fwd, fwdbwd = ours(q, k, v, dout, group, "zigzag", args.kernel, args.causal)
-    tfwd, tfwdbwd = torch_ring(q, k, v, dout, group, args.causal)
-    mine = [fwd()] + [t.grad for t in fwdbwd()]
-    theirs = [tfwd()[0]] + list(tfwdbwd())
-    err = max((a - b.transpose(1, 2)).abs().max().item() for a, b in zip(mine, theirs))
-    err_t = torch.tensor([err], dtype=torch.float64)
-    dist.all_reduce(err_t, op=dist.ReduceOp.MAX, group=group)
-    return err_t.item()
-
-
-# ---------------------------------------------------------------- worker processes
-
-def baseline_worker(_: int, args, seq: int, out_path: str) -> None:
-    """World size 1 (no process group): ring_attention runs the kernel on the full sequence."""
-    torch.set_num_threads(args.world_size)  # the same total thread count as the ring
-    q, k, v, dout = make_inputs(args, seq)
-    base = ours(q, k, v, dout, None, "contiguous", args.kernel, args.causal)
-    rows = measure({"baseline": base}, seq, args.repeats, None)
-    with open(out_path, "wb") as f:
-        pickle.dump({"rows": rows, "threads": torch.get_num_threads(), "memory": memory_method()}, f)
-
-
-def ring_worker(rank: int, args, seq: int, port: int, extra: Optional[Callable], out_path: str) -> None:
-    """One rank of the ring: every layout, and torch's ring, at one S; 1 thread per rank.
-
-    ``extra(args, group, rank, world_size, seq) -> dict``, a module-level function (it is pickled),
-    runs on every rank after the timings; rank 0's dict joins the result.
-    """
-    torch.set_num_threads(1)
-    ws = args.world_size
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    group = dist.group.WORLD  # torch's ring insists on a ProcessGroup object, not None
-    meta = {"threads_per_rank": torch.get_num_threads(), "memory": memory_method()}
-    torch_error = None if args.torch_ring else "disabled"
-    if torch_error is None and seq % get_layout("zigzag").divisor(ws):
-        torch_error = f"zigzag (head-tail) cannot split S={seq} over {ws} ranks"
-    if torch_error is None:
-        try:  # fails alike on every rank if the private API moved, so no rank is left waiting
-            meta["torch_ring_check_max_abs_err"] = err = check_torch_ring(args, group, rank, ws)
-            if err > 1e-5:
-                torch_error = f"disagrees with ours: max abs err {err:.2e} at S={check_seq(ws)} fp32"
-        except Exception as e:  # noqa: BLE001 -- report any failure of the private API as the row's reason
-            torch_error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-        failed = torch.tensor([float(torch_error is not None)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)  # all ranks must time the same impls
-        if failed.item() and torch_error is None:
-            torch_error = "failed on another rank"
-        if torch_error is None:
-            from torch.distributed.tensor.experimental._context_parallel import _attention as ta
-            meta["torch_cp_options"] = repr(ta._cp_options)
-    full = make_inputs(args, seq)
-    needed = {*args.layouts, *(() if torch_error else ("zigzag",))}
-    shard = {lay: [get_layout(lay).shard(t, 1, rank, ws) for t in full] for lay in needed}
-    impls = {f"ring/{lay}": ours(*shard[lay], group, lay, args.kernel, args.causal) for lay in args.layouts}
-    if torch_error is None:
-        impls["torch_ring/zigzag"] = torch_ring(*shard["zigzag"], group, args.causal)
-    rows = measure(impls, seq, args.repeats, group)
-    if torch_error is not None:
-        rows.append(Row(seq, "torch_ring/zigzag", error=torch_error))
-    if extra is not None:
-        meta.update(extra(args, group, rank, ws, seq))
-    if rank == 0:
-        with open(out_path, "wb") as f:
-            pickle.dump({"rows": rows, **meta}, f)
-    dist.barrier(group)
-    dist.destroy_process_group()
-
-
-def spawn(fn: Callable, nprocs: int, *args) -> dict:
-    """Run ``fn`` in ``nprocs`` fresh processes; return what rank 0 pickled."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.pkl")
-        mp.spawn(fn, args=(*args, path), nprocs=nprocs, join=True)
-        with open(path, "rb") as f:
-            return pickle.load(f)
-
-
-
-
 def limit_malloc_caching() -> None:
     """Make freed memory go back to the OS at once, so a call's RSS peak shows what it allocates.
 
@@ -265,3 +109,53 @@ def limit_malloc_caching() -> None:
     """
     for var in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         os.environ.setdefault(var, str(128 * 1024))
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[Row]) -> None:
+    """Print one line per (S, impl), with time ratios against the row named ``baseline`` at the same S."""
+    base = {r.seq: r for r in rows if r.impl == "baseline"}
+    head = f"{'S':>6}  {'impl':<20}{'fwd ms':>10}{'fwd x':>8}{'fwd+bwd ms':>12}{'fwd+bwd x':>11}{'peak MiB':>10}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        b = base.get(r.seq)
+        if r.error:
+            print(f"{r.seq:>6}  {r.impl:<20}n/a: {r.error}")
+            continue
+        fr = r.fwd_ms / b.fwd_ms if b and b.fwd_ms else None
+        br = r.fwdbwd_ms / b.fwdbwd_ms if b and b.fwdbwd_ms else None
+        print(f"{r.seq:>6}  {r.impl:<20}{_fmt(r.fwd_ms, '10.1f')}{_fmt(fr, '8.3f')}"
+              f"{_fmt(r.fwdbwd_ms, '12.1f')}{_fmt(br, '11.3f')}{_fmt(r.fwdbwd_peak_mib, '10.1f')}")
+
+
+def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tuple[dict, dict]"], label: str,
+          world_size: int, notes: Callable[[dict], "list[str]"] = lambda parallel: []
+          ) -> "tuple[list[Row], dict, dict]":
+    """Run a benchmark over ``seq_lens`` and print its report: the command, ``header``, one table row
+    per (S, impl) with ratios against the baseline, and the total time.
+
+    ``measure_one(seq)`` measures the baseline and the parallel run at one S, back to back so they see
+    the same machine, and returns their results: dicts with ``rows``, ``threads`` and ``memory``.
+    ``notes(parallel)`` adds lines under the setup. Returns all rows and the last S's two results.
+    """
+    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(header, flush=True)
+    limit_malloc_caching()
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    for seq in seq_lens:
+        base, parallel = measure_one(seq)
+        rows += base["rows"] + parallel["rows"]
+        print(f"  S={seq} done after {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"threads: baseline {base['threads']} (1 process), {label} {parallel['threads']} per rank x {world_size}")
+    print(f"peak memory: {parallel['memory']}; max over ranks, during fwd+bwd; "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}")
+    for line in notes(parallel):
+        print(line)
+    print()
+    print_table(rows)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    return rows, base, parallel
