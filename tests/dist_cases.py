@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 import cp_attention as cpa
+from cp_attention.comm import RingComm
+from cp_attention.dtypes import dtype_from_name
 from cp_attention.kernels import MathKernel
 from cp_attention.ring import RingAttentionFunction, RingPlan
-from cp_attention.comm import RingComm
 from cp_attention.schedule import rank_plan
 
 from .reference import excess_error, reference_attention
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_inputs(seed: int, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, v_dim: int,
@@ -36,7 +36,7 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
                      batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
                      rtol: float, seed: int = 0) -> dict:
     """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard."""
-    dt = DTYPES[dtype]
+    dt = dtype_from_name(dtype)
     v_dim = v_dim or head_dim
     seq = local_len * world_size
     q, k, v, dout = make_inputs(seed, batch, seq, heads, kv_heads, head_dim, v_dim, dt)
@@ -98,7 +98,7 @@ def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None
                 layout="zigzag", causal=True, kernel="auto", softmax_scale=None, requires_grad=True, ndim=4)
     spec.update(kwargs)
     spec.update((per_rank or {}).get(rank, {}))
-    dt = DTYPES[spec["dtype"]]
+    dt = dtype_from_name(spec["dtype"])
     q = torch.randn(spec["batch"], spec["local_len"], spec["heads"], spec["head_dim"], dtype=dt)
     k = torch.randn(spec["batch"], spec["local_len"], spec["kv_heads"], spec["head_dim"], dtype=dt)
     v = torch.randn(spec["batch"], spec["local_len"], spec["kv_heads"], spec["v_dim"], dtype=dt)
@@ -128,3 +128,19 @@ def gather_roundtrip(rank: int, world_size: int, *, layout: str) -> bool:
     full = torch.arange(2 * 3 * 4 * world_size * 5, dtype=torch.float32).reshape(2, 3, 4 * world_size, 5)
     lay = cpa.get_layout(layout)
     return torch.equal(lay.gather(lay.shard(full, 2, rank, world_size), dim=2), full)
+
+
+def reduced_gradients(rank: int, world_size: int) -> dict:
+    """``reduce_gradients`` on a 2 (dp) x 2 (cp) grid: gradients of mixed dtypes, one parameter without."""
+    from cp_attention.training import reduce_gradients
+
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(3))
+    model.b = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
+    model.frozen = torch.nn.Parameter(torch.zeros(1))
+    model.a.grad = torch.arange(3.0) + 10 * rank
+    model.b.grad = torch.full((2, 2), float(rank * rank), dtype=torch.float64)
+    reduce_gradients(model, cp_group=cp_groups[rank // 2], dp_group=dp_groups[rank % 2])
+    return {"a": model.a.grad, "b": model.b.grad, "frozen": model.frozen.grad}

@@ -7,13 +7,14 @@ kills the pool and fails its test instead of stalling CI; the next case starts a
 
 from __future__ import annotations
 
-import os
 import queue
-import socket
+import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from cp_attention.launch import free_port, process_group
 
 
 class CaseError(RuntimeError):
@@ -24,20 +25,11 @@ class CaseTimeout(RuntimeError):
     """A case did not finish on every rank within its timeout (a hang)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_main(rank: int, world_size: int, port: int, inbox, outbox) -> None:
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with process_group("gloo", rank=rank, world_size=world_size, port=port):
         while True:
             item = inbox.get()
             if item is None:
@@ -47,8 +39,6 @@ def _worker_main(rank: int, world_size: int, port: int, inbox, outbox) -> None:
                 outbox.put((case_id, rank, True, fn(rank, world_size, *args, **kwargs)))
             except BaseException:  # noqa: BLE001 - every failure must reach the test
                 outbox.put((case_id, rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
 
 
 class WorkerPool:
@@ -63,7 +53,7 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(target=_worker_main, args=(r, self.world_size, port, self._inboxes[r], self._outbox),
                         daemon=True)
@@ -85,8 +75,6 @@ class WorkerPool:
         for box in self._inboxes:
             box.put((case_id, fn, args, kwargs))
         results: dict[int, tuple[bool, Any]] = {}
-        import time
-
         deadline = time.monotonic() + timeout
         while len(results) < self.world_size:
             try:

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import cp_attention as cpa
+from cp_attention.dtypes import dtype_from_name
 
 from . import dist_cases
 from .reference import tolerance
 
 WORLD_SIZES = (1, 2, 3, 4)
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+TESTED_DTYPES = ("float64", "float32", "bfloat16")
 
 
 def _assert_within(errors: list[dict], what: str) -> None:
@@ -24,7 +25,8 @@ def _assert_within(errors: list[dict], what: str) -> None:
             assert e[key] <= 0.0, f"{what}: rank {rank} {key} exceeds tolerance by {e[key]:.3e}"
 
 
-MATRIX = list(itertools.product(WORLD_SIZES, cpa.LAYOUT_NAMES, (True, False), HEADS, DTYPES, ("math", "sdpa")))
+MATRIX = list(itertools.product(WORLD_SIZES, cpa.LAYOUT_NAMES, (True, False), HEADS, TESTED_DTYPES,
+                                ("math", "sdpa")))
 
 
 @pytest.mark.parametrize("world_size,layout,causal,heads,dtype,kernel", MATRIX,
@@ -32,7 +34,7 @@ MATRIX = list(itertools.product(WORLD_SIZES, cpa.LAYOUT_NAMES, (True, False), HE
                               for p in MATRIX])
 def test_matches_reference(pools, world_size, layout, causal, heads, dtype, kernel):
     h, hkv = HEADS[heads]
-    tol = tolerance(DTYPES[dtype], gqa=hkv != h)
+    tol = tolerance(dtype_from_name(dtype), gqa=hkv != h)
     errors = pools(world_size).run(
         dist_cases.attention_errors, layout=layout, causal=causal, dtype=dtype, kernel=kernel,
         heads=h, kv_heads=hkv, seed=world_size * 7 + h, **tol)

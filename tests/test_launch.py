@@ -1,0 +1,53 @@
+"""The one bootstrap (cp_attention.launch) and the shared gradient convention (reduce_gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing import ProcessRaisedException
+
+from cp_attention.launch import free_port, process_group, spawn
+
+from . import dist_cases
+
+
+def _where_am_i(tag: str) -> tuple:
+    return tag, dist.get_rank(), dist.get_world_size(), torch.get_num_threads()
+
+
+def _fail_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.barrier()
+
+
+def test_spawn_returns_rank_0s_result_with_the_threads_asked_for():
+    assert spawn(_where_am_i, 3, "x", threads=1) == ("x", 0, 3, 1)
+
+
+def test_spawn_reports_a_failing_rank():
+    with pytest.raises(ProcessRaisedException, match="rank 1 fails on purpose"):
+        spawn(_fail_on_rank_1, 2, threads=1, timeout_s=30)
+
+
+def test_process_group_is_destroyed_when_the_block_raises():
+    with pytest.raises(ZeroDivisionError):
+        with process_group("gloo", rank=0, world_size=1, port=free_port()):
+            assert dist.is_initialized() and dist.get_world_size() == 1
+            1 / 0
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"process_group\(rank=0\) also needs world_size and port"):
+        with process_group("gloo", rank=0):
+            pass
+
+
+def test_reduce_gradients_sums_over_cp_and_averages_over_dp(pools):
+    results = pools(4).run(dist_cases.reduced_gradients)
+    # per dp replica: the sum over its two cp ranks; then the mean over the two replicas
+    a = sum(torch.arange(3.0) + 10 * r for r in range(4)) / 2
+    b = torch.full((2, 2), sum(r * r for r in range(4)) / 2, dtype=torch.float64)
+    for rank, got in enumerate(results):
+        assert torch.equal(got["a"], a), (rank, got["a"])
+        assert torch.equal(got["b"], b) and got["b"].dtype == torch.float64, (rank, got["b"])
+        assert got["frozen"] is None

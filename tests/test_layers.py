@@ -1,0 +1,117 @@
+"""The package's layers point one way (core <- integrations <- training/experiments <- scripts),
+scripts are thin entry points, and the optional layers name their extra when it is missing."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = "core"
+LAYERS = {  # layer -> the layers it must not import
+    CORE: {"integrations", "training", "experiments"},
+    "integrations": {"training", "experiments"},
+    "training": {"experiments"},
+    "experiments": {"training"},
+}
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    if rel[0] == "integrations":
+        return "integrations"
+    return rel[1] if rel[1] in ("training", "experiments") else CORE
+
+
+def _package(path: Path) -> str:
+    if path.parent.name == "integrations":
+        return "cp_attention.integrations"  # installed under that name
+    return ".".join(path.relative_to(ROOT).parent.parts)
+
+
+def _imported_layers(source: str, package: str) -> set[str]:
+    """The optional cp_attention layers a module of ``package`` imports, absolutely or relatively."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training",
+                                                                              "experiments"):
+                found.add(parts[1])
+    return found
+
+
+MODULES = sorted([*(ROOT / "cp_attention").rglob("*.py"), *(ROOT / "integrations").glob("*.py")])
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
+def test_dependencies_point_down(path):
+    layer = _layer(path)
+    wrong = _imported_layers(path.read_text(), _package(path)) & LAYERS[layer]
+    assert not wrong, f"{path.relative_to(ROOT)} ({layer}) imports {sorted(wrong)}"
+
+
+def test_the_checker_sees_relative_and_absolute_imports():
+    """The checker itself: it must find upward imports, or the test above could not fail."""
+    assert _imported_layers("from .training import steps\nimport cp_attention.experiments.measure\n",
+                            "cp_attention") == {"training", "experiments"}
+    assert _imported_layers("from ..training.steps import train_step\n", "cp_attention.kernels") == {"training"}
+    assert _imported_layers("from . import huggingface\n", "cp_attention.integrations") == {"integrations"}
+    assert _imported_layers("from ..layout import get_layout\nimport torch\n", "cp_attention.experiments") == set()
+
+
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_scripts_are_thin_entry_points(path):
+    source = path.read_text()
+    assert "sys.path" not in source, f"{path.name} touches sys.path"
+    tree = ast.parse(source)
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    siblings = {p.stem for p in SCRIPTS}
+    assert not imported & siblings, f"{path.name} imports another script: {imported & siblings}"
+    assert len(source.splitlines()) <= 60, f"{path.name} holds more than an entry point"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_core_needs_only_torch():
+    """Importing the core adds none of the optional packages to what torch itself imports (torch may load tqdm)."""
+    proc = _python("import sys, torch, torch.distributed\nbefore = set(sys.modules)\n"
+                   "import cp_attention, cp_attention.launch\n"
+                   "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+                   "bad = new & {'hydra', 'omegaconf', 'tqdm', 'transformers', 'megatron', 'matplotlib'}\n"
+                   "assert not bad, bad")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module,blocked,extra", [
+    ("cp_attention.training", "hydra", "train"),
+    ("cp_attention.experiments", "tqdm", "train"),
+    ("cp_attention.integrations.huggingface", "transformers", "hf"),
+    ("cp_attention.integrations.megatron", "megatron.core", "megatron"),
+])
+def test_a_missing_extra_is_named(module, blocked, extra):
+    """Without the extra's packages (blocked here by a None entry in sys.modules) the import says what to install."""
+    proc = _python(f"import sys\nsys.modules[{blocked!r}] = None\n"
+                   f"import importlib\nm = importlib.import_module({module!r})\n"
+                   f"getattr(m, '_transformers', lambda: None)()")
+    assert proc.returncode != 0
+    assert f"install the '{extra}' extra: pip install 'cp_attention[{extra}]'" in proc.stderr, proc.stderr[-2000:]
