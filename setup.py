@@ -3,6 +3,8 @@
 from setuptools import setup
 
 EXTRAS = {
+    # Training (scripts/train.py and the examples) and experiments (benchmarks, layout comparison).
+    "train": ["hydra-core>=1.3", "tqdm"],
     "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
     "megatron": ["megatron-core>=0.16"],  # core_attention slot as a builder; tested on 0.16.1
     "plots": ["matplotlib>=3.7"],
@@ -20,9 +22,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["cp_attention", "cp_attention.kernels", "cp_attention.training", "cp_attention.integrations"],
+    packages=["cp_attention", "cp_attention.kernels", "cp_attention.training", "cp_attention.experiments",
+              "cp_attention.integrations"],
     package_dir={"cp_attention.integrations": "integrations"},
-    install_requires=["torch>=2.4", "hydra-core>=1.3", "tqdm"],
+    install_requires=["torch>=2.4"],  # the core needs nothing else; see the extras
     extras_require=EXTRAS,
     license="Apache-2.0",
 )
