@@ -48,11 +48,35 @@ class _CPState:
     world_size: int
 
 
+# Model-level switches that transformers forwards to every attention function and that cannot change
+# the attention values (what a layer returns besides them, or whether a cache object exists).
+_OUTPUT_FLAGS = frozenset({"use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
+                           "return_dict"})
+
+
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                            softcap: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``."""
+                            softcap: Optional[float] = None, position_ids: Optional[torch.Tensor] = None,
+                            is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
+                            **others: Any) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``.
+
+    Takes only what it implements. Any other argument that is not None (attention sinks ``s_aux``,
+    packed-sequence ``cu_seq_lens_*``, anything a future model adds) raises ``NotImplementedError``
+    naming it, on every rank alike (they run the same model) and before any communication, instead of
+    being dropped. Only :data:`_OUTPUT_FLAGS` are accepted without effect.
+    """
+    unknown = sorted(name for name, val in others.items() if val is not None and name not in _OUTPUT_FLAGS)
+    if unknown:
+        raise NotImplementedError(
+            f"context-parallel attention got argument(s) it does not implement: {', '.join(unknown)}; "
+            "refusing rather than ignoring them (that would give a silently wrong result). "
+            "Use the model without CP, or ask for support in cp_attention")
+    if s_aux is not None:
+        raise NotImplementedError(
+            f"attention sinks (s_aux, shape {tuple(s_aux.shape)}, as in GPT-OSS) are not supported by ring "
+            "attention yet; ignoring them would change every softmax, so run this model without CP")
     state: Optional[_CPState] = getattr(module, "_cp_attention", None)
     if state is None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} is set on a model that was not patched; "
@@ -76,7 +100,6 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if dropout:
         raise NotImplementedError(f"attention dropout ({dropout}) is not supported by ring attention; "
                                   "set config.attention_dropout=0.0")
-    position_ids = kwargs.get("position_ids")
     if position_ids is not None:
         expected = state.layout.positions(total, state.rank, state.world_size).to(position_ids.device)
         if not torch.equal(position_ids, expected.expand_as(position_ids)):
@@ -85,8 +108,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                 f"(expected {expected[:4].tolist()}..., got {position_ids[0, :4].tolist()}...), or RoPE is wrong; "
                 "pass position_ids from cp_attention.integrations.huggingface.shard_batch "
                 "(packed sequences with restarting positions are not supported yet)")
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else causal
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = cpa.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
                              kernel=state.kernel)

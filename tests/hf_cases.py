@@ -38,6 +38,8 @@ def _config(family: str, **overrides):
         cfg = tf.MistralConfig(**common)
     elif family == "gemma2":
         cfg = tf.Gemma2Config(**common, head_dim=8, attn_logit_softcapping=None)
+    elif family == "gpt_oss":  # learned attention sinks (s_aux), MoE
+        cfg = tf.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -195,7 +197,8 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
 
     family, overrides = {"sliding_window": ("mistral", dict(sliding_window=8)),
                          "softcap": ("gemma2", dict(attn_logit_softcapping=50.0)),
-                         "dropout": ("llama", dict(attention_dropout=0.1))}.get(case, ("llama", {}))
+                         "dropout": ("llama", dict(attention_dropout=0.1)),
+                         "sinks": ("gpt_oss", {})}.get(case, ("llama", {}))
     ids = batch()
     try:
         model = cphf.apply_context_parallel(build(family, **overrides), layout="zigzag")
@@ -220,6 +223,9 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
         elif case == "dropout":
             model.train()
             model(**kwargs)
+        elif case == "packed_kwargs":  # what HF's flattening collator adds; must not be dropped
+            cu = torch.tensor([0, 5, SEQ], dtype=torch.int32)
+            model(**kwargs, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)
         else:
             model(**kwargs)
     except Exception as e:  # noqa: BLE001 - the test checks what was raised

@@ -73,6 +73,9 @@ REFUSALS = {
     "generate": r"generate\(\) is not supported",
     "kv_cache_decode": "KV cache",
     "missing_position_ids": "position_ids must be this rank's GLOBAL positions",
+    "sinks": r"attention sinks \(s_aux, shape \(4,\), as in GPT-OSS\) are not supported",
+    "packed_kwargs": "got argument\\(s\\) it does not implement: cu_seq_lens_k, cu_seq_lens_q, max_length_k, "
+                     "max_length_q",
 }
 
 
