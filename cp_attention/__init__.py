@@ -46,6 +46,7 @@ def ring_attention(
     softmax_scale: "float | None" = None,
     kernel: str = "auto",
     return_lse: bool = False,
+    sinks: "torch.Tensor | None" = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -60,21 +61,26 @@ def ring_attention(
         softmax_scale: defaults to ``head_dim ** -0.5``.
         kernel: ``"auto"``, ``"math"`` or ``"sdpa"``.
         return_lse: also return the log-sum-exp.
+        sinks: ``[heads]``, one learned logit per query head added to every softmax denominator
+            (attention sinks: GPT-OSS ``s_aux``; a zero tensor is the "off-by-one" softmax). It is
+            differentiable; each rank's gradient is its own queries' share, so summing it over the
+            group (as for every other parameter) gives the gradient without CP.
 
     Returns:
-        ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k and v; with
-        ``return_lse``, also ``lse [batch, heads, local_seq]`` (natural log; fp32, or fp64 for fp64 inputs).
+        ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k, v (and sinks); with
+        ``return_lse``, also ``lse [batch, heads, local_seq]`` (natural log; fp32, or fp64 for fp64 inputs;
+        the sinks included).
 
     Raises:
         ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
-            an unknown layout or kernel, or arguments that differ between ranks. Raised on every
-            rank of the group alike, before any ring communication.
+            an unknown layout or kernel, sinks of the wrong shape, or arguments that differ between
+            ranks. Raised on every rank of the group alike, before any ring communication.
     """
     comm = RingComm(group)
-    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size)
+    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks)
     lay = get_layout(layout)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     steps = rank_plan(lay, causal, comm.rank, comm.world_size, q.shape[1])
     plan = RingPlan(comm, steps, get_kernel(kernel, q.device, q.dtype), scale)
-    out, lse = RingAttentionFunction.apply(q, k, v, plan)
+    out, lse = RingAttentionFunction.apply(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out

@@ -31,7 +31,8 @@ def free_port() -> int:
 @contextmanager
 def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_size: Optional[int] = None,
                   port: Optional[int] = None, timeout_s: Optional[float] = None) -> Iterator[None]:
-    """Initialise the default process group for the ``with`` block and destroy it however the block ends.
+    """Initialise the default process group for the ``with`` block and destroy it however the block ends
+    (after a barrier when it ends normally, at once when it raises).
 
     With ``rank=None`` the group comes from torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``; NCCL ranks also take ``LOCAL_RANK`` as their CUDA device);
@@ -52,6 +53,13 @@ def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_si
     dist.init_process_group(backend, **kwargs)
     try:
         yield
+    except BaseException:
+        dist.destroy_process_group()  # peers may be gone: no collective on the way out
+        raise
+    # A clean exit waits for every rank first: tearing gloo down while a peer still talks to it
+    # can abort the process ("terminate called without an active exception").
+    try:
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -116,10 +116,13 @@ class RingAttentionFunction(torch.autograd.Function):
     """Ring attention over local shards ``q [B, n, H, D]``, ``k [B, n, Hkv, D]``, ``v [B, n, Hkv, Dv]``.
 
     Returns ``out [B, n, H, Dv]`` in q's dtype and ``lse [B, H, n]`` (fp32; fp64 for fp64 inputs).
+    ``sinks [H]`` adds one logit per head to every softmax denominator (GPT-OSS ``s_aux``); its
+    gradient is this rank's queries' share, so summed over the group it is the full gradient.
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
+                sinks: "torch.Tensor | None" = None):
         acc = accumulation_dtype(q.dtype)
         b, n, h, _ = q.shape
         out = lse = None
@@ -137,18 +140,31 @@ class RingAttentionFunction(torch.autograd.Function):
         if out is None:  # no task at all: every row attends to nothing
             out = q.new_zeros(b, n, h, v.shape[-1], dtype=acc)
             lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
+        if sinks is not None:
+            # One extra logit per head in every denominator (a key with a zero value), merged once:
+            # the kernels' backward then sees the final probabilities through the final LSE.
+            with_sink = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
+            out = out * torch.exp(lse - with_sink).transpose(1, 2).unsqueeze(-1)
+            lse = with_sink
         out = out.to(q.dtype)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor):
         plan: RingPlan = ctx.plan
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
         dout = dout.contiguous()
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            # d lse/d sink = p_sink = exp(sink - lse); d out/d sink = -p_sink * out, so per head
+            # dsink = -sum over batch and rows of p_sink * rowsum(dout * out).
+            delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, n]
+            p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)
+            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
         n = q.shape[1]
         dq = None
         last = len(plan.steps) - 1
@@ -180,4 +196,4 @@ class RingAttentionFunction(torch.autograd.Function):
             dkv.finish()  # one more hop: our own shard's gradients come home
         dk, dv = dkv.current
         dq = torch.zeros_like(q) if dq is None else dq
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks

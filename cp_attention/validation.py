@@ -38,6 +38,7 @@ class CallSpec:
     causal: bool
     scale: float
     needs_grad: bool
+    sinks: int = 0  # 0: none; their length when a 1-D floating tensor on q's device; -1 otherwise
 
 
 def _float_bits(x: float) -> int:
@@ -48,8 +49,16 @@ def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", b))[0]
 
 
+def _sinks_code(q: torch.Tensor, sinks) -> int:
+    if sinks is None:
+        return 0
+    ok = (isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.numel() > 0
+          and sinks.is_floating_point() and sinks.device == q.device)
+    return sinks.numel() if ok else _UNKNOWN
+
+
 def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",
-           kernel: str) -> list[int]:
+           kernel: str, sinks: "torch.Tensor | None" = None) -> list[int]:
     """This rank's call as a fixed-length list of ints (see :class:`CallSpec`)."""
     sig: list[int] = []
     for t in (q, k, v):
@@ -73,6 +82,7 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
         scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else float("nan")
     sig.append(_float_bits(float(scale)))
     sig.append(int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+    sig.append(_sinks_code(q, sinks))
     return sig
 
 
@@ -80,7 +90,8 @@ def _decode(sig: list[int]) -> CallSpec:
     shapes = tuple(tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
                    for i in range(3))
     rest = sig[15:]
-    return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], bool(rest[4]), _bits_float(rest[5]), bool(rest[6]))
+    return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], bool(rest[4]), _bits_float(rest[5]), bool(rest[6]),
+                    rest[7])
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -115,6 +126,10 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
     if not math.isfinite(c.scale) or c.scale == 0.0:
         return f"softmax_scale must be a finite non-zero float, got {c.scale}"
+    if c.sinks == _UNKNOWN:
+        return "sinks must be a non-empty 1-D floating tensor [heads] on the device of q"
+    if c.sinks and c.sinks != hq:
+        return f"sinks must hold one logit per query head: expected shape [{hq}], got [{c.sinks}]"
     try:
         get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype])
     except ValueError as e:
@@ -124,7 +139,7 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
 
 _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
                 "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
-                "needs_grad": "requires_grad of q, k, v"}
+                "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)"}
 
 
 def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
@@ -159,9 +174,9 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
                          f"{sq * world_size} tokens: {e}") from None
 
 
-def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int) -> None:
+def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int, sinks=None) -> None:
     """Validate a ring_attention call across the whole group; raise the same error on every rank."""
-    sig = encode(q, k, v, layout, causal, scale, kernel)
+    sig = encode(q, k, v, layout, causal, scale, kernel, sinks)
     resolved = layout if isinstance(layout, Layout) else None
     if world_size == 1:
         check_table([sig], resolved)

@@ -62,8 +62,9 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             **others: Any) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``.
 
-    Takes only what it implements. Any other argument that is not None (attention sinks ``s_aux``,
-    packed-sequence ``cu_seq_lens_*``, anything a future model adds) raises ``NotImplementedError``
+    ``s_aux`` (GPT-OSS's learned attention sinks, ``[H]``) joins every softmax denominator.
+    Takes only what it implements. Any other argument that is not None (packed-sequence
+    ``cu_seq_lens_*``, anything a future model adds) raises ``NotImplementedError``
     naming it, on every rank alike (they run the same model) and before any communication, instead of
     being dropped. Only :data:`_OUTPUT_FLAGS` are accepted without effect.
     """
@@ -73,10 +74,6 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"context-parallel attention got argument(s) it does not implement: {', '.join(unknown)}; "
             "refusing rather than ignoring them (that would give a silently wrong result). "
             "Use the model without CP, or ask for support in cp_attention")
-    if s_aux is not None:
-        raise NotImplementedError(
-            f"attention sinks (s_aux, shape {tuple(s_aux.shape)}, as in GPT-OSS) are not supported by ring "
-            "attention yet; ignoring them would change every softmax, so run this model without CP")
     state: Optional[_CPState] = getattr(module, "_cp_attention", None)
     if state is None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} is set on a model that was not patched; "
@@ -111,7 +108,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = cpa.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
-                             kernel=state.kernel)
+                             kernel=state.kernel, sinks=s_aux)
     return out, None
 
 

@@ -34,8 +34,12 @@ def make_inputs(seed: int, batch: int, seq: int, heads: int, kv_heads: int, head
 def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, dtype: str, kernel: str,
                      heads: int = 4, kv_heads: int = 4, head_dim: int = 16, v_dim: int | None = None,
                      batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
-                     rtol: float, seed: int = 0) -> dict:
-    """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard."""
+                     rtol: float, seed: int = 0, sinks: bool = False) -> dict:
+    """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard.
+
+    With ``sinks``, learned per-head sink logits join every softmax, and ``dsinks`` is the error of
+    their gradient summed over the group (each rank holds its queries' share).
+    """
     dt = dtype_from_name(dtype)
     v_dim = v_dim or head_dim
     seq = local_len * world_size
@@ -44,17 +48,25 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
 
     # Reference in fp64 on the (already dtype-rounded) full inputs.
     qr, kr, vr = (t.double().clone().requires_grad_() for t in (q, k, v))
-    out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_)
+    sink = (torch.randn(heads, generator=torch.Generator().manual_seed(seed + 99)) + 1.0).to(dt) if sinks else None
+    sink_ref = sink.double().clone().requires_grad_() if sinks else None
+    out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_, sinks=sink_ref)
     out_ref.backward(dout.double())
 
     lay = cpa.get_layout(layout)
     shard = lambda t: lay.shard(t, 1, rank, world_size)  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    sink_l = sink.clone().requires_grad_() if sinks else None
     out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, softmax_scale=scale,
-                                  kernel=kernel, return_lse=True)
+                                  kernel=kernel, return_lse=True, sinks=sink_l)
     out.backward(shard(dout))
 
-    return {
+    extra = {}
+    if sinks:
+        dsink = sink_l.grad.clone()
+        dist.all_reduce(dsink)  # every rank holds its queries' share
+        extra = {"dsinks": excess_error(dsink, sink_ref.grad, atol, rtol), "dsinks_dtype_ok": dsink.dtype == dt}
+    return {**extra,
         "out_dtype_ok": out.dtype == dt and out.shape == (batch, local_len, heads, v_dim),
         "out": excess_error(out, shard(out_ref), atol, rtol),
         "lse": excess_error(lse, lay.shard(lse_ref, 2, rank, world_size), atol, rtol),
@@ -95,7 +107,8 @@ def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None
     """Call ring_attention with ``kwargs`` (overridden per rank by ``per_rank[rank]``); return the
     exception type and message it raised, or ("", "") if it did not raise."""
     spec = dict(batch=1, local_len=4, heads=4, kv_heads=4, head_dim=8, v_dim=8, dtype="float32",
-                layout="zigzag", causal=True, kernel="auto", softmax_scale=None, requires_grad=True, ndim=4)
+                layout="zigzag", causal=True, kernel="auto", softmax_scale=None, requires_grad=True, ndim=4,
+                sinks=None)
     spec.update(kwargs)
     spec.update((per_rank or {}).get(rank, {}))
     dt = dtype_from_name(spec["dtype"])
@@ -110,8 +123,9 @@ def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None
     if subgroup is not None:
         group = dist.new_group(subgroup)  # every rank must take part in creating it
     try:
+        sinks = None if spec["sinks"] is None else torch.zeros(spec["sinks"], dtype=dt)
         out = cpa.ring_attention(q, k, v, group=group, layout=spec["layout"], causal=spec["causal"],
-                                 softmax_scale=spec["softmax_scale"], kernel=spec["kernel"])
+                                 softmax_scale=spec["softmax_scale"], kernel=spec["kernel"], sinks=sinks)
         if spec["requires_grad"]:
             out.sum().backward()
     except Exception as e:  # noqa: BLE001 - the case reports what was raised

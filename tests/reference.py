@@ -23,8 +23,11 @@ def tolerance(dtype: torch.dtype, gqa: bool) -> dict:
     return TOLERANCES[dtype]
 
 
-def reference_attention(q, k, v, causal: bool, scale: float):
-    """Full attention in fp64. q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> (out, lse)."""
+def reference_attention(q, k, v, causal: bool, scale: float, sinks=None):
+    """Full attention in fp64. q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> (out, lse).
+
+    ``sinks [H]``: one extra logit per head, a score column with a zero value (as GPT-OSS's eager code).
+    """
     q, k, v = q.double(), k.double(), v.double()
     rep = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
@@ -34,6 +37,10 @@ def reference_attention(q, k, v, causal: bool, scale: float):
         s = q.shape[1]
         allowed = torch.arange(s)[None, :] <= torch.arange(s)[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
+        v = torch.cat([v, v.new_zeros(v.shape[0], 1, *v.shape[2:])], dim=1)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
     return out, lse

@@ -12,7 +12,7 @@ import cp_attention as cpa  # noqa: E402
 
 from . import hf_cases  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")  # gpt_oss: learned attention sinks (s_aux)
 FP64 = 1e-10  # DESIGN.md: fp64 models, fp64 reference
 # Gemma2's RMSNorm computes in fp32 even in an fp64 model, so gradients summed over ranks differ from
 # the full-sequence ones at fp32 rounding (~2e-7 relative on the norm weights): DESIGN.md's fp32 bound.
@@ -73,7 +73,6 @@ REFUSALS = {
     "generate": r"generate\(\) is not supported",
     "kv_cache_decode": "KV cache",
     "missing_position_ids": "position_ids must be this rank's GLOBAL positions",
-    "sinks": r"attention sinks \(s_aux, shape \(4,\), as in GPT-OSS\) are not supported",
     "packed_kwargs": "got argument\\(s\\) it does not implement: cu_seq_lens_k, cu_seq_lens_q, max_length_k, "
                      "max_length_q",
 }

@@ -94,3 +94,28 @@ def test_each_pair_computed_once(pools, world_size, layout, causal):
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
 def test_gather(pools, layout):
     assert all(pools(3).run(dist_cases.gather_roundtrip, layout=layout))
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("kernel", ("math", "sdpa"))
+def test_sinks_match_the_reference(pools, world_size, layout, causal, kernel):
+    """Learned attention sinks (GPT-OSS s_aux), fp64, GQA: out, LSE, dq/dk/dv and the sink gradient."""
+    errors = pools(world_size).run(
+        dist_cases.attention_errors, layout=layout, causal=causal, dtype="float64", kernel=kernel, heads=4,
+        kv_heads=2, sinks=True, seed=world_size, **tolerance(torch.float64, True))
+    _assert_within(errors, f"sinks {layout} causal={causal} {kernel}")
+    for rank, e in enumerate(errors):
+        assert e["dsinks_dtype_ok"] and e["dsinks"] <= 0.0, f"rank {rank}: sink gradient off by {e['dsinks']:.3e}"
+
+
+def test_sinks_in_bf16_and_their_effect(pools):
+    """bf16 within TE's tolerance; and the sinks change the result (the check above could not pass without them)."""
+    errors = pools(2).run(dist_cases.attention_errors, layout="zigzag", causal=True, dtype="bfloat16",
+                          kernel="sdpa", heads=4, kv_heads=2, sinks=True, **tolerance(torch.bfloat16, True))
+    _assert_within(errors, "sinks bf16")
+    q = torch.randn(1, 8, 4, 16, dtype=torch.float64)
+    plain = cpa.ring_attention(q, q[:, :, :2], q[:, :, :2], layout="contiguous")
+    sunk = cpa.ring_attention(q, q[:, :, :2], q[:, :, :2], layout="contiguous", sinks=torch.zeros(4, dtype=q.dtype))
+    assert (plain - sunk).abs().max() > 1e-3  # the "off-by-one" softmax differs from the plain one

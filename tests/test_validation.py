@@ -28,6 +28,9 @@ CASES = {
     "one_rank_other_causal": (dict(), {2: dict(causal=False)}, "same causal"),
     "one_rank_bad_kernel": (dict(), {1: dict(kernel="nope")}, r"unknown kernel.*\(on rank 1; ranks with bad input: \[1\]\)"),
     "one_rank_no_grad": (dict(), {0: dict(requires_grad=False)}, "same requires_grad"),
+    "sinks_wrong_length": (dict(sinks=3), None,
+                           r"sinks must hold one logit per query head: expected shape \[4\], got \[3\]"),
+    "one_rank_without_sinks": (dict(sinks=4), {1: dict(sinks=None)}, "same sinks"),
 }
 
 
@@ -68,3 +71,5 @@ def test_single_process_errors_are_raised_before_work():
         cpa.ring_attention(q, q.to("meta"), q, layout="contiguous")
     with pytest.raises(ValueError, match="q and k must have the same head_dim, got 4 and 6"):
         cpa.ring_attention(q, torch.randn(1, 5, 2, 6), q, layout="contiguous")
+    with pytest.raises(ValueError, match=r"sinks must be a non-empty 1-D floating tensor \[heads\]"):
+        cpa.ring_attention(q, q, q, layout="contiguous", sinks=torch.zeros(1, 2))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import cp_attention as cpa
 
 from ..kernels import check_kernel_name
-from ..launch import process_group, spawn
+from ..launch import run_on_ranks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import VOCAB_SIZE, ByteBatches, load_bytes
 from .steps import train_step
@@ -178,7 +178,7 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
 
 def _train_in_shared_dir(cfg: dict, run_dir: str) -> Optional[dict]:
     shared = [run_dir]
-    dist.broadcast_object_list(shared, src=0)  # under torchrun rank 0's Hydra directory is everyone's
+    dist.broadcast_object_list(shared, src=0)  # under torchrun, rank 0's Hydra directory is everyone's
     return train(cfg, shared[0])
 
 
@@ -188,10 +188,6 @@ def launch(cfg: dict, run_dir: str) -> None:
 
     Raises what :func:`validate_config` raises, before any rank starts.
     """
-    if "RANK" in os.environ:
-        validate_config(cfg, int(os.environ["WORLD_SIZE"]))
-        with process_group("nccl" if torch.cuda.is_available() else "gloo"):
-            _train_in_shared_dir(cfg, run_dir)
-        return
-    validate_config(cfg, cfg["nproc"])
-    spawn(train, cfg["nproc"], cfg, run_dir)
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else cfg["nproc"]
+    validate_config(cfg, world)
+    run_on_ranks(_train_in_shared_dir, world, cfg, run_dir, backend="nccl" if torch.cuda.is_available() else "gloo")
