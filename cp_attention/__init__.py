@@ -60,7 +60,7 @@ def ring_attention(
         causal: causal mask over GLOBAL positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         kernel: ``"auto"``, ``"math"`` or ``"sdpa"``.
-        return_lse: also return the log-sum-exp.
+        return_lse: also return the log-sum-exp, which is differentiable like ``out``.
         sinks: ``[heads]``, one learned logit per query head added to every softmax denominator
             (attention sinks: GPT-OSS ``s_aux``; a zero tensor is the "off-by-one" softmax). It is
             differentiable; each rank's gradient is its own queries' share, so summing it over the

@@ -115,7 +115,8 @@ def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: sl
 class RingAttentionFunction(torch.autograd.Function):
     """Ring attention over local shards ``q [B, n, H, D]``, ``k [B, n, Hkv, D]``, ``v [B, n, Hkv, Dv]``.
 
-    Returns ``out [B, n, H, Dv]`` in q's dtype and ``lse [B, H, n]`` (fp32; fp64 for fp64 inputs).
+    Returns ``out [B, n, H, Dv]`` in q's dtype and ``lse [B, H, n]`` (fp32; fp64 for fp64 inputs),
+    both differentiable.
     ``sinks [H]`` adds one logit per head to every softmax denominator (GPT-OSS ``s_aux``); its
     gradient is this rank's queries' share, so summed over the group it is the full gradient.
     """
@@ -149,22 +150,33 @@ class RingAttentionFunction(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused LSE must cost nothing in backward
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor):
+    def backward(ctx, dout: "torch.Tensor | None", dlse: "torch.Tensor | None"):
         plan: RingPlan = ctx.plan
         q, k, v, out, lse, sinks = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
-        dout = dout.contiguous()
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             # d lse/d sink = p_sink = exp(sink - lse); d out/d sink = -p_sink * out, so per head
-            # dsink = -sum over batch and rows of p_sink * rowsum(dout * out).
+            # dsink = sum over batch and rows of p_sink * (dlse - rowsum(dout * out)).
             delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, n]
+            if dlse is not None:
+                delta = delta - dlse.to(acc)
             p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)
             dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        dv_dim = v.shape[-1]
+        if dlse is not None:
+            # A gradient on the LSE adds dlse * p to every score's gradient, i.e. the kernels' rowsum
+            # D = rowsum(dout * out) becomes D - dlse. One extra channel does it for any kernel,
+            # exactly: out gets a column of ones, dout a column of -dlse, v a column of zeros
+            # (so dout @ v^T, hence every dP, is unchanged; the extra dv column is dropped).
+            out = torch.cat([out, out.new_ones(*out.shape[:-1], 1)], dim=-1)
+            dout = torch.cat([dout, (-dlse).transpose(1, 2).unsqueeze(-1).to(dout.dtype)], dim=-1)
+            v = torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)
         n = q.shape[1]
         dq = None
         last = len(plan.steps) - 1
@@ -196,4 +208,4 @@ class RingAttentionFunction(torch.autograd.Function):
             dkv.finish()  # one more hop: our own shard's gradients come home
         dk, dv = dkv.current
         dq = torch.zeros_like(q) if dq is None else dq
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks
+        return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

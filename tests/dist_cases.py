@@ -34,11 +34,12 @@ def make_inputs(seed: int, batch: int, seq: int, heads: int, kv_heads: int, head
 def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, dtype: str, kernel: str,
                      heads: int = 4, kv_heads: int = 4, head_dim: int = 16, v_dim: int | None = None,
                      batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
-                     rtol: float, seed: int = 0, sinks: bool = False) -> dict:
+                     rtol: float, seed: int = 0, sinks: bool = False, lse_grad: bool = False) -> dict:
     """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard.
 
     With ``sinks``, learned per-head sink logits join every softmax, and ``dsinks`` is the error of
-    their gradient summed over the group (each rank holds its queries' share).
+    their gradient summed over the group (each rank holds its queries' share). With ``lse_grad``,
+    the loss also weighs the returned LSE, so every gradient carries the LSE's share.
     """
     dt = dtype_from_name(dtype)
     v_dim = v_dim or head_dim
@@ -51,7 +52,9 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
     sink = (torch.randn(heads, generator=torch.Generator().manual_seed(seed + 99)) + 1.0).to(dt) if sinks else None
     sink_ref = sink.double().clone().requires_grad_() if sinks else None
     out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_, sinks=sink_ref)
-    out_ref.backward(dout.double())
+    dlse = torch.randn(lse_ref.shape, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
+    loss_ref = (out_ref * dout.double()).sum() + ((lse_ref * dlse).sum() if lse_grad else 0.0)
+    loss_ref.backward()
 
     lay = cpa.get_layout(layout)
     shard = lambda t: lay.shard(t, 1, rank, world_size)  # noqa: E731
@@ -59,7 +62,9 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
     sink_l = sink.clone().requires_grad_() if sinks else None
     out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, softmax_scale=scale,
                                   kernel=kernel, return_lse=True, sinks=sink_l)
-    out.backward(shard(dout))
+    loss = (out * shard(dout)).sum() + ((lse * lay.shard(dlse, 2, rank, world_size).to(lse.dtype)).sum()
+                                        if lse_grad else 0.0)
+    loss.backward()
 
     extra = {}
     if sinks:

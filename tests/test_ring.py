@@ -119,3 +119,16 @@ def test_sinks_in_bf16_and_their_effect(pools):
     plain = cpa.ring_attention(q, q[:, :, :2], q[:, :, :2], layout="contiguous")
     sunk = cpa.ring_attention(q, q[:, :, :2], q[:, :, :2], layout="contiguous", sinks=torch.zeros(4, dtype=q.dtype))
     assert (plain - sunk).abs().max() > 1e-3  # the "off-by-one" softmax differs from the plain one
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("kernel,sinks", [("math", False), ("sdpa", False), ("sdpa", True)])
+def test_the_lse_is_differentiable(pools, world_size, layout, kernel, sinks):
+    """A loss on out and on the returned LSE: every gradient (dq, dk, dv, and the sinks') includes the LSE's share."""
+    errors = pools(world_size).run(
+        dist_cases.attention_errors, layout=layout, causal=True, dtype="float64", kernel=kernel, heads=4,
+        kv_heads=2, v_dim=12, sinks=sinks, lse_grad=True, seed=world_size + 3, **tolerance(torch.float64, True))
+    _assert_within(errors, f"lse grad {layout} {kernel} sinks={sinks}")
+    if sinks:
+        assert all(e["dsinks"] <= 0.0 for e in errors), errors
