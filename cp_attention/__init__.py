@@ -47,6 +47,7 @@ def ring_attention(
     kernel: str = "auto",
     return_lse: bool = False,
     sinks: "torch.Tensor | None" = None,
+    softcap: float = 0.0,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -65,6 +66,9 @@ def ring_attention(
             (attention sinks: GPT-OSS ``s_aux``; a zero tensor is the "off-by-one" softmax). It is
             differentiable; each rank's gradient is its own queries' share, so summing it over the
             group (as for every other parameter) gives the gradient without CP.
+        softcap: flash-attn's logit softcapping (Gemma2's ``attn_logit_softcapping``): scaled scores
+            become ``softcap * tanh(scores / softcap)``; 0 disables it. ``kernel="auto"`` picks a
+            kernel that supports it; a named kernel that cannot raises, naming one that can.
 
     Returns:
         ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k, v (and sinks); with
@@ -73,14 +77,15 @@ def ring_attention(
 
     Raises:
         ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
-            an unknown layout or kernel, sinks of the wrong shape, or arguments that differ between
+            an unknown layout or kernel, sinks of the wrong shape, a negative softcap or a kernel that
+            cannot apply it, or arguments that differ between
             ranks. Raised on every rank of the group alike, before any ring communication.
     """
     comm = RingComm(group)
-    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks)
+    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks, softcap)
     lay = get_layout(layout)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     steps = rank_plan(lay, causal, comm.rank, comm.world_size, q.shape[1])
-    plan = RingPlan(comm, steps, get_kernel(kernel, q.device, q.dtype), scale)
+    plan = RingPlan(comm, steps, get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0), scale, float(softcap))
     out, lse = RingAttentionFunction.apply(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out

@@ -29,10 +29,16 @@ class RingPlan:
     steps: list[tuple[BlockTask, ...]]  # steps[s] = this rank's tasks at ring step s
     kernel: AttentionKernel
     scale: float
+    softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
 
     @property
     def kernel_head_major(self) -> bool:
         return getattr(self.kernel, "head_major_kv", False)
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        """Optional kernel arguments: only what is in use, so kernels without them keep working."""
+        return {"softcap": self.softcap} if self.softcap else {}
 
 
 class _KVRing:
@@ -134,7 +140,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 ring.start()
             kc, vc = ring.views()
             for t in tasks:
-                o_blk, lse_blk = plan.kernel.forward(q[:, t.q], kc[:, t.kv], vc[:, t.kv], t.causal, plan.scale)
+                o_blk, lse_blk = plan.kernel.forward(q[:, t.q], kc[:, t.kv], vc[:, t.kv], t.causal, plan.scale,
+                                                     **plan.kernel_kwargs)
                 out, lse = _merge_rows(out, lse, t.q, o_blk, lse_blk, n, acc)
             if s < last:
                 ring.finish()
@@ -187,7 +194,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv.start()
             kc, vc = kv.views()
             grads = [plan.kernel.backward(dout[:, t.q], q[:, t.q], kc[:, t.kv], vc[:, t.kv], out[:, t.q],
-                                          lse[:, :, t.q], t.causal, plan.scale) for t in tasks]
+                                          lse[:, :, t.q], t.causal, plan.scale, **plan.kernel_kwargs)
+                     for t in tasks]
             if s > 0:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = dkv.current if dkv else (None, None)

@@ -39,6 +39,7 @@ class CallSpec:
     scale: float
     needs_grad: bool
     sinks: int = 0  # 0: none; their length when a 1-D floating tensor on q's device; -1 otherwise
+    softcap: float = 0.0
 
 
 def _float_bits(x: float) -> int:
@@ -58,7 +59,7 @@ def _sinks_code(q: torch.Tensor, sinks) -> int:
 
 
 def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",
-           kernel: str, sinks: "torch.Tensor | None" = None) -> list[int]:
+           kernel: str, sinks: "torch.Tensor | None" = None, softcap: float = 0.0) -> list[int]:
     """This rank's call as a fixed-length list of ints (see :class:`CallSpec`)."""
     sig: list[int] = []
     for t in (q, k, v):
@@ -83,6 +84,10 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
     sig.append(_float_bits(float(scale)))
     sig.append(int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
     sig.append(_sinks_code(q, sinks))
+    try:
+        sig.append(_float_bits(float(softcap)))
+    except (TypeError, ValueError):
+        sig.append(_float_bits(float("nan")))
     return sig
 
 
@@ -91,7 +96,7 @@ def _decode(sig: list[int]) -> CallSpec:
                    for i in range(3))
     rest = sig[15:]
     return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], bool(rest[4]), _bits_float(rest[5]), bool(rest[6]),
-                    rest[7])
+                    rest[7], _bits_float(rest[8]))
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -130,8 +135,11 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return "sinks must be a non-empty 1-D floating tensor [heads] on the device of q"
     if c.sinks and c.sinks != hq:
         return f"sinks must hold one logit per query head: expected shape [{hq}], got [{c.sinks}]"
+    if not math.isfinite(c.softcap) or c.softcap < 0:
+        return f"softcap must be a finite float >= 0 (0 disables it), got {c.softcap}"
     try:
-        get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype])
+        get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype],
+                   softcap=c.softcap > 0)
     except ValueError as e:
         return str(e)
     return None
@@ -139,7 +147,7 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
 
 _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
                 "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
-                "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)"}
+                "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)", "softcap": "softcap"}
 
 
 def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
@@ -174,9 +182,10 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
                          f"{sq * world_size} tokens: {e}") from None
 
 
-def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int, sinks=None) -> None:
+def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int, sinks=None,
+                  softcap: float = 0.0) -> None:
     """Validate a ring_attention call across the whole group; raise the same error on every rank."""
-    sig = encode(q, k, v, layout, causal, scale, kernel, sinks)
+    sig = encode(q, k, v, layout, causal, scale, kernel, sinks, softcap)
     resolved = layout if isinstance(layout, Layout) else None
     if world_size == 1:
         check_table([sig], resolved)

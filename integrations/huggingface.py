@@ -5,9 +5,10 @@ and ``transformers.masking_utils.AttentionMaskInterface`` for the mask, so that 
 silently drops a padding mask for an unknown implementation. The CP configuration lives on the
 patched model's modules, so models with different groups or layouts coexist in one process.
 
-Features the ring cannot honour exactly are refused with an error naming them: padding masks,
-custom 4D masks, sliding windows shorter than the sequence, logit softcapping, attention dropout,
-KV-cache generation, and position ids that are not the layout's global positions.
+Logit softcapping (Gemma2) and learned attention sinks (GPT-OSS) are honoured. Features the ring
+cannot honour exactly are refused with an error naming them: padding masks, custom 4D masks,
+sliding windows shorter than the sequence, attention dropout, KV-cache generation, position ids
+that are not the layout's global positions, and any attention argument it does not implement.
 """
 
 from __future__ import annotations
@@ -87,9 +88,6 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if attention_mask is not None:
         raise NotImplementedError("context-parallel attention does not support custom 4D attention masks; "
                                   "pass no attention_mask (padding is not supported either)")
-    if softcap is not None:
-        raise NotImplementedError(f"attention logit softcapping (softcap={softcap}) is not supported by ring "
-                                  "attention; set config.attn_logit_softcapping=None or do not use CP")
     if sliding_window is not None and sliding_window < total:
         raise NotImplementedError(
             f"sliding-window attention (window {sliding_window} < global sequence {total}) is not supported "
@@ -108,7 +106,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = cpa.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
-                             kernel=state.kernel, sinks=s_aux)
+                             kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0)
     return out, None
 
 
@@ -142,18 +140,14 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     Feed it this rank's shard of every sequence (see :func:`shard_batch`) with global position ids.
     With a group of world size 1 the model is returned untouched (an exact no-op).
 
-    Raises ``ValueError`` for an unknown layout or kernel, and ``NotImplementedError`` for a model
-    whose config enables a feature the ring cannot honour (attention logit softcapping).
+    Raises ``ValueError`` for an unknown layout or kernel. A feature the ring cannot honour is
+    refused by name when the model first runs (see the module docstring).
     """
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
     rank, world_size = group_rank_and_size(group)
     if world_size == 1:
         return model
-    softcap = getattr(model.config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise NotImplementedError(f"{type(model).__name__} uses attention logit softcapping ({softcap}), which "
-                                  "ring attention does not support; set config.attn_logit_softcapping=None")
     _register()
     state = _CPState(group, lay, kernel, rank, world_size)
     for m in model.modules():

@@ -34,7 +34,8 @@ def make_inputs(seed: int, batch: int, seq: int, heads: int, kv_heads: int, head
 def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, dtype: str, kernel: str,
                      heads: int = 4, kv_heads: int = 4, head_dim: int = 16, v_dim: int | None = None,
                      batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
-                     rtol: float, seed: int = 0, sinks: bool = False, lse_grad: bool = False) -> dict:
+                     rtol: float, seed: int = 0, sinks: bool = False, lse_grad: bool = False,
+                     softcap: float = 0.0) -> dict:
     """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard.
 
     With ``sinks``, learned per-head sink logits join every softmax, and ``dsinks`` is the error of
@@ -51,7 +52,7 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
     qr, kr, vr = (t.double().clone().requires_grad_() for t in (q, k, v))
     sink = (torch.randn(heads, generator=torch.Generator().manual_seed(seed + 99)) + 1.0).to(dt) if sinks else None
     sink_ref = sink.double().clone().requires_grad_() if sinks else None
-    out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_, sinks=sink_ref)
+    out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_, sinks=sink_ref, softcap=softcap)
     dlse = torch.randn(lse_ref.shape, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
     loss_ref = (out_ref * dout.double()).sum() + ((lse_ref * dlse).sum() if lse_grad else 0.0)
     loss_ref.backward()
@@ -61,7 +62,7 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     sink_l = sink.clone().requires_grad_() if sinks else None
     out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, softmax_scale=scale,
-                                  kernel=kernel, return_lse=True, sinks=sink_l)
+                                  kernel=kernel, return_lse=True, sinks=sink_l, softcap=softcap)
     loss = (out * shard(dout)).sum() + ((lse * lay.shard(dlse, 2, rank, world_size).to(lse.dtype)).sum()
                                         if lse_grad else 0.0)
     loss.backward()
@@ -113,7 +114,7 @@ def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None
     exception type and message it raised, or ("", "") if it did not raise."""
     spec = dict(batch=1, local_len=4, heads=4, kv_heads=4, head_dim=8, v_dim=8, dtype="float32",
                 layout="zigzag", causal=True, kernel="auto", softmax_scale=None, requires_grad=True, ndim=4,
-                sinks=None)
+                sinks=None, softcap=0.0)
     spec.update(kwargs)
     spec.update((per_rank or {}).get(rank, {}))
     dt = dtype_from_name(spec["dtype"])
@@ -130,7 +131,8 @@ def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None
     try:
         sinks = None if spec["sinks"] is None else torch.zeros(spec["sinks"], dtype=dt)
         out = cpa.ring_attention(q, k, v, group=group, layout=spec["layout"], causal=spec["causal"],
-                                 softmax_scale=spec["softmax_scale"], kernel=spec["kernel"], sinks=sinks)
+                                 softmax_scale=spec["softmax_scale"], kernel=spec["kernel"], sinks=sinks,
+                                 softcap=spec["softcap"])
         if spec["requires_grad"]:
             out.sum().backward()
     except Exception as e:  # noqa: BLE001 - the case reports what was raised

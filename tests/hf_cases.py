@@ -20,6 +20,8 @@ def _reference_attention(module, query, key, value, attention_mask, dropout=0.0,
     rep = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     scores = query @ key.transpose(2, 3) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
     return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
@@ -38,6 +40,8 @@ def _config(family: str, **overrides):
         cfg = tf.MistralConfig(**common)
     elif family == "gemma2":
         cfg = tf.Gemma2Config(**common, head_dim=8, attn_logit_softcapping=None)
+    elif family == "gemma2_softcap":  # a cap small enough to change every tiny model's scores
+        cfg = tf.Gemma2Config(**common, head_dim=8, attn_logit_softcapping=0.5)
     elif family == "gpt_oss":  # learned attention sinks (s_aux); eager experts: grouped_mm has no fp64
         cfg = tf.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                               experts_implementation="eager")
@@ -54,7 +58,7 @@ def build(family: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(_config(family, **overrides)).double()
-    if family == "gemma2":
+    if family.startswith("gemma2"):
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
         tf.AttentionInterface.register(REFERENCE_IMPL, _reference_attention)
@@ -108,7 +112,7 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, from_ch
         dist.barrier()
         eager_experts = {"experts_implementation": "eager"} if family == "gpt_oss" else {}  # fp64 MoE
         ref = tf.AutoModelForCausalLM.from_pretrained(path[0], dtype=torch.float64, **eager_experts)
-        if family == "gemma2":
+        if family.startswith("gemma2"):
             ref.set_attn_implementation(REFERENCE_IMPL)
     model = copy.deepcopy(ref)
     ids = batch()
@@ -198,11 +202,12 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
     from cp_attention.integrations import huggingface as cphf
 
     family, overrides = {"sliding_window": ("mistral", dict(sliding_window=8)),
-                         "softcap": ("gemma2", dict(attn_logit_softcapping=50.0)),
+                         "softcap": ("gemma2_softcap", {}),
                          "dropout": ("llama", dict(attention_dropout=0.1))}.get(case, ("llama", {}))
     ids = batch()
     try:
-        model = cphf.apply_context_parallel(build(family, **overrides), layout="zigzag")
+        kernel = "sdpa" if case == "softcap" else "auto"  # softcap needs a kernel that can cap
+        model = cphf.apply_context_parallel(build(family, **overrides), layout="zigzag", kernel=kernel)
         local = cphf.shard_batch({"input_ids": ids}, layout="zigzag")
         kwargs = dict(input_ids=local["input_ids"], position_ids=local["position_ids"])
         if case == "padding_batch":

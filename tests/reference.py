@@ -23,16 +23,19 @@ def tolerance(dtype: torch.dtype, gqa: bool) -> dict:
     return TOLERANCES[dtype]
 
 
-def reference_attention(q, k, v, causal: bool, scale: float, sinks=None):
+def reference_attention(q, k, v, causal: bool, scale: float, sinks=None, softcap: float = 0.0):
     """Full attention in fp64. q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> (out, lse).
 
     ``sinks [H]``: one extra logit per head, a score column with a zero value (as GPT-OSS's eager code).
+    ``softcap``: scaled scores become softcap * tanh(scores / softcap) (Gemma2's eager code).
     """
     q, k, v = q.double(), k.double(), v.double()
     rep = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         s = q.shape[1]
         allowed = torch.arange(s)[None, :] <= torch.arange(s)[:, None]

@@ -12,11 +12,12 @@ import cp_attention as cpa  # noqa: E402
 
 from . import hf_cases  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")  # gpt_oss: learned attention sinks (s_aux)
+# gpt_oss: learned attention sinks (s_aux); gemma2_softcap: attention logit softcapping
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gemma2_softcap", "gpt_oss")
 FP64 = 1e-10  # DESIGN.md: fp64 models, fp64 reference
 # Gemma2's RMSNorm computes in fp32 even in an fp64 model, so gradients summed over ranks differ from
 # the full-sequence ones at fp32 rounding (~2e-7 relative on the norm weights): DESIGN.md's fp32 bound.
-GRAD_TOL = {"gemma2": 2e-6}
+GRAD_TOL = {"gemma2": 2e-6, "gemma2_softcap": 2e-6}
 
 
 def _assert_equivalent(results, what, family):
@@ -68,7 +69,7 @@ REFUSALS = {
     "padding_batch": "padding",
     "padding_forward": "padding",
     "sliding_window": r"sliding-window attention \(window 8 < global sequence 16\)",
-    "softcap": "softcapping",
+    "softcap": "kernel 'sdpa' cannot apply softcap; use kernel='math'",
     "dropout": "dropout",
     "generate": r"generate\(\) is not supported",
     "kv_cache_decode": "KV cache",

@@ -132,3 +132,26 @@ def test_the_lse_is_differentiable(pools, world_size, layout, kernel, sinks):
     _assert_within(errors, f"lse grad {layout} {kernel} sinks={sinks}")
     if sinks:
         assert all(e["dsinks"] <= 0.0 for e in errors), errors
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("causal", (True, False))
+def test_softcap_matches_the_reference(pools, world_size, layout, causal):
+    """Gemma2-style logit softcapping, fp64, GQA, with sinks; kernel 'auto' must pick one that can cap."""
+    errors = pools(world_size).run(
+        dist_cases.attention_errors, layout=layout, causal=causal, dtype="float64", kernel="auto", heads=4,
+        kv_heads=2, softcap=0.7, sinks=True, seed=world_size + 11, **tolerance(torch.float64, True))
+    _assert_within(errors, f"softcap {layout} causal={causal}")
+
+
+def test_softcap_changes_the_result_and_auto_picks_a_kernel_that_can():
+    from cp_attention.kernels import get_kernel
+
+    assert get_kernel("auto", "cpu", torch.float32, softcap=True).name == "math"
+    assert get_kernel("auto", "cpu", torch.float32).name == "sdpa"
+    with pytest.raises(ValueError, match="kernel 'sdpa' cannot apply softcap; use kernel='math'"):
+        get_kernel("sdpa", "cpu", torch.float32, softcap=True)
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64) * 3
+    capped = cpa.ring_attention(q, q, q, layout="contiguous", softcap=0.5)
+    assert (capped - cpa.ring_attention(q, q, q, layout="contiguous")).abs().max() > 1e-3

@@ -31,6 +31,10 @@ CASES = {
     "sinks_wrong_length": (dict(sinks=3), None,
                            r"sinks must hold one logit per query head: expected shape \[4\], got \[3\]"),
     "one_rank_without_sinks": (dict(sinks=4), {1: dict(sinks=None)}, "same sinks"),
+    "softcap_on_a_kernel_without_it": (dict(softcap=30.0, kernel="sdpa"), None,
+                                       r"kernel 'sdpa' cannot apply softcap; use kernel='math'"),
+    "negative_softcap": (dict(softcap=-1.0), None, r"softcap must be a finite float >= 0"),
+    "one_rank_other_softcap": (dict(softcap=30.0), {0: dict(softcap=20.0)}, "same softcap"),
 }
 
 

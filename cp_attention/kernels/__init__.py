@@ -24,21 +24,32 @@ def check_kernel_name(name: str) -> str:
     return name
 
 
-def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype) -> AttentionKernel:
-    """The kernel called ``name`` ("auto" = the fastest that supports ``device`` and ``dtype``).
+def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, softcap: bool = False
+               ) -> AttentionKernel:
+    """The kernel called ``name`` ("auto" = the fastest that supports ``device``, ``dtype`` and, with
+    ``softcap``, logit softcapping).
 
-    Raises ``ValueError`` for an unknown name or a kernel that does not support the device/dtype.
+    Raises ``ValueError`` for an unknown name, or a kernel that does not support the device, dtype
+    or softcapping (the message names one that does).
     """
     device = torch.device(device)
+
+    def fits(kernel: AttentionKernel) -> bool:
+        return kernel.supports(device, dtype) and (not softcap or getattr(kernel, "supports_softcap", False))
+
     if name == "auto":
         for n in _AUTO_ORDER:
-            if _KERNELS[n].supports(device, dtype):
+            if fits(_KERNELS[n]):
                 return _KERNELS[n]
-        raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}")
+        raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}"
+                         + (" and softcap" if softcap else ""))
     kernel = _KERNELS[check_kernel_name(name)]
     if not kernel.supports(device, dtype):
         raise ValueError(
             f"kernel {name!r} does not support device {device.type} with dtype {dtype}; "
             f"use kernel='auto' or kernel='math'"
         )
+    if not fits(kernel):
+        able = next((n for n in _AUTO_ORDER if fits(_KERNELS[n])), "auto")
+        raise ValueError(f"kernel {name!r} cannot apply softcap; use kernel={able!r} (or kernel='auto')")
     return kernel

@@ -28,6 +28,10 @@ class AttentionKernel(Protocol):
     # Optional: True if the kernel runs faster on K/V stored head-major ([B, H, S, D] memory). The
     # engine then keeps travelling shards that way and still passes [B, S, H, D]-shaped views.
     # head_major_kv: bool = False
+    # Optional: True if forward and backward take ``softcap`` (flash-attn's: scores become
+    # softcap * tanh(scores / softcap) after scaling, before masking). The engine passes it only
+    # when it is non-zero, so a kernel without it keeps the plain signature.
+    # supports_softcap: bool = False
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with inputs of ``dtype``."""
