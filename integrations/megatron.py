@@ -10,9 +10,10 @@ without TransformerEngine:
    GLOBAL position under the chosen layout (megatron's own per-rank RoPE slicing assumes zigzag);
 3. shard every batch with :func:`get_batch_on_this_cp_rank` and the same layout.
 
-The CP group is megatron's (``parallel_state`` or ``pg_collection.cp``). Features the ring cannot
-honour exactly are refused with an error that names them: attention bias, packed sequences,
-attention dropout, masks other than the causal or empty one, sliding windows, softmax sinks,
+The CP group is megatron's (``parallel_state`` or ``pg_collection.cp``). Attention sinks
+(``softmax_type="off-by-one"`` or ``"learnable"``) are honoured. Features the ring cannot honour
+exactly are refused with an error that names them: attention bias, packed sequences,
+attention dropout, masks other than the causal or empty one, sliding windows,
 ``cp_comm_type`` other than ``"p2p"``, YaRN/mRoPE, and multi-token prediction under a non-zigzag layout.
 """
 
@@ -85,7 +86,7 @@ class RingDotProductAttention(MegatronModule):
     Raises:
         ValueError: an unknown layout or kernel, a CP group whose size is not
             ``config.context_parallel_size``, or an unsupported ``cp_comm_type``.
-        NotImplementedError: cross attention, sliding windows or softmax sinks (here), and in
+        NotImplementedError: cross attention or sliding windows (here), and in
             ``forward`` attention bias, packed sequences, dropout while training, or a mask that is
             not the causal (or empty) mask of this rank's queries.
     """
@@ -114,9 +115,7 @@ class RingDotProductAttention(MegatronModule):
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             raise NotImplementedError(f"sliding-window attention (config.window_size={config.window_size}) is "
                                       "not supported by ring attention yet; set window_size=None")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise NotImplementedError(f"softmax_type={config.softmax_type!r} (attention sinks) is not supported "
-                                      "by ring attention; use softmax_type='vanilla'")
+        self._init_softmax_offset(config)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
         # Megatron divides the scale by the layer number under apply_query_key_layer_scaling and
         # multiplies it back inside the fp32 softmax: the net scale is unchanged.
@@ -124,6 +123,26 @@ class RingDotProductAttention(MegatronModule):
                               else 1.0 / math.sqrt(config.kv_channels))
         # Set by apply_context_parallel once the model's rotary embeddings follow the layout.
         self.global_positions_ready = self.cp_size == 1
+
+    def _init_softmax_offset(self, config) -> None:
+        """Attention sinks as megatron's ``softmax_type``: ``softmax_offset`` is one logit per local
+        head in every softmax denominator, zeros for "off-by-one", a parameter for "learnable"
+        (initialised by ``config.init_method``, as megatron's own attention does)."""
+        kind = getattr(config, "softmax_type", "vanilla")
+        if kind == "vanilla":
+            self.softmax_offset = None
+            return
+        if kind not in ("off-by-one", "learnable"):
+            raise ValueError(f"softmax_type={kind!r} is not known; expected 'vanilla', 'off-by-one' or 'learnable'")
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
+        if kind == "learnable":
+            self.softmax_offset = torch.nn.Parameter(offset)
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        else:
+            self.register_buffer("softmax_offset", offset, persistent=False)
 
     def extra_repr(self) -> str:
         return f"layout={self.layout.name}, cp_size={self.cp_size}, kernel={self.kernel}"
@@ -180,7 +199,7 @@ class RingDotProductAttention(MegatronModule):
         self._check_mask(attention_mask, causal, query.shape[0])
         out = cpa.ring_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                                  group=self.cp_group, layout=self.layout, causal=causal,
-                                 softmax_scale=self.softmax_scale, kernel=self.kernel)
+                                 softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
 

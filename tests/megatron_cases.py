@@ -244,7 +244,7 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     out["unsharded_mask"] = _error(lambda: ring(q, k, v, full_mask))
     out["cp_comm_type"] = _error(lambda: _ring(world_size, cp_comm_type="a2a"))
     out["window"] = _error(lambda: _ring(world_size, cfg=config(world_size, window_size=(4, 0))))
-    out["softmax_sink"] = _error(lambda: _ring(world_size, cfg=config(world_size, softmax_type="off-by-one")))
+    out["softmax_type"] = _error(lambda: _ring(world_size, cfg=config(world_size, softmax_type="sigmoid")))
     out["cross_attention"] = _error(lambda: _ring(world_size, attention_type="cross"))
     out["cp_size_mismatch"] = _error(lambda: _ring(world_size, cfg=config(1)))
     out["unknown_layout"] = _error(lambda: _ring(world_size, layout="diagonal"))
@@ -398,3 +398,41 @@ def pg_collection_group(rank: int, world_size: int, layout: str) -> dict:
     want, _ = reference_attention(*(t.transpose(0, 1) for t in (q, k, v)), causal=True, scale=8 ** -0.5)
     want = lay.shard(want.transpose(0, 1), 0, rank % 2, 2).flatten(2)
     return {"group": ring.cp_group is pair and ring.cp_size == 2, "error": (got - want).abs().max().item()}
+
+
+def softmax_sinks(rank: int, world_size: int, layout: str, softmax_type: str) -> dict:
+    """megatron's ``softmax_type`` sinks on the ring against an independent fp64 reference: output, the
+    input gradients, and the learnable offset's gradient summed over the CP ranks."""
+    import cp_attention as cpa
+
+    from .reference import reference_attention
+
+    parallel_state(world_size)
+    torch.manual_seed(3)  # the learnable offset is initialised alike on every rank
+    ring = _ring(world_size, layout=layout, cfg=config(world_size, softmax_type=softmax_type))
+    ring.global_positions_ready = True
+    offset = ring.softmax_offset
+    q, k, v = _qkv(SEQ, seed=5)
+    dout = torch.randn(SEQ, 2, 4 * 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    lay = cpa.get_layout(layout)
+    local = [lay.shard(t, 0, rank, world_size).requires_grad_() for t in (q, k, v)]
+    got = ring(*local, None)
+    got.backward(lay.shard(dout, 0, rank, world_size))
+
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_offset = offset.detach().clone().requires_grad_() if isinstance(offset, torch.nn.Parameter) else offset
+    want, _ = reference_attention(*(t.transpose(0, 1) for t in full), causal=True, scale=8 ** -0.5,
+                                  sinks=ref_offset)
+    want = want.transpose(0, 1).flatten(2)
+    want.backward(dout)
+    result = {
+        "kind": type(offset).__name__,
+        "sink_effect": offset.abs().max().item() if softmax_type == "learnable" else 1.0,
+        "out": (got - lay.shard(want.detach(), 0, rank, world_size)).abs().max().item(),
+        "grads": max((a.grad - lay.shard(b.grad, 0, rank, world_size)).abs().max().item() for a, b in zip(local, full)),
+    }
+    if isinstance(offset, torch.nn.Parameter):
+        summed = offset.grad.clone()
+        dist.all_reduce(summed)
+        result["offset_grad"] = (summed - ref_offset.grad).abs().max().item()
+    return result

@@ -87,7 +87,7 @@ REFUSED = {
     "unsharded_mask": ("NotImplementedError", "[b, 1, 12, 24]"),
     "cp_comm_type": ("ValueError", "cp_comm_type='a2a'"),
     "window": ("NotImplementedError", "window_size"),
-    "softmax_sink": ("NotImplementedError", "softmax_type='off-by-one'"),
+    "softmax_type": ("ValueError", "softmax_type='sigmoid' is not known"),
     "cross_attention": ("NotImplementedError", "self attention only"),
     "cp_size_mismatch": ("ValueError", "context_parallel_size=1"),
     "unknown_layout": ("ValueError", "diagonal"),
@@ -196,3 +196,15 @@ def test_example_tp_and_dp_compose_with_cp(pools):
 def test_cp_group_from_pg_collection(pools, layout):
     for rank, r in enumerate(pools(4).run(mc.pg_collection_group, layout=layout, timeout=120)):
         assert r["group"] and r["error"] <= FP64, (rank, r)
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("softmax_type", ("off-by-one", "learnable"))
+def test_softmax_type_sinks_are_exact(pools, world_size, layout, softmax_type):
+    for rank, r in enumerate(pools(world_size).run(mc.softmax_sinks, layout=layout, softmax_type=softmax_type,
+                                                   timeout=120)):
+        assert r["kind"] == ("Parameter" if softmax_type == "learnable" else "Tensor"), r
+        assert r["sink_effect"] > 1e-3, r  # a learnable offset that stayed zero would test nothing new
+        assert r["out"] <= 1e-10 and r["grads"] <= 1e-10, (rank, r)
+        assert r.get("offset_grad", 0.0) <= 1e-10, (rank, r)
