@@ -60,6 +60,9 @@ def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_si
     # can abort the process ("terminate called without an active exception").
     try:
         dist.barrier()
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {dist.get_rank()} finished, but a peer rank failed or died before it did "
+                           f"(see that rank's error): {str(e).splitlines()[0]}") from e
     finally:
         dist.destroy_process_group()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,12 +23,29 @@ def _fail_on_rank_1() -> None:
         raise RuntimeError("rank 1 fails on purpose")
 
 
+def _rank_1_stalls() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(120)
+    dist.barrier()
+
+
+def test_a_stalled_peer_fails_the_job_within_the_timeout():
+    """The timeout reaches the process group: a peer that never arrives fails the job, it does not hang it."""
+    t0 = time.monotonic()
+    with pytest.raises(ProcessRaisedException):
+        spawn(_rank_1_stalls, 2, threads=1, timeout_s=3)
+    assert time.monotonic() - t0 < 60
+
+
 def test_spawn_returns_rank_0s_result_with_the_threads_asked_for():
     assert spawn(_where_am_i, 3, "x", threads=1) == ("x", 0, 3, 1)
 
 
 def test_spawn_reports_a_failing_rank():
-    with pytest.raises(ProcessRaisedException, match="rank 1 fails on purpose"):
+    """The job fails, not hangs; torch reports whichever rank it sees first: the failing one, or a
+    finished one that names its peer's failure."""
+    reports = "rank 1 fails on purpose|rank 0 finished, but a peer rank failed"
+    with pytest.raises(ProcessRaisedException, match=reports):
         spawn(_fail_on_rank_1, 2, threads=1, timeout_s=30)
 
 

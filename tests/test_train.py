@@ -100,6 +100,7 @@ def test_torchrun_ranks_share_one_output_dir(tmp_path):
     (["layout=diagonal"], "Could not find 'layout/diagonal'"),
     (["kernel.name=flash"], "unknown kernel 'flash'"),
     (["data=text_file"], "data.source=text needs data.path"),
+    (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s must be a positive number of seconds"),
 ])
 def test_bad_configs_fail_fast(tmp_path, overrides, message):
     proc = train(tmp_path, *overrides, check=False)

@@ -55,6 +55,10 @@ def validate_config(cfg: dict, world_size: int) -> None:
     for key in ("steps", "micro_batch", "grad_accum"):
         if t[key] < 1:
             raise ValueError(f"trainer.{key} must be >= 1, got {t[key]}")
+    timeout = t.get("dist_timeout_s")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"trainer.dist_timeout_s must be a positive number of seconds (or null for torch's "
+                         f"default), got {timeout}")
 
 
 def build_model(model_cfg: dict):
@@ -190,4 +194,5 @@ def launch(cfg: dict, run_dir: str) -> None:
     """
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else cfg["nproc"]
     validate_config(cfg, world)
-    run_on_ranks(_train_in_shared_dir, world, cfg, run_dir, backend="nccl" if torch.cuda.is_available() else "gloo")
+    run_on_ranks(_train_in_shared_dir, world, cfg, run_dir, backend="nccl" if torch.cuda.is_available() else "gloo",
+                 timeout_s=cfg["trainer"].get("dist_timeout_s"))
