@@ -147,7 +147,8 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
 
 _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
                 "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
-                "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)", "softcap": "softcap"}
+                "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)",
+                "softcap": "softcap"}
 
 
 def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:

@@ -51,8 +51,8 @@ class _CPState:
 
 # Model-level switches that transformers forwards to every attention function and that cannot change
 # the attention values (what a layer returns besides them, or whether a cache object exists).
-_OUTPUT_FLAGS = frozenset({"use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
-                           "return_dict"})
+# output_attentions is not one of them: the ring never holds the weights, so True is refused.
+_OUTPUT_FLAGS = frozenset({"use_cache", "output_hidden_states", "output_router_logits", "return_dict"})
 
 
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -67,9 +67,10 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Takes only what it implements. Any other argument that is not None (packed-sequence
     ``cu_seq_lens_*``, anything a future model adds) raises ``NotImplementedError``
     naming it, on every rank alike (they run the same model) and before any communication, instead of
-    being dropped. Only :data:`_OUTPUT_FLAGS` are accepted without effect.
+    being dropped. Only :data:`_OUTPUT_FLAGS` (and ``output_attentions=False``) are accepted without effect.
     """
-    unknown = sorted(name for name, val in others.items() if val is not None and name not in _OUTPUT_FLAGS)
+    unknown = sorted(name for name, val in others.items()
+                     if val is not None and name not in _OUTPUT_FLAGS and not (name == "output_attentions" and not val))
     if unknown:
         raise NotImplementedError(
             f"context-parallel attention got argument(s) it does not implement: {', '.join(unknown)}; "

@@ -229,6 +229,8 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
         elif case == "dropout":
             model.train()
             model(**kwargs)
+        elif case == "output_attentions":  # the ring never holds the weights; None must not pass for them
+            model(**kwargs, output_attentions=True)
         elif case == "packed_kwargs":  # what HF's flattening collator adds; must not be dropped
             cu = torch.tensor([0, 5, SEQ], dtype=torch.int32)
             model(**kwargs, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)

@@ -74,6 +74,7 @@ REFUSALS = {
     "generate": r"generate\(\) is not supported",
     "kv_cache_decode": "KV cache",
     "missing_position_ids": "position_ids must be this rank's GLOBAL positions",
+    "output_attentions": "got argument\\(s\\) it does not implement: output_attentions",
     "packed_kwargs": "got argument\\(s\\) it does not implement: cu_seq_lens_k, cu_seq_lens_q, max_length_k, "
                      "max_length_q",
 }

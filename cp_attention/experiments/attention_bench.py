@@ -6,10 +6,9 @@ Rows per sequence length S:
   ring/<layout>      cp_attention.ring_attention over ``world_size`` processes, 1 thread each
   torch_ring/zigzag  PyTorch's private templated ring (head-tail load balancing) on the same CPU flash op
 
-Workers receive an ``args`` namespace with: world_size, layouts (names, or Layout objects: a
-user-defined layout reaches the spawned workers by pickle, which imports the module that registers
-it), batch,
-heads, kv_heads, head_dim, dtype, kernel, repeats, torch_ring, timeout, causal.
+Workers receive an ``args`` namespace with: world_size, layouts, batch, heads, kv_heads, head_dim,
+dtype, kernel, repeats, torch_ring, timeout, causal. ``layouts`` holds names or Layout objects: a
+user-defined layout reaches the spawned workers by pickle, which imports the module that registers it.
 """
 
 from __future__ import annotations
@@ -140,10 +139,10 @@ def ring_worker(args, seq: int, extra: Optional[Callable] = None) -> dict:
             from torch.distributed.tensor.experimental._context_parallel import _attention as ta
             meta["torch_cp_options"] = repr(ta._cp_options)
     full = make_inputs(args, seq)
-    layouts = {lay.name: lay for lay in map(get_layout, [*args.layouts, *(() if torch_error else ("zigzag",))])}
-    shard = {name: [lay.shard(t, 1, rank, ws) for t in full] for name, lay in layouts.items()}
-    impls = {f"ring/{name}": ours(*shard[name], group, layouts[name], args.kernel, args.causal)
-             for name in (get_layout(lay).name for lay in args.layouts)}
+    timed = [get_layout(x) for x in args.layouts]
+    needed = {lay.name: lay for lay in [*timed, *(() if torch_error else (get_layout("zigzag"),))]}
+    shard = {name: [lay.shard(t, 1, rank, ws) for t in full] for name, lay in needed.items()}
+    impls = {f"ring/{lay.name}": ours(*shard[lay.name], group, lay, args.kernel, args.causal) for lay in timed}
     if torch_error is None:
         impls["torch_ring/zigzag"] = torch_ring(*shard["zigzag"], group, args.causal)
     rows = measure(impls, seq, args.repeats, group)
