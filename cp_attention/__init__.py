@@ -11,11 +11,13 @@ from typing import Union
 import torch
 
 from .comm import RingComm
+from .documents import cu_seqlens_tuple, document_position_ids, pad_cu_seqlens
 from .kernels import KERNEL_NAMES, get_kernel
 from .layout import LAYOUT_NAMES, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout, get_layout
 from .ring import RingAttentionFunction, RingPlan
 from .schedule import BlockTask, get_schedule, rank_plan, work_model
 from .validation import validate_call
+from .varlen import packed_steps
 
 __version__ = "0.1.0"
 
@@ -33,7 +35,17 @@ __all__ = [
     "rank_plan",
     "work_model",
     "get_kernel",
+    "document_position_ids",
+    "pad_cu_seqlens",
 ]
+
+
+def _host_cu_seqlens(cu_seqlens) -> "tuple[int, ...] | object":
+    # Read once on the host; validation judges (on every rank alike) whatever this cannot parse.
+    try:
+        return cu_seqlens_tuple(cu_seqlens)
+    except ValueError:
+        return cu_seqlens
 
 
 def ring_attention(
@@ -48,6 +60,7 @@ def ring_attention(
     return_lse: bool = False,
     sinks: "torch.Tensor | None" = None,
     softcap: float = 0.0,
+    cu_seqlens: "torch.Tensor | None" = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -69,6 +82,10 @@ def ring_attention(
         softcap: flash-attn's logit softcapping (Gemma2's ``attn_logit_softcapping``): scaled scores
             become ``softcap * tanh(scores / softcap)``; 0 disables it. ``kernel="auto"`` picks a
             kernel that supports it; a named kernel that cannot raises, naming one that can.
+        cu_seqlens: packed documents, flash-attn's ``[0, l1, l1+l2, ..., T]`` over the full packed
+            sequence (the same on every rank; an int tensor or sequence, read on the host). A token
+            then attends only within its document (causal or not). q, k, v are ``[1, T/N, ...]``,
+            sharded with ``layout.shard(..., cu_seqlens=cu_seqlens)``; only T must split, never a document.
 
     Returns:
         ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k, v (and sinks); with
@@ -78,14 +95,20 @@ def ring_attention(
     Raises:
         ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
             an unknown layout or kernel, sinks of the wrong shape, a negative softcap or a kernel that
-            cannot apply it, or arguments that differ between
+            cannot apply it, bad ``cu_seqlens`` or a batch larger than 1 with them, or arguments that differ between
             ranks. Raised on every rank of the group alike, before any ring communication.
     """
     comm = RingComm(group)
-    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks, softcap)
+    cu = cu_seqlens if cu_seqlens is None else _host_cu_seqlens(cu_seqlens)
+    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks, softcap, cu)
     lay = get_layout(layout)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    steps = rank_plan(lay, causal, comm.rank, comm.world_size, q.shape[1])
-    plan = RingPlan(comm, steps, get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0), scale, float(softcap))
+    kern = get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0)
+    if cu is None:
+        steps = rank_plan(lay, causal, comm.rank, comm.world_size, q.shape[1])
+    else:
+        steps = packed_steps(lay, bool(causal), comm.rank, comm.world_size, cu,
+                             getattr(kern, "supports_mask", False), q.device)
+    plan = RingPlan(comm, steps, kern, scale, float(softcap))
     out, lse = RingAttentionFunction.apply(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from .documents import CuSeqlens, check_cu_seqlens, zigzag_chunks
+
 __all__ = [
     "Layout",
     "ContiguousLayout",
@@ -25,7 +27,9 @@ __all__ = [
 class Layout:
     """Base class: a permutation of a sequence split evenly over ``world_size`` ranks.
 
-    Subclasses define :attr:`name`, :attr:`aliases`, :meth:`divisor` and :meth:`_positions`.
+    Subclasses define :attr:`name`, :attr:`aliases`, :meth:`divisor` and :meth:`_positions`, and
+    :meth:`_packed_positions` to support packed documents (``cu_seqlens``). Positions must be in
+    increasing order on every rank: the packed-sequence schedules rely on it.
     """
 
     name: str = ""
@@ -38,6 +42,11 @@ class Layout:
 
     def _positions(self, seq_len: int, rank: int, world_size: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _packed_positions(self, cu_seqlens: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
+        raise NotImplementedError(
+            f"layout {self.name!r} does not support packed documents (cu_seqlens); implement "
+            f"{type(self).__name__}._packed_positions or use one of {', '.join(LAYOUT_NAMES)}")
 
     def check(self, seq_len: int, world_size: int) -> None:
         """Raise ``ValueError`` if this layout cannot split ``seq_len`` over ``world_size`` ranks."""
@@ -55,25 +64,34 @@ class Layout:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
 
-    def positions(self, seq_len: int, rank: int, world_size: int) -> torch.Tensor:
-        """Global token indices held by ``rank``, in local order.
+    def positions(self, seq_len: int, rank: int, world_size: int, cu_seqlens: "CuSeqlens | None" = None
+                  ) -> torch.Tensor:
+        """Global token indices held by ``rank``, in local (increasing) order.
 
-        Returns a ``LongTensor`` of shape ``[seq_len // world_size]``. Use it as ``position_ids``
-        so rotary embeddings see global positions.
+        Returns a ``LongTensor`` of shape ``[seq_len // world_size]``. Without ``cu_seqlens`` use it as
+        ``position_ids`` so rotary embeddings see global positions. With ``cu_seqlens`` (packed
+        documents, ``[0, l1, l1+l2, ..., seq_len]``) the indices are into the packed stream; RoPE then
+        wants :func:`~cp_attention.documents.document_position_ids` of them.
 
-        Raises ``ValueError`` for a rank outside ``[0, world_size)`` or a length the layout cannot split.
+        Raises ``ValueError`` for a rank outside ``[0, world_size)``, a length the layout cannot split
+        or bad ``cu_seqlens``; ``NotImplementedError`` if the layout cannot split packed documents.
         """
         self._check_rank(rank, world_size)
         self.check(seq_len, world_size)
-        return self._positions(seq_len, rank, world_size)
+        if cu_seqlens is None:
+            return self._positions(seq_len, rank, world_size)
+        cu = check_cu_seqlens(cu_seqlens, total=seq_len)
+        return self._packed_positions(cu, rank, world_size)
 
-    def shard(self, x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
-        """This rank's tokens of a full tensor ``x`` along ``dim`` (a copy)."""
+    def shard(self, x: torch.Tensor, dim: int, rank: int, world_size: int,
+              cu_seqlens: "CuSeqlens | None" = None) -> torch.Tensor:
+        """This rank's tokens of a full tensor ``x`` along ``dim`` (a copy); see :meth:`positions`."""
         dim = dim % x.dim()
-        idx = self.positions(x.shape[dim], rank, world_size).to(x.device)
+        idx = self.positions(x.shape[dim], rank, world_size, cu_seqlens).to(x.device)
         return x.index_select(dim, idx)
 
-    def unshard(self, shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    def unshard(self, shards: Sequence[torch.Tensor], dim: int, cu_seqlens: "CuSeqlens | None" = None
+                ) -> torch.Tensor:
         """Exact inverse of :meth:`shard`: the full tensor from the shards of ranks 0..N-1, in order."""
         world_size = len(shards)
         if world_size == 0:
@@ -84,11 +102,12 @@ class Layout:
             sizes = [s.shape[dim] for s in shards]
             raise ValueError(f"unshard needs equal shard lengths along dim {dim}, got {sizes}")
         seq_len = local * world_size
-        order = torch.cat([self.positions(seq_len, r, world_size) for r in range(world_size)])
+        order = torch.cat([self.positions(seq_len, r, world_size, cu_seqlens) for r in range(world_size)])
         inverse = torch.argsort(order).to(shards[0].device)
         return torch.cat(list(shards), dim=dim).index_select(dim, inverse)
 
-    def gather(self, x_local: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    def gather(self, x_local: torch.Tensor, dim: int, group=None, cu_seqlens: "CuSeqlens | None" = None
+               ) -> torch.Tensor:
         """All-gather every rank's shard over ``group`` and unshard: the full tensor on each rank.
 
         Not differentiable. With no initialised process group, or world size 1, returns ``x_local``.
@@ -103,7 +122,7 @@ class Layout:
         x_local = x_local.contiguous()
         parts = [torch.empty_like(x_local) for _ in range(world_size)]
         dist.all_gather(parts, x_local, group=group)
-        return self.unshard(parts, dim)
+        return self.unshard(parts, dim, cu_seqlens)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -127,6 +146,10 @@ class ContiguousLayout(Layout):
         n = seq_len // world_size
         return torch.arange(rank * n, (rank + 1) * n)
 
+    def _packed_positions(self, cu_seqlens: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
+        # The packed stream is cut into N equal pieces, straight through documents.
+        return self._positions(cu_seqlens[-1], rank, world_size)
+
 
 class ZigzagLayout(Layout):
     """Rank r holds chunks r and 2N-1-r of 2N equal chunks, in that order (DualChunkSwap)."""
@@ -143,6 +166,16 @@ class ZigzagLayout(Layout):
         tail = 2 * world_size - 1 - rank
         return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
 
+    def _packed_positions(self, cu_seqlens: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
+        # Every document is cut into 2N near-equal chunks and rank r takes chunks r and 2N-1-r of each,
+        # so each document's causal work is balanced on its own (see documents.zigzag_chunks).
+        starts, sizes = zigzag_chunks(cu_seqlens, world_size)
+        cols = [rank, 2 * world_size - 1 - rank]
+        starts, sizes = starts[:, cols].flatten(), sizes[:, cols].flatten()
+        first = torch.cumsum(sizes, 0) - sizes
+        total = int(sizes.sum())
+        return torch.repeat_interleave(starts - first, sizes, output_size=total) + torch.arange(total)
+
 
 class InterleavedLayout(Layout):
     """Rank r holds tokens t with t mod N == r, in order (striped, modulo-CP)."""
@@ -155,6 +188,10 @@ class InterleavedLayout(Layout):
 
     def _positions(self, seq_len: int, rank: int, world_size: int) -> torch.Tensor:
         return torch.arange(rank, seq_len, world_size)
+
+    def _packed_positions(self, cu_seqlens: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
+        # The packed stream is dealt round-robin, straight through documents.
+        return self._positions(cu_seqlens[-1], rank, world_size)
 
 
 # Every known layout, built-in first, then those added with register_layout, in that order.

@@ -15,8 +15,9 @@ import torch
 
 from .comm import RingComm
 from .kernels import AttentionKernel, accumulation_dtype
-from .merge import merge_block
+from .merge import merge_block, merge_at
 from .schedule import BlockTask
+from .varlen import DocBatch
 
 __all__ = ["RingPlan", "RingAttentionFunction"]
 
@@ -26,7 +27,9 @@ class RingPlan:
     """Everything the engine needs besides the tensors: the ring, the per-step tasks, the kernel."""
 
     comm: RingComm
-    steps: list[tuple[BlockTask, ...]]  # steps[s] = this rank's tasks at ring step s
+    # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents at most one
+    # DocBatch of small document blocks
+    steps: "list[tuple[BlockTask | DocBatch, ...]] | tuple[tuple[BlockTask | DocBatch, ...], ...]"
     kernel: AttentionKernel
     scale: float
     softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
@@ -93,29 +96,56 @@ def _covers(rows: slice, length: int) -> bool:
     return rows.start == 0 and rows.stop == length
 
 
-def _add_rows(acc: "torch.Tensor | None", rows: slice, block: torch.Tensor, length: int,
+def _add_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
               dtype: torch.dtype) -> torch.Tensor:
-    """``acc[:, rows] += block``. A missing accumulator starts as the block itself when the block
-    covers every row (every schedule's step 0 does), saving a zero fill and a read-modify-write."""
+    """``acc[:, rows] += block`` for a slice or a LongTensor of distinct rows. A missing accumulator
+    starts as the block itself when the block covers every row (every schedule's step 0 does without
+    packed documents), saving a zero fill and a read-modify-write."""
     if acc is None:
-        if _covers(rows, length):
+        if isinstance(rows, slice) and _covers(rows, length):
             return block.to(dtype).contiguous()
         acc = block.new_zeros((block.shape[0], length, *block.shape[2:]), dtype=dtype)
-    acc[:, rows] += block
+    if isinstance(rows, slice):
+        acc[:, rows] += block
+    else:
+        acc.index_add_(1, rows, block.to(dtype))
     return acc
 
 
-def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: slice, o_blk: torch.Tensor,
-                lse_blk: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """LSE-merge a block into (out, lse); like :func:`_add_rows`, a full first block is taken as is."""
+def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "slice | torch.Tensor",
+                o_blk: torch.Tensor, lse_blk: torch.Tensor, length: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE-merge a block into (out, lse) at a slice or LongTensor of rows; like :func:`_add_rows`, a
+    full first block is taken as is."""
     if out is None:
-        if _covers(rows, length):
+        if isinstance(rows, slice) and _covers(rows, length):
             return o_blk.to(dtype).contiguous(), lse_blk.to(dtype).contiguous()
         b, _, h, dv = o_blk.shape
         out = o_blk.new_zeros((b, length, h, dv), dtype=dtype)
         lse = o_blk.new_full((b, h, length), float("-inf"), dtype=dtype)
-    merge_block(out, lse, o_blk, lse_blk, rows)
+    if isinstance(rows, slice):
+        merge_block(out, lse, o_blk, lse_blk, rows)
+    else:
+        merge_at(out, lse, o_blk, lse_blk, rows)
     return out, lse
+
+
+def _task_forward(plan: RingPlan, t: "BlockTask | DocBatch", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """One task's ``(rows, out, lse)``."""
+    if isinstance(t, DocBatch):
+        return t.forward(plan.kernel, q, k, v, plan.scale, plan.kernel_kwargs)
+    o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
+                                         **plan.kernel_kwargs)
+    return t.q, o_blk, lse_blk
+
+
+def _task_backward(plan: RingPlan, t: "BlockTask | DocBatch", dout, q, k, v, out, lse):
+    """One task's ``(q_rows, dq, kv_rows, dk, dv)``."""
+    if isinstance(t, DocBatch):
+        return t.backward(plan.kernel, dout, q, k, v, out, lse, plan.scale, plan.kernel_kwargs)
+    dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
+                                      t.causal, plan.scale, **plan.kernel_kwargs)
+    return t.q, dq, t.kv, dk, dv
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -140,9 +170,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 ring.start()
             kc, vc = ring.views()
             for t in tasks:
-                o_blk, lse_blk = plan.kernel.forward(q[:, t.q], kc[:, t.kv], vc[:, t.kv], t.causal, plan.scale,
-                                                     **plan.kernel_kwargs)
-                out, lse = _merge_rows(out, lse, t.q, o_blk, lse_blk, n, acc)
+                rows, o_blk, lse_blk = _task_forward(plan, t, q, kc, vc)
+                out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
             if s < last:
                 ring.finish()
         if out is None:  # no task at all: every row attends to nothing
@@ -193,16 +222,14 @@ class RingAttentionFunction(torch.autograd.Function):
             if s < last:
                 kv.start()
             kc, vc = kv.views()
-            grads = [plan.kernel.backward(dout[:, t.q], q[:, t.q], kc[:, t.kv], vc[:, t.kv], out[:, t.q],
-                                          lse[:, :, t.q], t.causal, plan.scale, **plan.kernel_kwargs)
-                     for t in tasks]
+            grads = [_task_backward(plan, t, dout, q, kc, vc, out, lse) for t in tasks]
             if s > 0:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = dkv.current if dkv else (None, None)
-            for t, (dq_blk, dk_blk, dv_blk) in zip(tasks, grads):
-                dq = _add_rows(dq, t.q, dq_blk, n, acc)
-                dk_acc = _add_rows(dk_acc, t.kv, dk_blk, n, acc)
-                dv_acc = _add_rows(dv_acc, t.kv, dv_blk, n, acc)
+            for q_rows, dq_blk, kv_rows, dk_blk, dv_blk in grads:
+                dq = _add_rows(dq, q_rows, dq_blk, n, acc)
+                dk_acc = _add_rows(dk_acc, kv_rows, dk_blk, n, acc)
+                dv_acc = _add_rows(dv_acc, kv_rows, dv_blk, n, acc)
             if dkv is None:
                 dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
                 dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc

@@ -160,13 +160,24 @@ def task_pairs(task: BlockTask) -> int:
     return tri_rows * (tri_rows + 1) // 2 + full_rows * b
 
 
-def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int) -> list[list[int]]:
-    """Score pairs per rank and step: ``work[rank][step]``.
+def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None
+               ) -> list[list[int]]:
+    """Score pairs per rank and step: ``work[rank][step]``. With ``cu_seqlens`` (packed documents
+    ``[0, l1, ..., seq_len]``) only pairs within a document count.
 
-    Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks.
+    Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks or for bad
+    ``cu_seqlens``.
     """
     lay = get_layout(layout)
     lay.check(seq_len, world_size)
+    if cu_seqlens is not None:
+        from .doc_schedule import doc_block_pairs, doc_plan  # built on this module
+
+        from .documents import check_cu_seqlens
+
+        cu = check_cu_seqlens(cu_seqlens, total=seq_len)
+        return [[sum(doc_block_pairs(b) for b in blocks) for blocks in doc_plan(lay, causal, r, world_size, cu)]
+                for r in range(world_size)]
     n = seq_len // world_size
     return [
         [sum(task_pairs(t) for t in tasks) for tasks in rank_plan(lay, causal, r, world_size, n)]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .documents import check_cu_seqlens
 from .dtypes import FLOAT_DTYPES
 from .kernels import KERNEL_NAMES, get_kernel
 from .layout import Layout, get_layout
@@ -40,6 +41,9 @@ class CallSpec:
     needs_grad: bool
     sinks: int = 0  # 0: none; their length when a 1-D floating tensor on q's device; -1 otherwise
     softcap: float = 0.0
+    documents: int = 0  # packed documents: 0 without cu_seqlens, their count, -1 for bad cu_seqlens
+    packed_len: int = 0  # cu_seqlens[-1]
+    cu_hash: int = 0  # a fingerprint of cu_seqlens, so ranks that pass different boundaries are caught
 
 
 def _float_bits(x: float) -> int:
@@ -58,8 +62,18 @@ def _sinks_code(q: torch.Tensor, sinks) -> int:
     return sinks.numel() if ok else _UNKNOWN
 
 
+def _cu_codes(cu_seqlens) -> list[int]:
+    if cu_seqlens is None:
+        return [0, 0, 0]
+    try:
+        cu = check_cu_seqlens(cu_seqlens)
+    except ValueError:
+        return [_UNKNOWN, 0, 0]
+    return [len(cu) - 1, cu[-1], hash(cu) & ((1 << 62) - 1)]
+
+
 def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",
-           kernel: str, sinks: "torch.Tensor | None" = None, softcap: float = 0.0) -> list[int]:
+           kernel: str, sinks: "torch.Tensor | None" = None, softcap: float = 0.0, cu_seqlens=None) -> list[int]:
     """This rank's call as a fixed-length list of ints (see :class:`CallSpec`)."""
     sig: list[int] = []
     for t in (q, k, v):
@@ -88,6 +102,7 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
         sig.append(_float_bits(float(softcap)))
     except (TypeError, ValueError):
         sig.append(_float_bits(float("nan")))
+    sig += _cu_codes(cu_seqlens)
     return sig
 
 
@@ -96,7 +111,7 @@ def _decode(sig: list[int]) -> CallSpec:
                    for i in range(3))
     rest = sig[15:]
     return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], bool(rest[4]), _bits_float(rest[5]), bool(rest[6]),
-                    rest[7], _bits_float(rest[8]))
+                    rest[7], _bits_float(rest[8]), rest[9], rest[10], rest[11])
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -135,6 +150,15 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return "sinks must be a non-empty 1-D floating tensor [heads] on the device of q"
     if c.sinks and c.sinks != hq:
         return f"sinks must hold one logit per query head: expected shape [{hq}], got [{c.sinks}]"
+    if c.documents == _UNKNOWN:
+        return ("cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T] of document boundaries: "
+                "starting at 0 and strictly increasing (no empty document)")
+    if c.documents and bq != 1:
+        return (f"packed documents (cu_seqlens) need batch size 1 (q, k, v [1, T/N, heads, dim]), got batch {bq}; "
+                "pack the rows into one sequence")
+    if c.documents and c.packed_len != sq * world_size:
+        return (f"cu_seqlens must end at the packed length T = local length {sq} x world_size {world_size} = "
+                f"{sq * world_size}, got {c.packed_len}")
     if not math.isfinite(c.softcap) or c.softcap < 0:
         return f"softcap must be a finite float >= 0 (0 disables it), got {c.softcap}"
     try:
@@ -148,7 +172,8 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
 _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
                 "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
                 "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)",
-                "softcap": "softcap"}
+                "softcap": "softcap", "documents": "cu_seqlens (given or not, and how many documents)",
+                "cu_hash": "cu_seqlens (document boundaries)"}
 
 
 def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
@@ -184,9 +209,9 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
 
 
 def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int, sinks=None,
-                  softcap: float = 0.0) -> None:
+                  softcap: float = 0.0, cu_seqlens=None) -> None:
     """Validate a ring_attention call across the whole group; raise the same error on every rank."""
-    sig = encode(q, k, v, layout, causal, scale, kernel, sinks, softcap)
+    sig = encode(q, k, v, layout, causal, scale, kernel, sinks, softcap, cu_seqlens)
     resolved = layout if isinstance(layout, Layout) else None
     if world_size == 1:
         check_table([sig], resolved)

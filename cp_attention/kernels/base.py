@@ -32,6 +32,10 @@ class AttentionKernel(Protocol):
     # softcap * tanh(scores / softcap) after scaling, before masking). The engine passes it only
     # when it is non-zero, so a kernel without it keeps the plain signature.
     # supports_softcap: bool = False
+    # Optional: True if forward and backward take ``mask [B, Sq, Sk]`` (bool, True = may attend,
+    # combined with ``causal``). Packed documents then batch many small blocks into one call;
+    # without it each document block runs as its own call. Passed only when in use.
+    # supports_mask: bool = False
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with inputs of ``dtype``."""

@@ -21,6 +21,7 @@ class MathKernel:
 
     name = "math"
     supports_softcap = True
+    supports_mask = True
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
@@ -37,8 +38,8 @@ class MathKernel:
         return [(a, min(a + step, sq)) for a in range(0, sq, step)]
 
     @staticmethod
-    def _scores(qc: torch.Tensor, k: torch.Tensor, row0: int, causal: bool, scale: float, softcap: float
-                ) -> tuple[torch.Tensor, "torch.Tensor | None"]:
+    def _scores(qc: torch.Tensor, k: torch.Tensor, row0: int, causal: bool, scale: float, softcap: float,
+                mask: "torch.Tensor | None" = None) -> tuple[torch.Tensor, "torch.Tensor | None"]:
         """Scores of a query chunk, softcapped if asked (flash-attn's order: scale, then cap, then
         mask), and the cap's derivative ``1 - tanh^2`` for backward (None without a cap)."""
         s = torch.einsum("bqhgd,bkhd->bhgqk", qc, k) * scale
@@ -50,23 +51,26 @@ class MathKernel:
             rows = torch.arange(row0, row0 + qc.shape[1], device=s.device)[:, None]
             cols = torch.arange(k.shape[1], device=s.device)[None, :]
             s = s.masked_fill(cols > rows, float("-inf"))
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None, None, row0:row0 + qc.shape[1]], float("-inf"))
         return s, slope
 
-    def forward(self, q, k, v, causal, scale, softcap: float = 0.0):
+    def forward(self, q, k, v, causal, scale, softcap: float = 0.0, mask: "torch.Tensor | None" = None):
         acc = accumulation_dtype(q.dtype)
         qg, k, v = self._grouped(q, k).to(acc), k.to(acc), v.to(acc)
         b, sq, h, _ = q.shape
         out = q.new_empty(b, sq, h, v.shape[-1], dtype=acc)
         lse = q.new_empty(b, h, sq, dtype=acc)
         for a, z in self._chunks(q, k.shape[1]):
-            s, _ = self._scores(qg[:, a:z], k, a, causal, scale, softcap)
+            s, _ = self._scores(qg[:, a:z], k, a, causal, scale, softcap, mask)
             m = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, c]
             p = torch.exp(s - m.unsqueeze(-1))
             out[:, a:z] = torch.einsum("bhgqk,bkhd->bqhgd", p, v).reshape(b, z - a, h, -1)
             lse[:, :, a:z] = m.reshape(b, h, z - a)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, softcap: float = 0.0):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, softcap: float = 0.0,
+                 mask: "torch.Tensor | None" = None):
         acc = accumulation_dtype(q.dtype)
         b, sq, h, _ = q.shape
         hkv = k.shape[2]
@@ -79,7 +83,7 @@ class MathKernel:
         dk = torch.zeros_like(kf)
         dv = torch.zeros_like(vf)
         for a, z in self._chunks(q, k.shape[1]):
-            s, slope = self._scores(qg[:, a:z], kf, a, causal, scale, softcap)
+            s, slope = self._scores(qg[:, a:z], kf, a, causal, scale, softcap, mask)
             p = torch.exp(s - lse_g[..., a:z].unsqueeze(-1))
             dv += torch.einsum("bhgqk,bqhgd->bkhd", p, dog[:, a:z])
             dp = torch.einsum("bqhgd,bkhd->bhgqk", dog[:, a:z], vf)

@@ -20,29 +20,39 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
+def _additive(mask: "torch.Tensor | None", dtype: torch.dtype) -> "torch.Tensor | None":
+    # The op wants an additive mask of the query's dtype, broadcast over heads: [B, 1, Sq, Sk].
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
+
+
 class SdpaCpuKernel:
     """Fused flash attention on CPU, forward and backward."""
 
     name = "sdpa"
     # The op reads K/V head by head; head-major memory makes it 4-11% faster (scripts/benchmark.py).
     head_major_kv = True
+    supports_mask = True
+
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return torch.device(device).type == "cpu" and dtype in FLOAT_DTYPES
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, mask: "torch.Tensor | None" = None):
         d = max(q.shape[-1], v.shape[-1])
         dv = v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _pad_last(q, d).transpose(1, 2), _pad_last(k, d).transpose(1, 2), _pad_last(v, d).transpose(1, 2),
-            0.0, causal, scale=scale,
+            0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale,
         )
         return out.transpose(1, 2)[..., :dv], lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask: "torch.Tensor | None" = None):
         dqk, dvd = q.shape[-1], v.shape[-1]
         d = max(dqk, dvd)
         t = lambda x: _pad_last(x, d).transpose(1, 2)  # noqa: E731
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            t(dout.to(q.dtype)), t(q), t(k), t(v), t(out.to(q.dtype)), lse, 0.0, causal, scale=scale,
+            t(dout.to(q.dtype)), t(q), t(k), t(v), t(out.to(q.dtype)), lse, 0.0, causal,
+            attn_mask=_additive(mask, q.dtype), scale=scale,
         )
         return dq.transpose(1, 2)[..., :dqk], dk.transpose(1, 2)[..., :dqk], dv.transpose(1, 2)[..., :dvd]

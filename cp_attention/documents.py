@@ -1,0 +1,133 @@
+"""Packed documents: boundaries, per-document positions and padding. Index math only.
+
+Packed sequences follow flash-attn's convention: ``cu_seqlens`` is a 1-D integer tensor
+``[0, l1, l1+l2, ..., T]`` over the packed stream of ``T`` tokens, the same on every rank. A token
+attends only to tokens of its own document. Only ``T`` must split over the ranks, never a document.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+__all__ = [
+    "CuSeqlens",
+    "check_cu_seqlens",
+    "cu_seqlens_tuple",
+    "document_ids",
+    "document_position_ids",
+    "pad_cu_seqlens",
+    "cu_seqlens_from_position_ids",
+    "zigzag_chunks",
+]
+
+CuSeqlens = Union[torch.Tensor, Sequence[int]]
+
+
+def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of Python ints (a host copy; a CUDA tensor costs one sync).
+
+    Raises ``ValueError`` if it is not a 1-D sequence of integers.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T], got a "
+                             f"{cu_seqlens.dim()}-D {cu_seqlens.dtype} tensor")
+        return tuple(int(x) for x in cu_seqlens.tolist())
+    try:
+        values = tuple(cu_seqlens)
+    except TypeError:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {type(cu_seqlens).__name__}"
+                         ) from None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise ValueError("cu_seqlens must hold integers [0, l1, l1+l2, ..., T]")
+    return values
+
+
+def check_cu_seqlens(cu_seqlens: CuSeqlens, total: "int | None" = None) -> tuple[int, ...]:
+    """Validate document boundaries and return them as a tuple.
+
+    Raises ``ValueError`` unless they start at 0, strictly increase (no empty document) and, when
+    ``total`` is given, end at ``total``.
+    """
+    cu = cu_seqlens_tuple(cu_seqlens)
+    if len(cu) < 2 or cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {list(cu[:8])}"
+                         f"{'...' if len(cu) > 8 else ''}")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        i = next(i for i, (a, b) in enumerate(zip(cu, cu[1:])) if b <= a)
+        raise ValueError(f"cu_seqlens must strictly increase (every document non-empty), got "
+                         f"cu_seqlens[{i}]={cu[i]} and cu_seqlens[{i + 1}]={cu[i + 1]}; drop empty documents")
+    if total is not None and cu[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the packed length {total}, got {cu[-1]}")
+    return cu
+
+
+def document_ids(cu_seqlens: CuSeqlens) -> torch.Tensor:
+    """``[T]`` LongTensor: the document index of every token of the packed stream."""
+    cu = torch.tensor(check_cu_seqlens(cu_seqlens))
+    return torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+
+
+def document_position_ids(positions: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
+    """Positions within their documents (what RoPE needs) of the packed-stream tokens ``positions``.
+
+    ``positions`` holds indices into the packed stream (e.g. ``Layout.positions(..., cu_seqlens=cu)``),
+    any shape; the result has the same shape. Raises ``ValueError`` for bad ``cu_seqlens``.
+    """
+    cu = torch.tensor(check_cu_seqlens(cu_seqlens), device=positions.device)
+    doc = torch.searchsorted(cu, positions, right=True) - 1
+    return positions - cu[doc]
+
+
+def pad_cu_seqlens(cu_seqlens: CuSeqlens, divisor: int) -> tuple[tuple[int, ...], int]:
+    """Append one padding document so the packed length becomes a multiple of ``divisor``.
+
+    Returns ``(cu_seqlens, pad)``: the new boundaries and how many padding tokens to append (0: the
+    boundaries come back unchanged). The padding document's tokens attend only among themselves;
+    give them label -100 so the loss ignores them. Use ``layout.divisor(world_size)`` as ``divisor``.
+    """
+    cu = check_cu_seqlens(cu_seqlens)
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
+    pad = -cu[-1] % divisor
+    return (cu + (cu[-1] + pad,) if pad else cu), pad
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[int, ...]:
+    """Document boundaries of a packed row whose ``position_ids [T]`` restart at 0 at every document
+    (HF's flattening collator). Raises ``ValueError`` unless each document counts 0, 1, 2, ... ."""
+    if position_ids.dim() != 1 or position_ids.numel() == 0:
+        raise ValueError(f"position_ids of a packed row must be 1-D and non-empty, got shape "
+                         f"{tuple(position_ids.shape)}")
+    pos = position_ids.to("cpu", torch.int64)
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("packed position_ids must start at 0 and restart at 0 at every document")
+    cu = torch.cat([starts, torch.tensor([pos.numel()])])
+    expected = torch.arange(pos.numel()) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+    if not torch.equal(pos, expected):
+        bad = int(torch.nonzero(pos != expected)[0])
+        raise ValueError(f"packed position_ids must count 0, 1, 2, ... within each document, got "
+                         f"{int(pos[bad])} at index {bad} where {int(expected[bad])} was expected")
+    return tuple(cu.tolist())
+
+
+def zigzag_chunks(cu_seqlens: CuSeqlens, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut every document into ``2*world_size`` chunks whose sizes differ by at most one.
+
+    Returns ``(starts, sizes)``, both ``[documents, 2*world_size]`` LongTensors over the packed stream.
+    A document's ``L mod 2N`` extra tokens go to consecutive chunks, starting where the previous
+    document's extras stopped (cyclically), so over a stream of ``T % 2N == 0`` tokens every pair of
+    chunks ``(r, 2N-1-r)`` holds exactly ``T / N`` tokens in total.
+    """
+    cu = torch.tensor(check_cu_seqlens(cu_seqlens))
+    c = 2 * world_size
+    lengths = cu[1:] - cu[:-1]
+    base, rem = lengths // c, lengths % c
+    offset = (torch.cumsum(rem, 0) - rem) % c  # where this document's extras start
+    chunk = torch.arange(c)
+    sizes = base[:, None] + (((chunk[None, :] - offset[:, None]) % c) < rem[:, None]).long()
+    starts = cu[:-1, None] + torch.cumsum(sizes, 1) - sizes
+    return starts, sizes
