@@ -31,6 +31,9 @@ __all__ = [
     "pair_owners",
     "flops_per_pair",
     "project",
+    "document_pairs",
+    "PaddingCost",
+    "document_padding",
 ]
 
 Work = Sequence[Sequence[float]]  # work[rank][step]; pairs (modelled) or seconds (measured)
@@ -48,6 +51,51 @@ def split_problem(layout: "str | Layout", seq_len: int, world_size: int) -> Opti
 def min_pairs(seq_len: int, causal: bool) -> int:
     """The (query, key) pairs full attention must compute: S(S+1)/2 causal, S² otherwise."""
     return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def document_pairs(lengths: Sequence[int], causal: bool) -> int:
+    """The (query, key) pairs attention within each document needs: ``sum_d min_pairs(L_d)``."""
+    return sum(min_pairs(n, causal) for n in lengths)
+
+
+@dataclass(frozen=True)
+class PaddingCost:
+    """What padding every document up to a multiple of ``multiple`` adds to a packed batch.
+
+    TransformerEngine's THD context parallelism and ring-flash-attention's varlen zigzag need every
+    document's length to be a multiple of 2N (``multiple = 2 * world_size``), so each document gets
+    ``-L % 2N`` padding tokens. Pairs count the padded documents as if their padding were attended
+    (their causal triangles): an upper bound for a kernel that skips padded rows and keys.
+    """
+
+    multiple: int
+    documents: int
+    tokens: int  # real tokens: sum of the document lengths
+    pad_tokens: int  # sum over documents of -L % multiple
+    pairs: int  # pairs the unpadded documents need
+    padded_pairs: int  # pairs of the padded documents
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.tokens + self.pad_tokens
+
+    @property
+    def extra_pairs(self) -> int:
+        return self.padded_pairs - self.pairs
+
+
+def document_padding(lengths: Sequence[int], multiple: int, causal: bool) -> PaddingCost:
+    """Tokens and pairs of padding each document of ``lengths`` up to a multiple of ``multiple``.
+
+    Raises ``ValueError`` for ``multiple < 1`` or a document length below 1.
+    """
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    if any(n < 1 for n in lengths):
+        raise ValueError("every document length must be >= 1")
+    pads = [-n % multiple for n in lengths]
+    return PaddingCost(multiple, len(lengths), sum(lengths), sum(pads), document_pairs(lengths, causal),
+                       document_pairs([n + p for n, p in zip(lengths, pads)], causal))
 
 
 def _check_work(work: Work) -> None:

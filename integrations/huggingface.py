@@ -5,14 +5,19 @@ and ``transformers.masking_utils.AttentionMaskInterface`` for the mask, so that 
 silently drops a padding mask for an unknown implementation. The CP configuration lives on the
 patched model's modules, so models with different groups or layouts coexist in one process.
 
-Logit softcapping (Gemma2) and learned attention sinks (GPT-OSS) are honoured. Features the ring
-cannot honour exactly are refused with an error naming them: padding masks, custom 4D masks,
-sliding windows shorter than the sequence, attention dropout, KV-cache generation, position ids
-that are not the layout's global positions, and any attention argument it does not implement.
+Logit softcapping (Gemma2) and learned attention sinks (GPT-OSS) are honoured. Packed batches
+(``position_ids`` restarting at 0, or the ``cu_seq_lens_q/k`` of HF's flattening collator) and padded
+batches (``attention_mask`` with zeros, left or right) are exact: :func:`shard_batch` turns both into
+one packed stream of documents, and the document boundaries reach the attention as transformers'
+``cu_seq_lens_q/k`` attention kwargs. Features the ring cannot honour exactly are refused with an
+error naming them: padding masks given to the model itself, custom 4D masks, sliding windows shorter
+than a document, attention dropout, KV-cache generation, position ids that are not the layout's
+positions, and any attention argument it does not implement.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -23,9 +28,12 @@ import torch.nn.functional as F
 import cp_attention as cpa
 from cp_attention._extras import require_extra
 from cp_attention.comm import group_rank_and_size
+from cp_attention.documents import (check_cu_seqlens, cu_seqlens_from_position_ids, cu_seqlens_tuple,
+                                    document_position_ids, pad_cu_seqlens)
 from cp_attention.kernels import check_kernel_name
 
-__all__ = ["apply_context_parallel", "shard_batch", "causal_lm_loss", "gather_sequence", "ATTN_IMPLEMENTATION"]
+__all__ = ["apply_context_parallel", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
+           "ATTN_IMPLEMENTATION"]
 
 ATTN_IMPLEMENTATION = "cp_ring"
 IGNORE_INDEX = -100
@@ -60,12 +68,16 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                             softcap: Optional[float] = None, position_ids: Optional[torch.Tensor] = None,
                             is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
+                            cu_seq_lens_q: Optional[torch.Tensor] = None, cu_seq_lens_k: Optional[torch.Tensor] = None,
+                            max_length_q: Optional[int] = None, max_length_k: Optional[int] = None,
                             **others: Any) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``.
 
     ``s_aux`` (GPT-OSS's learned attention sinks, ``[H]``) joins every softmax denominator.
-    Takes only what it implements. Any other argument that is not None (packed-sequence
-    ``cu_seq_lens_*``, anything a future model adds) raises ``NotImplementedError``
+    ``cu_seq_lens_q/k`` (equal; GLOBAL document boundaries of the packed stream, as
+    :func:`shard_batch` returns them) keep attention within documents; ``max_length_q/k`` must agree.
+    Takes only what it implements. Any other argument that is not None (anything a future model
+    adds) raises ``NotImplementedError``
     naming it, on every rank alike (they run the same model) and before any communication, instead of
     being dropped. Only :data:`_OUTPUT_FLAGS` (and ``output_attentions=False``) are accepted without effect.
     """
@@ -82,6 +94,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                            "call cp_attention.integrations.huggingface.apply_context_parallel(model, group=...)")
     local = query.shape[2]
     total = local * state.world_size
+    cu = _documents(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, total)
     if key.shape[2] != local:
         raise NotImplementedError(
             f"context-parallel attention got {local} queries but {key.shape[2]} keys: generation with a KV "
@@ -89,26 +102,57 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if attention_mask is not None:
         raise NotImplementedError("context-parallel attention does not support custom 4D attention masks; "
                                   "pass no attention_mask (padding is not supported either)")
-    if sliding_window is not None and sliding_window < total:
+    longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
+    if sliding_window is not None and sliding_window < longest:
+        what = "global sequence" if cu is None else "longest packed document"
         raise NotImplementedError(
-            f"sliding-window attention (window {sliding_window} < global sequence {total}) is not supported "
+            f"sliding-window attention (window {sliding_window} < {what} {longest}) is not supported "
             "by ring attention yet; use sequences no longer than the window or config.sliding_window=None")
     if dropout:
         raise NotImplementedError(f"attention dropout ({dropout}) is not supported by ring attention; "
                                   "set config.attention_dropout=0.0")
     if position_ids is not None:
-        expected = state.layout.positions(total, state.rank, state.world_size).to(position_ids.device)
+        expected = _expected_positions(state.layout, total, state.rank, state.world_size, cu).to(position_ids.device)
         if not torch.equal(position_ids, expected.expand_as(position_ids)):
+            what = "GLOBAL positions" if cu is None else "positions within their documents"
             raise ValueError(
-                f"position_ids must be this rank's GLOBAL positions under the {state.layout.name} layout "
+                f"position_ids must be this rank's {what} under the {state.layout.name} layout "
                 f"(expected {expected[:4].tolist()}..., got {position_ids[0, :4].tolist()}...), or RoPE is wrong; "
-                "pass position_ids from cp_attention.integrations.huggingface.shard_batch "
-                "(packed sequences with restarting positions are not supported yet)")
+                "pass position_ids (and, for packed or padded batches, cu_seq_lens_q/k) from "
+                "cp_attention.integrations.huggingface.shard_batch")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = cpa.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
-                             kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0)
+                             kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0, cu_seqlens=cu)
     return out, None
+
+
+def _documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
+    """The packed-document boundaries from transformers' attention kwargs, checked; None if unpacked."""
+    if cu_q is None and cu_k is None:
+        if max_q is not None or max_k is not None:
+            raise ValueError("max_length_q/k were given without cu_seq_lens_q/k; pass the batch from shard_batch")
+        return None
+    if cu_q is None or cu_k is None:
+        raise ValueError("packed documents need both cu_seq_lens_q and cu_seq_lens_k (equal: self-attention); "
+                         "pass the batch from shard_batch")
+    cu = check_cu_seqlens(cu_q, total=total)
+    if cu_seqlens_tuple(cu_k) != cu:
+        raise NotImplementedError("cu_seq_lens_k differs from cu_seq_lens_q: context-parallel attention is "
+                                  "self-attention over one packed stream; pass equal boundaries")
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    for name, val in (("max_length_q", max_q), ("max_length_k", max_k)):
+        if val is not None and int(val) != longest:
+            raise ValueError(f"{name}={int(val)} disagrees with cu_seq_lens (longest document {longest}); "
+                             "pass the batch from shard_batch")
+    return cu
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_positions(layout: cpa.Layout, total: int, rank: int, world_size: int,
+                        cu: "tuple[int, ...] | None") -> torch.Tensor:
+    positions = layout.positions(total, rank, world_size, cu)
+    return positions if cu is None else document_position_ids(positions, cu)
 
 
 def _ring_mask(batch_size: int, q_length: int, kv_length: int, *args,
@@ -162,12 +206,22 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
                 ) -> dict[str, torch.Tensor]:
     """This rank's share of a batch of full ``[batch, seq]`` tensors.
 
-    Returns every ``[batch, seq, ...]`` entry sharded along the sequence, plus ``position_ids`` (the
-    GLOBAL positions, so RoPE is right) and ``shift_labels`` (``labels``, or ``input_ids`` if absent,
-    shifted left by one on the FULL sequence, -100 at the end, then sharded).
+    Plain batches: every ``[batch, seq, ...]`` entry sharded along the sequence, plus ``position_ids``
+    (the GLOBAL positions, so RoPE is right) and ``shift_labels`` (``labels``, or ``input_ids`` if
+    absent, shifted left by one on the FULL sequence, -100 at the end, then sharded).
 
-    Raises ``ValueError`` if the layout cannot split the sequence, and ``NotImplementedError`` for
-    padding (an ``attention_mask`` with zeros) or packed ``position_ids``.
+    Packed batches (``position_ids`` restarting at 0 at every document, any number of rows, or HF's
+    flattening-collator ``cu_seq_lens_q/k`` over one row) and padded batches (``attention_mask`` with
+    zeros, left or right: each row's real tokens are one document) become ONE packed row of documents:
+    padding tokens are dropped, the stream is padded up to the layout's divisor with one padding
+    document (label -100), and every token entry comes back ``[1, T/N, ...]``. ``position_ids`` are then
+    positions within documents, ``shift_labels`` shift within documents (-100 at each document's end),
+    and ``cu_seq_lens_q/k`` (the stream's document boundaries; pass them to the model, which hands them
+    to the attention) and ``max_length_q/k`` are added; ``attention_mask`` is dropped.
+
+    Raises ``ValueError`` if the layout cannot split the sequence, for non-contiguous padding, for
+    packed ``position_ids`` that do not count 0, 1, 2, ... within each document, or for bad
+    ``cu_seq_lens_q/k``; ``NotImplementedError`` for padding combined with packed position ids.
     """
     lay = cpa.get_layout(layout)
     rank, world_size = group_rank_and_size(group)
@@ -175,22 +229,99 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
         raise ValueError(f"shard_batch needs 'input_ids' in the batch, got keys {sorted(batch)}")
     ids = batch["input_ids"]
     b, s = ids.shape
+    rows = _document_rows(batch, b, s)
+    if rows is not None:
+        return _shard_packed(batch, rows, lay, rank, world_size)
     lay.check(s, world_size)
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise NotImplementedError("padding (attention_mask with zeros) is not supported by context-parallel "
-                                  "attention yet; pack or trim the batch so that every token is real")
     positions = torch.arange(s, device=ids.device).expand(b, s)
-    given = batch.get("position_ids")
-    if given is not None and not torch.equal(given, positions.expand_as(given)):
-        raise NotImplementedError("packed sequences (position_ids other than 0..seq-1) are not supported by "
-                                  "context-parallel attention yet")
     labels = batch.get("labels", ids)
     shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)], dim=1)
     out = {key: lay.shard(t, 1, rank, world_size) for key, t in batch.items()
            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[:2] == (b, s)}
     out["position_ids"] = lay.shard(positions, 1, rank, world_size)
     out["shift_labels"] = lay.shard(shifted, 1, rank, world_size)
+    return out
+
+
+def model_inputs(local: Mapping[str, Any]) -> dict[str, Any]:
+    """What the patched model takes from a :func:`shard_batch` result: everything but the labels, so
+    ``model(**model_inputs(local))`` computes no second (local, wrong) loss on the side. Compute the
+    loss with :func:`causal_lm_loss` and ``local["shift_labels"]``."""
+    return {key: val for key, val in local.items() if key not in ("labels", "shift_labels")}
+
+
+def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
+                   ) -> "list[tuple[int, int, int, tuple[int, ...]]] | None":
+    """For a packed or padded batch, ``(row, start, stop, row_cu)`` per row: the real tokens
+    ``start:stop`` of the row and their document boundaries (relative to ``start``). None if plain."""
+    mask = batch.get("attention_mask")
+    given = batch.get("position_ids")
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    padded = mask is not None and not bool(mask.all())
+    arange = torch.arange(s, device=batch["input_ids"].device)
+    restarting = given is not None and not torch.equal(given, arange.expand_as(given))
+    if cu_q is not None or cu_k is not None:
+        cu = _documents(cu_q, cu_k, batch.get("max_length_q"), batch.get("max_length_k"), s)
+        if b != 1 or padded:
+            raise ValueError(f"cu_seq_lens_q/k describe one packed row without padding, got {b} rows"
+                             + (" and an attention_mask with zeros" if padded else ""))
+        if given is not None:
+            doc_pos = document_position_ids(arange, cu)
+            if not torch.equal(given, doc_pos.expand_as(given)):
+                raise ValueError("position_ids disagree with cu_seq_lens_q: they must restart at 0 at every document")
+        return [(0, 0, s, cu)]
+    if padded and restarting:
+        raise NotImplementedError("a batch that is both padded (attention_mask with zeros) and packed (position_ids "
+                                  "restarting at 0) is not supported; pack without padding, or pad without packing")
+    if restarting:
+        return [(r, 0, s, cu_seqlens_from_position_ids(given.expand(b, s)[r])) for r in range(b)]
+    if padded:
+        out = []
+        for r in range(b):
+            real = torch.nonzero(mask[r]).flatten()
+            if real.numel() == 0:
+                continue  # an all-padding row contributes nothing
+            start, stop = int(real[0]), int(real[-1]) + 1
+            if stop - start != real.numel():
+                raise ValueError(f"attention_mask row {r} has padding between real tokens; only left or right "
+                                 "padding (one contiguous run of ones per row) is supported")
+            out.append((r, start, stop, (0, stop - start)))
+        if not out:
+            raise ValueError("attention_mask is all zeros: the batch holds no real token")
+        return out
+    return None
+
+
+def _shard_packed(batch: Mapping[str, torch.Tensor], rows, lay: cpa.Layout, rank: int, world_size: int
+                  ) -> dict[str, torch.Tensor]:
+    """One packed row of every row's documents, padded to the layout's divisor, sharded by documents."""
+    ids = batch["input_ids"]
+    b, s = ids.shape
+    bounds = [0]
+    for _, start, _, row_cu in rows:
+        bounds += [bounds[-1] + c for c in row_cu[1:]]
+    cu, pad = pad_cu_seqlens(bounds, lay.divisor(world_size))
+
+    def stream(t: torch.Tensor, fill) -> torch.Tensor:
+        parts = [t[r, start:stop] for r, start, stop, _ in rows]
+        if pad:
+            parts.append(t.new_full((pad, *t.shape[2:]), fill))
+        return torch.cat(parts)[None]
+
+    labels = stream(batch.get("labels", ids), IGNORE_INDEX)[0]
+    # The next token of a document's last token is not in the document: -100 there.
+    last = torch.tensor(cu[1:], device=labels.device) - 1
+    shifted = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
+    shifted[last] = IGNORE_INDEX
+    out = {key: lay.shard(stream(t, IGNORE_INDEX if key == "labels" else 0), 1, rank, world_size, cu)
+           for key, t in batch.items()
+           if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[:2] == (b, s)
+           and key not in ("attention_mask", "position_ids")}
+    positions = lay.positions(cu[-1], rank, world_size, cu)
+    out["position_ids"] = document_position_ids(positions, cu).to(ids.device)[None]
+    out["shift_labels"] = shifted[positions.to(shifted.device)][None]
+    out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(cu, dtype=torch.int32)
+    out["max_length_q"] = out["max_length_k"] = max(b - a for a, b in zip(cu, cu[1:]))
     return out
 
 
@@ -214,6 +345,7 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
 
 
 def gather_sequence(x: torch.Tensor, group=None, layout: Union[str, cpa.Layout] = "zigzag",
-                    dim: int = 1) -> torch.Tensor:
-    """All-gather every rank's shard of ``x`` along ``dim`` and unshard it (for evaluation; no gradient)."""
-    return cpa.get_layout(layout).gather(x, dim=dim, group=group)
+                    dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """All-gather every rank's shard of ``x`` along ``dim`` and unshard it (for evaluation; no gradient).
+    For a packed or padded batch pass ``cu_seqlens=local["cu_seq_lens_q"]`` from :func:`shard_batch`."""
+    return cpa.get_layout(layout).gather(x, dim=dim, group=group, cu_seqlens=cu_seqlens)

@@ -165,3 +165,47 @@ def reduced_gradients(rank: int, world_size: int) -> dict:
     model.b.grad = torch.full((2, 2), float(rank * rank), dtype=torch.float64)
     reduce_gradients(model, cp_group=cp_groups[rank // 2], dp_group=dp_groups[rank % 2])
     return {"a": model.a.grad, "b": model.b.grad, "frozen": model.frozen.grad}
+
+
+def packed_attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, lengths: list[int],
+                            kernel: str = "math", heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
+                            dtype: str = "float64", atol: float = 1e-10, rtol: float = 0.0, seed: int = 0,
+                            sinks: bool = False, lse_grad: bool = False) -> dict:
+    """Packed documents (``cu_seqlens`` from ``lengths``) against each document's own fp64 attention:
+    excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard."""
+    dt = dtype_from_name(dtype)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    q, k, v, dout = make_inputs(seed, 1, cu[-1], heads, kv_heads, head_dim, head_dim, dt)
+    scale = head_dim ** -0.5
+    qr, kr, vr = (t.double().clone().requires_grad_() for t in (q, k, v))
+    sink = (torch.randn(heads, generator=torch.Generator().manual_seed(seed + 99)) + 1.0).to(dt) if sinks else None
+    sink_ref = sink.double().clone().requires_grad_() if sinks else None
+    # The reference never sees the packing: one independent attention per document.
+    parts = [reference_attention(qr[:, a:b], kr[:, a:b], vr[:, a:b], causal, scale, sinks=sink_ref)
+             for a, b in zip(cu, cu[1:])]
+    out_ref = torch.cat([o for o, _ in parts], 1)
+    lse_ref = torch.cat([lse for _, lse in parts], 2)
+    dlse = torch.randn(lse_ref.shape, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
+    ((out_ref * dout.double()).sum() + ((lse_ref * dlse).sum() if lse_grad else 0.0)).backward()
+
+    lay = cpa.get_layout(layout)
+    shard = lambda t, dim=1: lay.shard(t, dim, rank, world_size, cu_seqlens=cu)  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    sink_l = sink.clone().requires_grad_() if sinks else None
+    out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, kernel=kernel, return_lse=True,
+                                  sinks=sink_l, cu_seqlens=torch.tensor(cu))
+    loss = (out * shard(dout)).sum() + ((lse * shard(dlse, 2).to(lse.dtype)).sum() if lse_grad else 0.0)
+    loss.backward()
+    extra = {}
+    if sinks:
+        dsink = sink_l.grad.clone()
+        dist.all_reduce(dsink)
+        extra["dsinks"] = excess_error(dsink, sink_ref.grad, atol, rtol)
+    return {**extra,
+            "out": excess_error(out, shard(out_ref), atol, rtol),
+            "lse": excess_error(lse, shard(lse_ref, 2), atol, rtol),
+            "dq": excess_error(ql.grad, shard(qr.grad), atol, rtol),
+            "dk": excess_error(kl.grad, shard(kr.grad), atol, rtol),
+            "dv": excess_error(vl.grad, shard(vr.grad), atol, rtol)}

@@ -210,10 +210,18 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
         model = cphf.apply_context_parallel(build(family, **overrides), layout="zigzag", kernel=kernel)
         local = cphf.shard_batch({"input_ids": ids}, layout="zigzag")
         kwargs = dict(input_ids=local["input_ids"], position_ids=local["position_ids"])
-        if case == "padding_batch":
+        if case == "padding_hole":  # left and right padding are exact; a hole between real tokens is not
+            mask = torch.ones_like(ids)
+            mask[0, 5] = 0
+            cphf.shard_batch({"input_ids": ids, "attention_mask": mask}, layout="zigzag")
+        elif case == "padded_and_packed":
             mask = torch.ones_like(ids)
             mask[0, -3:] = 0
-            cphf.shard_batch({"input_ids": ids, "attention_mask": mask}, layout="zigzag")
+            pos = torch.cat([torch.arange(5), torch.arange(SEQ - 5)]).expand_as(ids)
+            cphf.shard_batch({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, layout="zigzag")
+        elif case == "packed_kv_differs":
+            cu = torch.tensor([0, 5, SEQ], dtype=torch.int32)
+            model(input_ids=local["input_ids"], cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 6, SEQ]))
         elif case == "padding_forward":
             mask = torch.ones_like(local["input_ids"])
             mask[0, 0] = 0
@@ -231,7 +239,7 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
             model(**kwargs)
         elif case == "output_attentions":  # the ring never holds the weights; None must not pass for them
             model(**kwargs, output_attentions=True)
-        elif case == "packed_kwargs":  # what HF's flattening collator adds; must not be dropped
+        elif case == "packed_kwargs":  # documents given, but the positions are not within the documents
             cu = torch.tensor([0, 5, SEQ], dtype=torch.int32)
             model(**kwargs, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)
         else:
@@ -239,3 +247,70 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001 - the test checks what was raised
         return type(e).__name__, str(e)
     return "", ""
+
+
+def _documents_batch(mode: str, seed: int = 3):
+    """A batch in one of HF's packed or padded forms, and its documents as separate rows (token lists)."""
+    g = torch.Generator().manual_seed(seed)
+    if mode in ("packed_positions", "collator"):
+        lengths = [[1, 6, 2, 14], [9, 5, 3, 6]] if mode == "packed_positions" else [[3, 1, 11, 7, 1]]
+        ids = torch.randint(0, VOCAB, (len(lengths), sum(lengths[0])), generator=g)
+        pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+        docs, b = [], {"input_ids": ids, "position_ids": pos}
+        for r, row in enumerate(lengths):
+            start = 0
+            for n in row:
+                docs.append(ids[r, start:start + n])
+                start += n
+        if mode == "collator":  # what DataCollatorWithFlattening(return_flash_attn_kwargs=True) emits
+            cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths[0]), 0).tolist()], dtype=torch.int32)
+            b.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths[0]), max_length_k=max(lengths[0]))
+        return b, docs
+    real = [13, 5, 17]
+    s = max(real) + 3
+    ids = torch.randint(0, VOCAB, (len(real), s), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(real):
+        if mode == "padded_right":
+            mask[r, :n] = 1
+        else:
+            mask[r, s - n:] = 1
+    docs = [ids[r][mask[r].bool()] for r in range(len(real))]
+    return {"input_ids": ids, "attention_mask": mask}, docs
+
+
+def documents_equivalence(rank: int, world_size: int, *, family: str, layout: str, mode: str) -> dict:
+    """A packed or padded batch under CP against each document run alone without CP (fp64): gathered
+    logits per document, the loss and the CP-summed gradients."""
+    from cp_attention.integrations import huggingface as cphf
+
+    ref = build(family)
+    model = copy.deepcopy(ref)
+    full, docs = _documents_batch(mode)
+    ref_logits, total, count = [], 0.0, 0
+    for doc in docs:
+        logits = ref(input_ids=doc[None]).logits[0]
+        ref_logits.append(logits.detach())
+        if doc.numel() > 1:
+            total = total + torch.nn.functional.cross_entropy(logits[:-1], doc[1:], reduction="sum")
+            count += doc.numel() - 1
+    ref_loss = total / count
+    ref_loss.backward()
+
+    cphf.apply_context_parallel(model, layout=layout)
+    local = cphf.shard_batch(full, layout=layout)
+    out = model(**cphf.model_inputs(local))
+    loss = cphf.causal_lm_loss(out.logits, local["shift_labels"])
+    loss.backward()
+    logits = cphf.gather_sequence(out.logits.detach(), layout=layout, cu_seqlens=local["cu_seq_lens_q"])[0]
+    cu = local["cu_seq_lens_q"].tolist()
+    got = [logits[a:b] for a, b in zip(cu, cu[1:])][:len(docs)]  # the last may be the padding document
+    grads = _summed_grads(model, None)
+    return {
+        "logits": max((g - w).abs().max().item() for g, w in zip(got, ref_logits)),
+        "loss": abs(loss.item() - ref_loss.item()),
+        "grads": max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())),
+        "finite": bool(torch.isfinite(out.logits).all()),
+        "impl": model.config._attn_implementation,
+        "shape": tuple(local["input_ids"].shape),
+    }

@@ -66,7 +66,9 @@ def test_world_size_one_is_an_exact_noop(pools):
 
 
 REFUSALS = {
-    "padding_batch": "padding",
+    "padding_hole": "padding between real tokens",
+    "padded_and_packed": "both padded .* and packed",
+    "packed_kv_differs": "cu_seq_lens_k differs from cu_seq_lens_q",
     "padding_forward": "padding",
     "sliding_window": r"sliding-window attention \(window 8 < global sequence 16\)",
     "softcap": "kernel 'sdpa' cannot apply softcap; use kernel='math'",
@@ -75,8 +77,7 @@ REFUSALS = {
     "kv_cache_decode": "KV cache",
     "missing_position_ids": "position_ids must be this rank's GLOBAL positions",
     "output_attentions": "got argument\\(s\\) it does not implement: output_attentions",
-    "packed_kwargs": "got argument\\(s\\) it does not implement: cu_seq_lens_k, cu_seq_lens_q, max_length_k, "
-                     "max_length_q",
+    "packed_kwargs": "position_ids must be this rank's positions within their documents",
 }
 
 
@@ -93,3 +94,19 @@ def test_unsupported_features_are_refused_not_dropped(pools, case):
 def test_supported_features_do_not_trip_the_refusals(pools):
     """The refusal harness itself: a plain forward on a patched model raises nothing."""
     assert pools(2).run(hf_cases.refusal, case="none", timeout=180) == [("", "")] * 2
+
+
+DOC_MODES = ("packed_positions", "collator", "padded_right", "padded_left")
+DOC_CASES = [(2, fam, lay, mode) for fam in ("llama", "qwen2", "mistral") for lay in cpa.LAYOUT_NAMES
+             for mode in DOC_MODES] + [(4, "llama", lay, mode) for lay in cpa.LAYOUT_NAMES for mode in DOC_MODES[::3]]
+
+
+@pytest.mark.parametrize("world_size,family,layout,mode", DOC_CASES, ids=["-".join(map(str, c)) for c in DOC_CASES])
+def test_packed_and_padded_batches_equal_their_documents(pools, world_size, family, layout, mode):
+    results = pools(world_size).run(hf_cases.documents_equivalence, family=family, layout=layout, mode=mode,
+                                    timeout=180)
+    for rank, r in enumerate(results):
+        assert r["finite"] and r["impl"] == "cp_ring", (rank, r)
+        assert r["shape"][0] == 1, f"packed into one row: {r['shape']}"
+        for key in ("logits", "loss", "grads"):
+            assert r[key] <= FP64, f"{family} {layout} {mode} cp={world_size}: rank {rank} {key} differs by {r[key]:.3e}"

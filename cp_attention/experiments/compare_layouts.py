@@ -2,7 +2,9 @@
 (``scripts/compare_layouts.py``).
 
 Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
-A (layout, world size, S) the layout cannot split is skipped and listed in the report.
+A (layout, world size, S) the layout cannot split is skipped and listed in the report. With a
+``packed`` config section it also models (and measures, small) a packed-documents workload and sets it
+against TransformerEngine-style per-document padding (:mod:`.layout_packed`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ def check_config(cfg: dict) -> None:
             fail(key, cfg[part][name], "a positive integer")
     if cfg["atlas"]["seq_len"] > 256:
         fail("atlas.seq_len", cfg["atlas"]["seq_len"], "at most 256 (the atlas draws every token pair)")
+    if cfg.get("packed") is not None:
+        from .layout_packed import check_packed
+
+        check_packed(cfg["packed"])
 
 
 def run(cfg: dict, out: Path) -> Path:
@@ -117,6 +123,17 @@ def run(cfg: dict, out: Path) -> Path:
     res["measured_wall"] = measured["wall"]
     res["measured_steps"] = measured["steps"]
     res["measured_summary"] = tables.with_modelled_efficiency(measured["summary"], causal)
+    res["packed"] = None
+    if cfg.get("packed") is not None:
+        from .layout_packed import measure_packed, packed_tables
+
+        pk = cfg["packed"]
+        res["packed"] = packed_tables(pk, lays, causal, AttentionShape(**p["shape"]), skipped)
+        log(f"modelled the packed workload: {len(pk['seeds'])} seed(s), N in {pk['world_sizes']}")
+        keys = ("heads", "kv_heads", "head_dim", "dtype", "kernel", "repeats")
+        res["packed"]["packed_measured"] = (
+            measure_packed(pk, {**{k: cfg[k] for k in keys}, "timeout": cfg["measure"]["timeout"]}, lays, causal, log)
+            if pk["measure"]["world_sizes"] else [])
     res["skipped"] = skipped + measured["skipped"]
     path = write_results(out, cfg, res, measured["meta"], log)
     log(f"wrote {path}")

@@ -234,3 +234,32 @@ def projection(rows: Records, path: Path, mask: str = "causal", seq_len: Optiona
     axes[1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"Projection on {rows[0]['cluster']} ({mask})", fontsize=10)
     _save(fig, path)
+
+
+def doc_lengths(rows: Records, path: Path, mask: str = "causal") -> None:
+    """The packed workload's document lengths: a histogram on log-spaced bins, and each document's
+    share of the attention work (its pairs), largest first."""
+    plt = _plt()
+    import numpy as np
+    lengths = [r["length"] for r in rows if not r["padding"]]
+    if not lengths:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    bins = np.logspace(0, np.log10(max(lengths)) + 0.05, 30)
+    axes[0].hist(lengths, bins=bins, color="C0", edgecolor="white")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("document length (tokens)")
+    axes[0].set_ylabel("documents")
+    axes[0].set_title(f"{len(lengths)} documents, {sum(lengths)} tokens, median {int(np.median(lengths))}, "
+                      f"max {max(lengths)}", fontsize=9)
+    share = sorted((n * n for n in lengths), reverse=True)
+    total = sum(share)
+    axes[1].plot(range(1, len(share) + 1), np.cumsum(share) / total, "-o", ms=2, color="C0")
+    axes[1].set_xscale("log")
+    axes[1].set_ylim(0, 1.02)
+    axes[1].grid(alpha=0.3)
+    axes[1].set_xlabel("documents, largest first")
+    axes[1].set_ylabel("cumulative share of attention pairs")
+    axes[1].set_title("A few long documents hold most of the attention work", fontsize=9)
+    fig.suptitle(f"Packed workload (seed {rows[0]['seed']}, {mask})", fontsize=10)
+    _save(fig, path)

@@ -84,7 +84,13 @@ def figure_data(cfg: dict, res: dict) -> dict[str, Records]:
     proj = res["projection"]
     s_max = max((r["seq_len"] for r in proj), default=0)
     n_max = max((r["world_size"] for r in proj), default=0)
+    packed = {}
+    if res.get("packed"):
+        bars = cfg["packed"]["bars_world_size"]
+        packed = {"packed_work_bars": _pick(res["packed"]["packed_work_per_rank_step"], world_size=bars),
+                  "packed_doc_lengths": res["packed"]["packed_documents"]}
     return {
+        **packed,
         "mask_atlas": res["mask_atlas"],
         "work_bars": _pick(res["work_per_rank_step"], world_size=cfg["bars"]["world_size"]),
         "efficiency_vs_world": [r for r in eff if r["seq_len"] == m["seq_len"]]
@@ -102,6 +108,8 @@ _DRAW: dict[str, Callable] = {
     "efficiency_vs_seq": plots.efficiency_vs_seq,
     "measured_steps": plots.measured_steps,
     "projection_efficiency": plots.projection,
+    "packed_work_bars": plots.work_bars,
+    "packed_doc_lengths": plots.doc_lengths,
 }
 
 
@@ -238,6 +246,109 @@ def _projection_section(cfg: dict, res: dict) -> str:
     ])
 
 
+def _packed_section(cfg: dict, res: dict) -> str:
+    p, pk = cfg["packed"], res["packed"]
+    rows, te, docs = pk["packed"], pk["packed_te_padding"], pk["packed_documents"]
+    lays, seed0, bars = cfg["layouts"], p["seeds"][0], p["bars_world_size"]
+    real = sorted(d["length"] for d in docs if not d["padding"])
+    if not rows:
+        return "## Packed documents\n\nNo layout here supports packed documents (see Skipped)."
+    first = rows[0]
+    med = real[len(real) // 2] if real else 0
+    fit = ("the document crossing T is trimmed" if p["fit"] == "trim" else
+           "the document crossing T is left out and one padding document (`pad_cu_seqlens`) makes the stream split")
+    intro = (f"Documents with lognormal lengths (mean {p['mean_doc_len']} tokens, sigma {p['sigma']}, clipped to "
+             f"[{p['min_doc_len']}, {p['max_doc_len'] or 'T'}]) packed into one stream of T = {first['seq_len']} "
+             f"tokens ({fit}); {len(p['seeds'])} seed(s) {p['seeds']}. Seed {seed0}: {first['documents']} documents, "
+             f"median {med}, longest {real[-1] if real else 0} tokens, {first['pad_tokens']} padding tokens. "
+             "Every layout splits the packed stream as `cu_seqlens` says (zigzag cuts every document into 2N chunks "
+             "of near-equal size; interleaved deals the stream round robin; contiguous cuts it into N pieces) and "
+             "the work model counts only pairs within a document. Each cell: **imbalance** (busiest rank's score "
+             "pairs over the mean rank's, over the whole ring: the same definition as above) / **step-synchronous "
+             f"efficiency** for seed {seed0}, and in brackets the worst imbalance over all seeds. Data: "
+             "`packed.csv` (every seed, with per-rank pairs), `packed_work_per_rank_step.csv`, `packed_documents.csv`.")
+    bal = []
+    for n in sorted({r["world_size"] for r in rows}):
+        cells = []
+        for lay in lays:
+            here = _pick(rows, layout=lay, world_size=n)
+            c = _one(here, seed=seed0)
+            cells.append(f"{_fmt(c['imbalance'], '.4f')} / {_fmt(c['step_sync_efficiency'])} "
+                         f"({_fmt(max(r['imbalance'] for r in here), '.4f')})" if c else "skipped")
+        bal.append([n] + cells)
+    parts = ["## Packed documents (cu_seqlens)", intro,
+             md_table(["N"] + [f"{lay} imb / eff (worst imb)" for lay in lays], bal)]
+    at = [r for r in rows if r["world_size"] == bars and r["layout"] in ("zigzag", "interleaved")]
+    if at:
+        worst = {lay: max(r["imbalance"] for r in at if r["layout"] == lay) for lay in dict.fromkeys(r["layout"] for r in at)}
+        ok = all(v <= 1.05 for v in worst.values())
+        parts.append(f"Target: zigzag and interleaved imbalance ≤ 1.05 at N = {bars}: worst over the seeds "
+                     + ", ".join(f"{lay} {v:.4f}" for lay, v in worst.items()) + (" (met)." if ok else " (**missed**)."))
+    per = [r for r in rows if r["world_size"] == bars and r["seed"] == seed0]
+    if per:
+        prow = []
+        for r in per:
+            tot = list(map(int, r["rank_pairs"].split()))
+            mean = sum(tot) / len(tot)
+            prow.append([r["layout"]] + [_fmt(t / mean, ".4f") for t in tot])
+        parts += [f"Per-rank score pairs over the mean rank at N = {bars}, seed {seed0} (the pair counts are in "
+                  "`packed.csv`, column `rank_pairs`):",
+                  md_table(["layout"] + [f"rank {i}" for i in range(len(prow[0]) - 1)], prow)]
+    sh = cfg["projection"]["shape"]
+    trows = []
+    for n in sorted({r["world_size"] for r in te}):
+        here = _pick(te, world_size=n)
+        c = _one(here, seed=seed0)
+
+        def rng(key: str) -> str:
+            vals = [r[key] for r in here]
+            return f"{min(vals):.2f}–{max(vals):.2f}" if len(vals) > 1 else "-"
+        trows.append([n, c["multiple"], f"{c['te_pad_tokens']} ({c['te_pad_tokens_pct']:.2f}%)", rng("te_pad_tokens_pct"),
+                      c["our_pad_tokens"], f"{c['extra_pairs']:.3e} ({c['extra_pairs_pct']:.3f}%)",
+                      rng("extra_pairs_pct"), _fmt(c["extra_fwdbwd_tflop"], ".3f"),
+                      _fmt(c["te_zigzag_imbalance"], ".4f")])
+    parts += [
+        "### Against TransformerEngine-style per-document padding",
+        "TransformerEngine's THD context parallelism and ring-flash-attention's varlen zigzag cut every document "
+        "into 2N equal chunks, so every document must be padded to a multiple of 2N: `-L mod 2N` tokens each. "
+        "Ours needs only the whole stream to split (at most one padding document of fewer than the layouts' "
+        "divisor tokens). **Tokens**: the padding tokens TE-style adds, as a share of the real tokens; every "
+        "other layer of the model (embeddings, MLPs, norms, the loss) pays this share too. **Pairs**: causal pairs "
+        "of the padded documents minus ours (share of ours), counting the padding as attended: an upper bound on "
+        "the attention cost, as a kernel told the real lengths (TE's `cu_seqlens` beside `cu_seqlens_padded`) may "
+        f"skip padded rows. TFLOP: those pairs forward + backward for the projection's shape (B={sh['batch']}, "
+        f"H={sh['heads']}, D={sh['head_dim']}). The last column is the work model's imbalance of zigzag on the "
+        f"padded documents (TE's split). Seed {seed0}; ranges over all seeds. Data: `packed_te_padding.csv`.",
+        md_table(["N", "2N", "TE pad tokens (% of real)", "% range", "our pad tokens", "TE extra pairs (% of ours)",
+                  "% range", "extra TFLOP fwd+bwd", "TE zigzag imb"], trows),
+        f"![packed work per rank](packed_work_bars.png)\n\n(`packed_work_bars.csv`, N = {bars}, seed {seed0})",
+        "![packed document lengths](packed_doc_lengths.png)\n\n(`packed_doc_lengths.csv`)",
+    ]
+    meas = pk.get("packed_measured") or []
+    if meas:
+        mrows = []
+        for r in meas:
+            if r["error"]:
+                mrows.append([r["world_size"], r["seq_len"], r["impl"], "n/a: " + r["error"]] + [""] * 5)
+                continue
+            mrows.append([r["world_size"], r["seq_len"], r["impl"], r["tokens_computed"], _fmt(r["fwd_ms"], ".1f"),
+                          _fmt(r["fwd_x_baseline"]), _fmt(r["fwdbwd_ms"], ".1f"), _fmt(r["fwdbwd_x_baseline"]),
+                          _fmt(r["modelled_imbalance"], ".4f")])
+        parts += [
+            "### Measured (this machine)",
+            f"`ring_attention(cu_seqlens=)` on CPU gloo, one process per rank with one thread each, the first "
+            f"seed's documents in a stream of {p['measure']['total_tokens']} tokens (batch 1, H={cfg['heads']}, "
+            f"D={cfg['head_dim']}, {cfg['dtype']}, kernel {cfg['kernel']}); the baseline is one process on the whole "
+            "stream with as many threads as the ring has ranks. Median of the slowest rank over "
+            f"{cfg['repeats']} call(s) after one warm-up. `ring/zigzag, TE-padded` runs our zigzag on the stream "
+            "with every document padded to a multiple of 2N (the padding attended): the TE-style split and its "
+            "extra tokens. Data: `packed_measured.csv`.",
+            md_table(["N", "T", "impl", "tokens computed", "fwd ms", "fwd × baseline", "fwd+bwd ms",
+                      "fwd+bwd × baseline", "modelled imb"], mrows),
+        ]
+    return "\n\n".join(parts)
+
+
 def _skipped_section(res: dict) -> str:
     sk = res["skipped"]
     if not sk:
@@ -255,10 +366,13 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
     for name in ("modelled", "work_per_rank_step", "measured_wall", "measured_summary", "projection", "skipped"):
         write_csv(out / f"{name}.csv", res[name])
     write_csv(out / "measured_step_times.csv", res["measured_steps"])
+    for name, rows in (res.get("packed") or {}).items():
+        write_csv(out / f"{name}.csv", rows)
     for name, rows in figure_data(cfg, res).items():
         write_csv(out / f"{name}.csv", rows)
+        mask = ("causal" if cfg["causal"] else "non-causal") + (", packed documents" if name.startswith("packed") else "")
         if rows:
-            _DRAW[name](rows, out / f"{name}.png", mask="causal" if cfg["causal"] else "non-causal")
+            _DRAW[name](rows, out / f"{name}.png", mask=mask)
         else:
             plots.placeholder(out / f"{name}.png", f"{name}: no data for this configuration (see report.md)")
     log("wrote the CSVs and pictures")
@@ -271,8 +385,9 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
         "rerun with `python scripts/compare_layouts.py` and the same overrides.",
     ]
     tail = ["## Files", ", ".join(f"`{f}`" for f in files)]
+    packed = [_packed_section(cfg, res)] if res.get("packed") else []
     text = "\n\n".join(head + [_modelled_section(cfg, res), _measured_section(cfg, res, meta),
-                               _projection_section(cfg, res), _skipped_section(res)] + tail) + "\n"
+                               _projection_section(cfg, res)] + packed + [_skipped_section(res)] + tail) + "\n"
     path = out / "report.md"
     path.write_text(text)
     return path
