@@ -109,6 +109,6 @@ def ring_attention(
     else:
         steps = packed_steps(lay, bool(causal), comm.rank, comm.world_size, cu,
                              getattr(kern, "supports_mask", False), q.device)
-    plan = RingPlan(comm, steps, kern, scale, float(softcap))
+    plan = RingPlan(comm, steps, kern, scale, float(softcap), packed=cu is not None)
     out, lse = RingAttentionFunction.apply(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out

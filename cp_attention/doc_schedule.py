@@ -142,10 +142,8 @@ def split_doc_block(block: DocBlock) -> tuple[BlockTask, ...]:
     qa, qb, ka, kb, d = block.q_start, block.q_stop, block.kv_start, block.kv_stop, block.diag
     if d is None:
         return (BlockTask(qa, qb, ka, kb, False),)
-    # Keys up to the shifted diagonal's start are seen by every row; past it, row i sees key d+1+c
-    # iff c <= i - 1: the top-left triangle of rows 1.. against those keys.
-    split = min(ka + d + 1, kb)
-    tasks = (BlockTask(qa, qb, ka, split, False),)
-    if split < kb and qa + 1 < qb:
-        tasks += (BlockTask(qa + 1, qb, split, kb, True),)
-    return tasks
+    # Row i sees key b iff b <= i + d: the first d keys are seen by every row, and past them row i
+    # sees key d + c iff c <= i, the top-left triangle.
+    split = ka + d
+    tasks = (BlockTask(qa, qb, ka, split, False),) if d > 0 else ()
+    return tasks + (BlockTask(qa, qb, split, kb, True),)

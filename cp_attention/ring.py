@@ -33,10 +33,11 @@ class RingPlan:
     kernel: AttentionKernel
     scale: float
     softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
+    packed: bool = False  # steps from packed documents: K/V rows are gathered, so keep them token-major
 
     @property
     def kernel_head_major(self) -> bool:
-        return getattr(self.kernel, "head_major_kv", False)
+        return not self.packed and getattr(self.kernel, "head_major_kv", False)
 
     @property
     def kernel_kwargs(self) -> dict:
@@ -131,21 +132,21 @@ def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "s
 
 
 def _task_forward(plan: RingPlan, t: "BlockTask | DocBatch", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """One task's ``(rows, out, lse)``."""
+    """A task's results: a list of ``(rows, out, lse)``."""
     if isinstance(t, DocBatch):
         return t.forward(plan.kernel, q, k, v, plan.scale, plan.kernel_kwargs)
     o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
                                          **plan.kernel_kwargs)
-    return t.q, o_blk, lse_blk
+    return [(t.q, o_blk, lse_blk)]
 
 
 def _task_backward(plan: RingPlan, t: "BlockTask | DocBatch", dout, q, k, v, out, lse):
-    """One task's ``(q_rows, dq, kv_rows, dk, dv)``."""
+    """A task's gradients: a list of ``(q_rows, dq, kv_rows, dk, dv)``."""
     if isinstance(t, DocBatch):
         return t.backward(plan.kernel, dout, q, k, v, out, lse, plan.scale, plan.kernel_kwargs)
     dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
                                       t.causal, plan.scale, **plan.kernel_kwargs)
-    return t.q, dq, t.kv, dk, dv
+    return [(t.q, dq, t.kv, dk, dv)]
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -170,8 +171,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 ring.start()
             kc, vc = ring.views()
             for t in tasks:
-                rows, o_blk, lse_blk = _task_forward(plan, t, q, kc, vc)
-                out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
+                for rows, o_blk, lse_blk in _task_forward(plan, t, q, kc, vc):
+                    out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
             if s < last:
                 ring.finish()
         if out is None:  # no task at all: every row attends to nothing
@@ -222,7 +223,7 @@ class RingAttentionFunction(torch.autograd.Function):
             if s < last:
                 kv.start()
             kc, vc = kv.views()
-            grads = [_task_backward(plan, t, dout, q, kc, vc, out, lse) for t in tasks]
+            grads = [g for t in tasks for g in _task_backward(plan, t, dout, q, kc, vc, out, lse)]
             if s > 0:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = dkv.current if dkv else (None, None)

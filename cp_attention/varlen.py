@@ -21,15 +21,18 @@ from .schedule import BlockTask
 
 __all__ = ["DocBatch", "packed_steps", "SMALL_BLOCK"]
 
-# A block whose longer side is at most this joins a padded batch; longer ones run alone. Padding
-# costs at most 2x per side inside a bucket, which short blocks pay gladly for one call per bucket.
+# A block whose longer side is at most this joins a padded batch; longer ones run alone.
 SMALL_BLOCK = 256
-_MIN_BUCKET = 16
+# Padded sizes of the batches: steps of about 1.5x, so padding costs at most ~1.5x per side.
+_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def _bucket(block: DocBlock) -> int:
-    side = max(block.q_len, block.kv_len, _MIN_BUCKET)
-    return 1 << (side - 1).bit_length()
+def _bucket(block: DocBlock) -> tuple[int, bool]:
+    """(padded size, causal square?) of a small block. A causal square (the diagonal of a document)
+    needs no mask: padded keys come after every real query, so the top-left triangle hides them."""
+    side = max(block.q_len, block.kv_len)
+    square = block.diag == 0 and block.q_len == block.kv_len
+    return next(b for b in _BUCKETS if b >= side), square
 
 
 @dataclass(frozen=True)
@@ -38,70 +41,76 @@ class _Bucket:
     q_valid: torch.Tensor  # [E, L] bool
     kv_idx: torch.Tensor  # [E, L] held K/V rows; padding repeats the block's first key
     kv_valid: torch.Tensor  # [E, L] bool
-    mask: torch.Tensor  # [E, L, L] bool, True where a query may see a key
+    mask: "torch.Tensor | None"  # [E, L, L] bool, True where a query may see a key; None: causal square
+    no_lse: torch.Tensor  # [E, 1, L]: +inf on padding rows, 0 elsewhere
 
 
-def _make_bucket(blocks: Sequence[DocBlock], size: int) -> _Bucket:
+def _make_bucket(blocks: Sequence[DocBlock], size: int, square: bool) -> _Bucket:
     ar = torch.arange(size)
     q0 = torch.tensor([b.q_start for b in blocks])[:, None]
     k0 = torch.tensor([b.kv_start for b in blocks])[:, None]
     q_valid = ar[None, :] < torch.tensor([b.q_len for b in blocks])[:, None]
     kv_valid = ar[None, :] < torch.tensor([b.kv_len for b in blocks])[:, None]
-    diag = torch.tensor([size if b.diag is None else b.diag for b in blocks])[:, None, None]
-    mask = kv_valid[:, None, :] & (ar[None, None, :] <= ar[None, :, None] + diag)
-    # A padding row repeats its block's first query and sees only the first key, which that query
-    # sees too: its probabilities stay <= 1 under the real row's LSE, and its zero dout adds nothing.
-    mask[~q_valid] = False
-    mask[..., 0] |= ~q_valid
-    return _Bucket(torch.where(q_valid, q0 + ar, q0), q_valid, torch.where(kv_valid, k0 + ar, k0), kv_valid, mask)
+    mask = None
+    if not square:
+        diag = torch.tensor([size if b.diag is None else b.diag for b in blocks])[:, None, None]
+        mask = kv_valid[:, None, :] & (ar[None, None, :] <= ar[None, :, None] + diag)
+        mask[..., 0] |= ~q_valid  # padding rows see a key, so no kernel meets an empty row
+    # Backward gives padding rows an LSE of +inf: their probabilities are exactly 0, whatever they see.
+    no_lse = torch.zeros(q_valid.shape, dtype=torch.float64).masked_fill_(~q_valid, float("inf"))[:, None, :]
+    return _Bucket(torch.where(q_valid, q0 + ar, q0), q_valid, torch.where(kv_valid, k0 + ar, k0), kv_valid,
+                   mask, no_lse)
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x [1, n, ...]`` at rows ``idx [E, L]`` -> ``[E, L, ...]`` (index_select: ~2.5x faster than indexing)."""
+    return x[0].index_select(0, idx.flatten()).view(*idx.shape, *x.shape[2:])
 
 
 class DocBatch:
-    """Small document blocks of one ring step, run as one padded, masked kernel call per size bucket.
+    """Small document blocks of one ring step, run as one padded kernel call per size bucket (masked,
+    or causal without a mask for documents' diagonal blocks).
 
     The blocks' query rows are disjoint (one block per document per step), and so are their key rows,
     so results scatter back without conflicts.
     """
 
     def __init__(self, blocks: Sequence[DocBlock], device: torch.device) -> None:
-        groups: dict[int, list[DocBlock]] = {}
+        groups: dict[tuple[int, bool], list[DocBlock]] = {}
         for b in blocks:
             groups.setdefault(_bucket(b), []).append(b)
-        self.buckets = []
-        for size in sorted(groups):
-            bk = _make_bucket(groups[size], size)
-            self.buckets.append(_Bucket(*(t.to(device) for t in (bk.q_idx, bk.q_valid, bk.kv_idx, bk.kv_valid,
-                                                                   bk.mask))))
-        self.q_rows = torch.cat([b.q_idx[b.q_valid] for b in self.buckets])
-        self.kv_rows = torch.cat([b.kv_idx[b.kv_valid] for b in self.buckets])
+        self.buckets = [_Bucket(*(None if t is None else t.to(device) for t in vars(_make_bucket(groups[key], *key))
+                                  .values()))
+                        for key in sorted(groups)]
         self.blocks = tuple(blocks)
 
     def forward(self, kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kwargs: dict
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q [1, n, H, D]`` and the held ``k``/``v`` -> ``(rows, out [1, R, H, Dv], lse [1, H, R])`` for
-        the R query rows ``rows`` (a LongTensor) of every block."""
-        outs, lses = [], []
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``q [1, n, H, D]`` and the held ``k``/``v`` -> per bucket ``(rows, out [1, R, H, Dv],
+        lse [1, H, R])`` for its R query rows ``rows`` (a LongTensor)."""
+        results = []
         for b in self.buckets:
-            o, lse = kernel.forward(q[0][b.q_idx], k[0][b.kv_idx], v[0][b.kv_idx], False, scale, mask=b.mask,
-                                    **kwargs)
-            outs.append(o[b.q_valid])
-            lses.append(lse.transpose(1, 2)[b.q_valid])
-        return self.q_rows, torch.cat(outs)[None], torch.cat(lses).t()[None]
+            extra = {} if b.mask is None else {"mask": b.mask}
+            o, lse = kernel.forward(_rows(q, b.q_idx), _rows(k, b.kv_idx), _rows(v, b.kv_idx), b.mask is None, scale,
+                                    **extra, **kwargs)
+            results.append((b.q_idx[b.q_valid], o[b.q_valid][None], lse.transpose(1, 2)[b.q_valid].t()[None]))
+        return results
 
     def backward(self, kernel, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, scale: float, kwargs: dict):
-        """Gradients of every block given the final ``out``/``lse``: ``(q_rows, dq [1, R, H, D],
-        kv_rows, dk [1, Rk, Hkv, D], dv [1, Rk, Hkv, Dv])``."""
-        dqs, dks, dvs = [], [], []
+        """Gradients of every bucket given the final ``out``/``lse``: per bucket ``(q_rows,
+        dq [1, R, H, D], kv_rows, dk [1, Rk, Hkv, D], dv [1, Rk, Hkv, Dv])``."""
+        results = []
         for b in self.buckets:
-            dout_b = dout[0][b.q_idx] * b.q_valid[..., None, None].to(dout.dtype)
-            lse_b = lse[0][:, b.q_idx].transpose(0, 1)
-            dq, dk, dv = kernel.backward(dout_b, q[0][b.q_idx], k[0][b.kv_idx], v[0][b.kv_idx], out[0][b.q_idx],
-                                         lse_b, False, scale, mask=b.mask, **kwargs)
-            dqs.append(dq[b.q_valid])
-            dks.append(dk[b.kv_valid])
-            dvs.append(dv[b.kv_valid])
-        return self.q_rows, torch.cat(dqs)[None], self.kv_rows, torch.cat(dks)[None], torch.cat(dvs)[None]
+            extra = {} if b.mask is None else {"mask": b.mask}
+            dout_b = _rows(dout, b.q_idx) * b.q_valid[..., None, None].to(dout.dtype)
+            lse_b = lse[0].index_select(1, b.q_idx.flatten()).view(-1, *b.q_idx.shape).transpose(0, 1)
+            lse_b = lse_b + b.no_lse.to(lse.dtype)
+            dq, dk, dv = kernel.backward(dout_b, _rows(q, b.q_idx), _rows(k, b.kv_idx), _rows(v, b.kv_idx),
+                                         _rows(out, b.q_idx), lse_b, b.mask is None, scale, **extra, **kwargs)
+            results.append((b.q_idx[b.q_valid], dq[b.q_valid][None], b.kv_idx[b.kv_valid], dk[b.kv_valid][None],
+                            dv[b.kv_valid][None]))
+        return results
 
 
 @functools.lru_cache(maxsize=32)
