@@ -23,7 +23,7 @@ import cp_attention as cpa
 from ..kernels import check_kernel_name
 from ..launch import run_on_ranks
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .data import VOCAB_SIZE, ByteBatches, load_bytes
+from .data import VOCAB_SIZE, ByteBatches, PackedBatches, load_bytes, load_documents
 from .steps import train_step
 
 __all__ = ["validate_config", "launch", "train"]
@@ -48,6 +48,12 @@ def validate_config(cfg: dict, world_size: int) -> None:
     if data["source"] in ("text", "jsonl") and not (data.get("path") and Path(data["path"]).is_file()):
         raise FileNotFoundError(f"data.source={data['source']} needs data.path to name an existing file, "
                                 f"got {data.get('path')!r}")
+    packing = data.get("packing", False)
+    if not isinstance(packing, bool):
+        raise ValueError(f"data.packing must be true or false, got {packing!r}")
+    if packing and data["source"] == "synthetic":
+        raise ValueError("data.packing=true needs documents, and data.source=synthetic has none; use "
+                         "data.packing=false with it, or a builtin, text or jsonl source")
     path = cfg["model"].get("pretrained_path")
     if path and not Path(path).is_dir():
         raise FileNotFoundError(f"model.pretrained_path={path!r} is not a directory saved with save_pretrained")
@@ -118,8 +124,13 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
     cphf.apply_context_parallel(model, group=cp_group, layout=layout, kernel=cfg["kernel"]["name"])
     opt, sched = _optimizer(model.parameters(), cfg["optim"], t["steps"])
     d = cfg["data"]
-    batches = ByteBatches(load_bytes(d["source"], d.get("path"), d.get("text_key", "text"), seed=t["seed"]),
-                          t["seq_len"], t["seed"])
+    packing = d.get("packing", False)
+    if packing:  # rows of whole documents, position_ids restarting at 0 at each: no attention across them
+        batches = PackedBatches(load_documents(d["source"], d.get("path"), d.get("text_key", "text")),
+                                t["seq_len"], t["seed"])
+    else:
+        batches = ByteBatches(load_bytes(d["source"], d.get("path"), d.get("text_key", "text"), seed=t["seed"]),
+                              t["seq_len"], t["seed"])
     start = 0
     if t.get("resume_from"):
         state = load_checkpoint(t["resume_from"])
@@ -141,19 +152,27 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
     tokens_per_step = dp * t["micro_batch"] * t["grad_accum"] * t["seq_len"]
     t0, last = time.perf_counter(), {}
 
-    def loss_fn(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        local = cphf.shard_batch({"input_ids": ids.to(device)}, group=cp_group, layout=layout)
-        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    def loss_fn(batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if packing:  # one packed row of all the documents; their boundaries reach the attention
+            ids, pos = batch
+            local = cphf.shard_batch({"input_ids": ids.to(device), "position_ids": pos.to(device)},
+                                     group=cp_group, layout=layout)
+            out = model(**cphf.model_inputs(local))
+        else:
+            local = cphf.shard_batch({"input_ids": batch.to(device)}, group=cp_group, layout=layout)
+            out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
         loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=cp_group)
         return loss, loss.detach()
+
+    def replica_rows(full):  # the same global batch on every rank; each dp replica takes its rows
+        rows = slice(dp_rank * t["micro_batch"], (dp_rank + 1) * t["micro_batch"])
+        return tuple(x[rows] for x in full) if packing else full[rows]
 
     model.train()
     # stop_after ends this launch early (a time-limited job) with a checkpoint to resume from
     end = t["steps"] if not t.get("stop_after") else min(t["steps"], start + t["stop_after"])
     for step in range(start, end):
-        # the same global batch on every rank; each dp replica takes its rows
-        micro = [batches.next(dp * t["micro_batch"])[dp_rank * t["micro_batch"]: (dp_rank + 1) * t["micro_batch"]]
-                 for _ in range(t["grad_accum"])]
+        micro = [replica_rows(batches.next(dp * t["micro_batch"])) for _ in range(t["grad_accum"])]
         stat = train_step(model, opt, micro, loss_fn, cp_group=cp_group, dp_group=dp_group, scheduler=sched,
                           grad_clip=t.get("grad_clip"))
         dist.all_reduce(stat)
