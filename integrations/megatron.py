@@ -11,10 +11,25 @@ without TransformerEngine:
 3. shard every batch with :func:`get_batch_on_this_cp_rank` and the same layout.
 
 The CP group is megatron's (``parallel_state`` or ``pg_collection.cp``). Attention sinks
-(``softmax_type="off-by-one"`` or ``"learnable"``) are honoured. Features the ring cannot honour
-exactly are refused with an error that names them: attention bias, packed sequences,
-attention dropout, masks other than the causal or empty one, sliding windows,
-``cp_comm_type`` other than ``"p2p"``, YaRN/mRoPE, and multi-token prediction under a non-zigzag layout.
+(``softmax_type="off-by-one"`` or ``"learnable"``) are honoured.
+
+Packed sequences: megatron's THD ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens_q`` and,
+where given, ``cu_seqlens_q_padded``, over the FULL packed stream) are honoured exactly, causal or
+not. The sharding is this package's layout applied to the documents (:func:`packed_documents`;
+zigzag cuts every document into ``2 * cp_size`` near-equal chunks), not TransformerEngine's, so
+documents may have any length; only the packed length must split. Shard packed batches with
+:func:`get_batch_on_this_cp_rank` (``packed_seq_params=`` or megatron's ``cu_seqlens`` batch
+entries). RoPE then restarts at every document: the ring attention rotates q and k itself at each
+token's position within its document (see ``_megatron_rope``). Padding between documents
+(``cu_seqlens_q_padded``) is attended by no real token.
+
+Features the ring cannot honour exactly are refused with an error that names them: attention bias,
+attention dropout, masks other than the causal or empty one, sliding windows, ``cp_comm_type``
+other than ``"p2p"``, YaRN/mRoPE, multi-token prediction under a non-zigzag layout, and for packed
+sequences: ``qkv_format`` other than ``"thd"``, ``cu_seqlens_kv`` (or its padded form) different
+from ``cu_seqlens_q``'s (cross-document attention), an ``attention_mask`` alongside them, a dynamic
+CP group (``packed_seq_params.cp_group``/``local_cp_size`` other than the model's), multi-latent
+attention and multi-token prediction.
 """
 
 from __future__ import annotations
@@ -23,7 +38,7 @@ import copy
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -36,15 +51,26 @@ from cp_attention.kernels import check_kernel_name
 require_extra("megatron", ("megatron.core",), "cp_attention.integrations.megatron")
 
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # noqa: E402
     MultimodalRotaryEmbedding,
     RotaryEmbedding,
 )
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.utils import is_layer_window_attention  # noqa: E402
 
-from ._megatron_rope import LayoutRotaryEmbedding
+try:  # the mscale megatron's attention passes to apply_rotary_pos_emb (1.0 unless the config has YaRN's)
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (  # noqa: E402
+        _yarn_get_concentration_factor_from_config as _rope_mscale,
+    )
+except ImportError:  # pragma: no cover - a megatron-core without it
+    def _rope_mscale(config) -> float:
+        return 1.0
+
+from ._megatron_packed import packed_documents, packed_seq_params_from_batch, shard_packed_batch  # noqa: E402
+from ._megatron_rope import LayoutRotaryEmbedding  # noqa: E402
 
 __all__ = [
     "RingDotProductAttention",
@@ -53,6 +79,7 @@ __all__ = [
     "get_gpt_layer_ring_spec",
     "apply_context_parallel",
     "get_batch_on_this_cp_rank",
+    "packed_documents",
     "LayoutRotaryEmbedding",
     "DEFAULT_LAYOUT",
 ]
@@ -74,21 +101,31 @@ def _resolve_cp_group(pg_collection):
                        "with a .cp group")
 
 
+_AGREED_ERRORS = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}
+
+
 class RingDotProductAttention(MegatronModule):
     """Exact ring attention with megatron-core's core-attention interface.
 
     Built by ``SelfAttention`` from the ``core_attention`` slot of a layer spec. Takes
     ``query [s, b, h, d]``, ``key``/``value [s, b, h_kv, d]`` (this rank's tokens under the layout)
-    and returns ``[s, b, h * d_v]``; GQA/MQA K/V are not repeated. The CP group is
+    and returns ``[s, b, h * d_v]``; GQA/MQA K/V are not repeated. With THD ``packed_seq_params``
+    megatron passes ``query [t, h, d]`` (``t`` = this rank's tokens of the packed stream, sharded
+    with ``cu_seqlens=packed_documents(packed_seq_params)``) and gets ``[t, h * d_v]``; tokens attend
+    within their documents, and RoPE, which megatron's attention then skips (see
+    ``LayoutRotaryEmbedding``), is applied here at positions within documents. The CP group is
     ``pg_collection.cp``, else megatron's ``parallel_state``. The layout is the ``layout`` argument
     (set by :func:`ring_core_attention`), else ``config.cp_layout``, else ``"zigzag"``.
 
     Raises:
         ValueError: an unknown layout or kernel, a CP group whose size is not
-            ``config.context_parallel_size``, or an unsupported ``cp_comm_type``.
+            ``config.context_parallel_size``, or an unsupported ``cp_comm_type``; in ``forward``
+            malformed packed_seq_params (see :func:`packed_documents`) or a packed stream that does
+            not match the local tokens.
         NotImplementedError: cross attention or sliding windows (here), and in
-            ``forward`` attention bias, packed sequences, dropout while training, or a mask that is
-            not the causal (or empty) mask of this rank's queries.
+            ``forward`` attention bias, dropout while training, a mask that is not the causal (or
+            empty) mask of this rank's queries, or an unsupported packed feature (see the module
+            docstring). Every ``forward`` error is raised on every CP rank alike, before the ring.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
@@ -123,6 +160,10 @@ class RingDotProductAttention(MegatronModule):
                               else 1.0 / math.sqrt(config.kv_channels))
         # Set by apply_context_parallel once the model's rotary embeddings follow the layout.
         self.global_positions_ready = self.cp_size == 1
+        # Set by apply_context_parallel to the model's LayoutRotaryEmbedding.packed_rows: RoPE rows of
+        # this rank's packed tokens (a plain attribute, not a submodule). None: no RoPE to apply.
+        self.packed_rotary: Optional[Callable[[tuple[int, ...]], torch.Tensor]] = None
+        self.packed_rotary_problem: Optional[str] = None
 
     def _init_softmax_offset(self, config) -> None:
         """Attention sinks as megatron's ``softmax_type``: ``softmax_offset`` is one logit per local
@@ -180,15 +221,13 @@ class RingDotProductAttention(MegatronModule):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type=None,
-                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
-        """``query [s, b, h, d]``, ``key``/``value [s, b, h_kv, d(_v)]`` -> ``[s, b, h * d_v]``."""
+                attention_bias: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        """``query [s, b, h, d]``, ``key``/``value [s, b, h_kv, d(_v)]`` -> ``[s, b, h * d_v]``; with THD
+        ``packed_seq_params``, ``[t, h, d]`` -> ``[t, h * d_v]`` (``[t, 1, h, d]`` -> ``[t, 1, h * d_v]``)."""
         if attention_bias is not None:
             raise NotImplementedError("attention_bias (ALiBi, relative position bias) is not supported by "
                                       "RingDotProductAttention; use rotary or learned absolute positions")
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params / THD format) are not supported by "
-                                      "RingDotProductAttention until varlen support lands; pass unpacked [s, b] "
-                                      "batches without packed_seq_params")
         if self.training and self.dropout_p > 0:
             raise NotImplementedError(f"attention dropout ({self.dropout_p}) is not supported by ring attention; "
                                       "set config.attention_dropout=0.0")
@@ -196,11 +235,105 @@ class RingDotProductAttention(MegatronModule):
             raise RuntimeError(f"this model has not been prepared for context parallelism: {_APPLY_HINT}; it "
                                f"makes rotary embeddings use global positions under the {self.layout.name} layout")
         causal = self._causal(attn_mask_type)
+        if packed_seq_params is not None:
+            documents = self._agree(self._packed_verdict, query.device, packed_seq_params, attention_mask,
+                                    query, key, value)
+            return self._packed_forward(query, key, value, documents, causal)
         self._check_mask(attention_mask, causal, query.shape[0])
         out = cpa.ring_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                                  group=self.cp_group, layout=self.layout, causal=causal,
                                  softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _agree(self, check: Callable[..., Any], device: torch.device, *args) -> Any:
+        """``check(*args)``, with any ``ValueError``/``NotImplementedError`` it raises on any CP rank raised
+        on every rank alike: that of the lowest such rank, naming it. One tiny all-reduce when none raises."""
+        try:
+            result, problem = check(*args), None
+        except (ValueError, NotImplementedError) as e:
+            result, problem = None, e
+        if self.cp_size == 1:
+            if problem is not None:
+                raise problem
+            return result
+        device = device if dist.get_backend(self.cp_group) == "nccl" else torch.device("cpu")
+        flag = torch.tensor([0 if problem is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.cp_group)
+        if not int(flag.item()):
+            return result
+        found: list = [None] * self.cp_size
+        dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)),
+                               group=self.cp_group)
+        bad = [r for r, p in enumerate(found) if p is not None]
+        name, message = found[bad[0]]
+        raise _AGREED_ERRORS.get(name, RuntimeError)(f"{message} (on CP rank {bad[0]}; CP ranks with bad input: {bad})")
+
+    def _packed_verdict(self, packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
+                        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
+        """This rank's verdict on a packed call: the documents to attend within, or an error."""
+        config = self.config
+        if getattr(config, "multi_latent_attention", False):
+            raise NotImplementedError("packed sequences (packed_seq_params) with multi-latent attention are not "
+                                      "supported by ring attention: MLA rotates its own RoPE part of q and k "
+                                      "per document with TransformerEngine's split; pass unpacked batches")
+        if getattr(config, "mtp_num_layers", None):
+            raise NotImplementedError(f"packed sequences (packed_seq_params) with multi-token prediction "
+                                      f"(mtp_num_layers={config.mtp_num_layers}) are not supported by ring "
+                                      "attention: megatron rolls packed labels across CP ranks assuming "
+                                      "TransformerEngine's per-document split; pass unpacked batches")
+        if self.packed_rotary_problem is not None:
+            raise NotImplementedError(self.packed_rotary_problem)
+        documents = packed_documents(packed_seq_params)
+        local_cp = getattr(packed_seq_params, "local_cp_size", None)
+        if local_cp is not None and local_cp != self.cp_size:
+            raise NotImplementedError(f"packed_seq_params.local_cp_size={local_cp} (hybrid/dynamic context "
+                                      f"parallelism) is not supported by ring attention; leave it None (the CP "
+                                      f"group is the model's, of size {self.cp_size})")
+        group = getattr(packed_seq_params, "cp_group", None)
+        if group is not None and _group_ranks(group) != _group_ranks(self.cp_group):
+            raise NotImplementedError(f"packed_seq_params.cp_group (ranks {_group_ranks(group)}) is not the "
+                                      f"model's CP group (ranks {_group_ranks(self.cp_group)}); dynamic CP groups "
+                                      "are not supported by ring attention: leave packed_seq_params.cp_group None")
+        if attention_mask is not None:
+            raise NotImplementedError(f"attention_mask {tuple(attention_mask.shape)} with packed sequences is not "
+                                      "supported by ring attention: the documents of packed_seq_params and the "
+                                      "causal flag are the whole mask; pass attention_mask=None")
+        shapes = [tuple(t.shape) for t in (query, key, value)]
+        ok = (all(len(s) == 3 for s in shapes) or all(len(s) == 4 and s[1] == 1 for s in shapes))
+        if not ok or len({s[0] for s in shapes}) != 1:
+            raise ValueError(f"packed (THD) query, key and value must be [t, heads, dim] (or [t, 1, heads, dim]) "
+                             f"with the same t, got shapes {shapes}")
+        local = shapes[0][0]
+        total = documents[-1]
+        if total != local * self.cp_size:
+            raise ValueError(f"packed_seq_params describe a packed stream of {total} tokens, but this rank holds "
+                             f"{local} tokens x cp_size {self.cp_size} = {local * self.cp_size}; shard the batch "
+                             f"with get_batch_on_this_cp_rank(batch, layout='{self.layout.name}', "
+                             "packed_seq_params=...)")
+        try:
+            self.layout.check(total, self.cp_size)
+        except ValueError as e:
+            raise ValueError(f"packed stream of {total} tokens: {e}; append a padding document with "
+                             f"cp_attention.pad_cu_seqlens(cu_seqlens, {self.layout.divisor(self.cp_size)})") from None
+        return documents
+
+    def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        documents: tuple[int, ...], causal: bool) -> torch.Tensor:
+        """RoPE within documents (unless this layer has none), then the ring with ``cu_seqlens``."""
+        four_d = query.dim() == 4
+        q, k, v = (t.squeeze(1) if four_d else t for t in (query, key, value))
+        no_rope = self.config.no_rope_freq[self.layer_number - 1] if self.config.no_rope_freq else False
+        if self.packed_rotary is not None and not no_rope:
+            # What megatron's attention does to unpacked [s, b, h, d] q and k, at positions within documents.
+            rows = self.packed_rotary(documents)
+            mscale = _rope_mscale(self.config)
+            q, k = (apply_rotary_pos_emb(t.unsqueeze(1), rows, config=self.config, mscale=mscale,
+                                         cp_group=self.cp_group).squeeze(1) for t in (q, k))
+        out = cpa.ring_attention(q[None], k[None], v[None], group=self.cp_group, layout=self.layout, causal=causal,
+                                 softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
+                                 cu_seqlens=documents)
+        out = out[0].reshape(q.shape[0], -1)
+        return out[:, None] if four_d else out
 
 
 def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto") -> type:
@@ -280,8 +413,10 @@ def _group_ranks(group) -> Optional[tuple[int, ...]]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _swap_rotary_embeddings(model: torch.nn.Module, layout: cpa.Layout, group) -> None:
-    slots = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+def _swap_rotary_embeddings(model: torch.nn.Module, layout: cpa.Layout, group) -> list[LayoutRotaryEmbedding]:
+    """Wrap every ``RotaryEmbedding`` (not those already wrapped); return the model's wrappers."""
+    slots = [(parent, name, child) for parent in model.modules() if not isinstance(parent, LayoutRotaryEmbedding)
+             for name, child in parent.named_children()]
     for _, _, child in slots:
         if type(child) is not RotaryEmbedding and isinstance(child, (RotaryEmbedding, MultimodalRotaryEmbedding)):
             raise NotImplementedError(f"{type(child).__name__} is not supported with context parallelism by "
@@ -290,6 +425,7 @@ def _swap_rotary_embeddings(model: torch.nn.Module, layout: cpa.Layout, group) -
     for parent, name, child in slots:
         if type(child) is RotaryEmbedding:
             setattr(parent, name, LayoutRotaryEmbedding(child, layout, group))
+    return [m for m in model.modules() if isinstance(m, LayoutRotaryEmbedding)]
 
 
 def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
@@ -298,7 +434,9 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
     Checks that every :class:`RingDotProductAttention` shares one layout and CP group, and replaces
     every ``RotaryEmbedding`` with a :class:`LayoutRotaryEmbedding`, so RoPE uses each token's
     global position under that layout (at CP size 1, the positions themselves, computed without the
-    GPU megatron's own ``get_emb`` insists on). Idempotent. Returns ``model``.
+    GPU megatron's own ``get_emb`` insists on). For packed (THD) batches it links the model's rotary
+    embedding to every ring attention, which then applies RoPE within documents itself. Idempotent.
+    Returns ``model``.
 
     Raises:
         ValueError: no ring core attention in the model, or attentions with different layouts or groups.
@@ -320,14 +458,24 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
                                   "its labels across CP ranks assuming the zigzag layout; use layout='zigzag' "
                                   f"with MTP, not {first.layout.name!r}")
     # Also at CP size 1, where the rows are megatron's own: the wrapper needs no GPU.
-    _swap_rotary_embeddings(model, first.layout, first.cp_group)
+    ropes = _swap_rotary_embeddings(model, first.layout, first.cp_group)
+    # Packed batches: the one rotary embedding yields no table and every ring applies its packed rows.
+    problem = None
+    if len(ropes) > 1:
+        problem = (f"packed sequences need the model's single rotary embedding, but it has {len(ropes)}; ring "
+                   "attention cannot tell which one each layer uses: pass unpacked batches")
+    for rope in ropes:
+        rope.applies_in_attention = len(ropes) == 1
     for m in rings:
         m.global_positions_ready = True
+        m.packed_rotary = ropes[0].packed_rows if len(ropes) == 1 else None
+        m.packed_rotary_problem = problem
     return model
 
 
 def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.Layout] = DEFAULT_LAYOUT,
-                              cp_group=None) -> dict[str, Any]:
+                              cp_group=None, packed_seq_params: Optional[PackedSeqParams] = None
+                              ) -> dict[str, Any]:
     """This CP rank's share of a megatron batch dict, for any layout.
 
     Like ``megatron.core.utils.get_batch_on_this_cp_rank``: every tensor (``tokens``, ``labels``,
@@ -336,16 +484,33 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.L
     this way hold global positions. ``cp_group`` defaults to megatron's CP group (world size 1 if
     ``parallel_state`` is not initialised). Returns a new dict; ``batch`` is not modified.
 
+    Packed (THD) batches, like ``megatron.core.utils.get_thd_batch_on_this_cp_rank``: pass megatron's
+    ``packed_seq_params`` (``qkv_format="thd"``), or leave it None and give the batch megatron's THD
+    entries ``cu_seqlens`` [, ``cu_seqlens_padded``, ``max_seqlen``] (1-D or ``[1, n]``; they pass
+    through unsharded). Every token tensor is ``[1, T, ...]`` over the FULL packed stream and is
+    sharded along dim 1 with ``layout.shard(..., cu_seqlens=packed_documents(params))`` (this
+    package's layouts, not TransformerEngine's split, so documents may have any length). The result
+    also holds ``packed_seq_params`` (the one given, or one built from the entries) to pass to the
+    model, and ``position_ids``: sharded like the tokens when the batch has them, else made: each
+    token's position within its document. Padding tokens need ``loss_mask`` 0 (or label -100).
+
     Raises ``ValueError`` if a tensor's sequence length differs from the others' or the layout cannot
-    split it.
+    split it; for packed batches also for a batch larger than one row, an ``attention_mask``,
+    boundaries given twice (argument and batch entries) or malformed, and ``NotImplementedError``
+    for unsupported packed parameters (see :func:`packed_documents`).
     """
     lay = cpa.get_layout(layout)
-    out = dict(batch)
-    if cp_group is None:
-        if not parallel_state.model_parallel_is_initialized():
-            return out
+    if batch.get("cu_seqlens") is not None:
+        if packed_seq_params is not None:
+            raise ValueError("the packed boundaries were given twice, as packed_seq_params and as batch['cu_seqlens']; "
+                             "pass one of them")
+        packed_seq_params = packed_seq_params_from_batch(batch)
+    if cp_group is None and parallel_state.model_parallel_is_initialized():
         cp_group = parallel_state.get_context_parallel_group()
-    rank, world_size = group_rank_and_size(cp_group)
+    rank, world_size = group_rank_and_size(cp_group) if cp_group is not None else (0, 1)
+    if packed_seq_params is not None:
+        return shard_packed_batch(batch, lay, rank, world_size, packed_seq_params)
+    out = dict(batch)
     if world_size == 1:
         return out
     seq_len = None

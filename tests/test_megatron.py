@@ -79,7 +79,21 @@ def test_rope_at_the_wrong_positions_is_detected(pools):
 REFUSED = {
     "not_prepared": ("RuntimeError", "apply_context_parallel(model)"),
     "attention_bias": ("NotImplementedError", "attention_bias"),
-    "packed": ("NotImplementedError", "packed sequences"),
+    "packed_sbhd": ("NotImplementedError", "packed_seq_params.qkv_format='sbhd' is not supported"),
+    "packed_cross": ("NotImplementedError", "differ from the query's"),
+    "packed_one_rank_bad": ("NotImplementedError", "(on CP rank 0; CP ranks with bad input: [0])"),
+    "packed_mask": ("NotImplementedError", "attention_mask (1, 1, 12, 24) with packed sequences"),
+    "packed_local_cp_size": ("NotImplementedError", "local_cp_size=1"),
+    "packed_cp_group": ("NotImplementedError", "dynamic CP groups are not supported"),
+    "packed_wrong_length": ("ValueError", "packed stream of 24 tokens, but this rank holds 10 tokens"),
+    "packed_no_cu": ("ValueError", "cu_seqlens_q is None"),
+    "packed_padding_too_short": ("ValueError", "document 1 has 5 real tokens (cu_seqlens_q) but only 2 padded"),
+    "packed_mtp": ("NotImplementedError", "multi-token prediction (mtp_num_layers=1)"),
+    "packed_batch_twice": ("ValueError", "given twice"),
+    "packed_batch_rows": ("ValueError", "holds one row [1, 24, ...]"),
+    "packed_unsplittable": ("ValueError", "cp_attention.pad_cu_seqlens(cu_seqlens, 4)"),
+    "packed_batch_mask": ("ValueError", "takes no attention_mask"),
+    "packed_rope_not_linked": ("NotImplementedError", "apply_context_parallel(model)"),
     "dropout_train": ("NotImplementedError", "attention_dropout=0.0"),
     "padding_mask": ("NotImplementedError", "cannot honour any other attention_mask"),
     "one_rank_bad_mask": ("NotImplementedError", "on at least one rank"),
@@ -135,6 +149,73 @@ def test_rotary_rows_are_megatrons_table_at_global_positions(pools, rope, world_
     table = pools(1).run(mc.megatron_rope_table, kw=kw, offset=offset, timeout=120)[0]
     for rank, r in enumerate(pools(world_size).run(mc.rope_rows, table=table, kw=kw, offset=offset, timeout=120)):
         assert all(r.values()), (rank, r)
+
+
+_PACKED_REFS: dict = {}
+
+
+def _packed_references(pools, **model_kw):
+    """Each document of the packed batches run on its own at CP=1 (megatron's attention and RoPE), per padding."""
+    key = tuple(sorted(model_kw.items()))
+    if key not in _PACKED_REFS:
+        _PACKED_REFS[key] = {padded: pools(1).run(mc.packed_reference, model_kw=model_kw, padded=padded,
+                                                  timeout=180)[0] for padded in (False, True)}
+    return _PACKED_REFS[key]
+
+
+def _packed_equivalence(pools, world_size, layout, rope_layout=None, **model_kw):
+    return pools(world_size).run(mc.packed_equivalence, layout=layout, refs=_packed_references(pools, **model_kw),
+                                 model_kw=model_kw, rope_layout=rope_layout, timeout=180)
+
+
+PACKED_CASES = list(itertools.product((2, 3), cpa.LAYOUT_NAMES))
+
+
+@pytest.mark.parametrize("world_size,layout", PACKED_CASES, ids=[f"cp{w}-{lay}" for w, lay in PACKED_CASES])
+def test_packed_thd_batch_matches_each_document_alone(pools, world_size, layout):
+    """A THD packed batch (documents of 1, 5, 2, 9, 7 tokens; padded or not) on CP ranks equals running each
+    document unpacked at CP=1 with megatron's own attention: logits of real tokens, loss and gradients."""
+    for rank, per_padding in enumerate(_packed_equivalence(pools, world_size, layout)):
+        for padded, r in per_padding.items():
+            what = f"{layout} cp={world_size} padded={padded} rank {rank}"
+            assert r["finite"] and r["rope_in_ring"] and r["unpatched"] and r["wrapped_once"], (what, r)
+            for key in ("logits", "loss", "grads"):
+                assert r[key] <= FP64, f"{what}: {key} differs by {r[key]:.3e}"
+
+
+def test_packed_learned_absolute_positions_restart_at_every_document(pools):
+    for rank, per_padding in enumerate(_packed_equivalence(pools, 3, "interleaved",
+                                                           position_embedding_type="learned_absolute")):
+        for padded, r in per_padding.items():
+            assert r["finite"] and r["rope_in_ring"], (rank, padded, r)
+            assert max(r[k] for k in ("logits", "loss", "grads")) <= FP64, (rank, padded, r)
+
+
+def test_packed_rope_at_the_wrong_positions_is_detected(pools):
+    """The ring's packed RoPE rows follow the layout's sharding of the documents: another layout's rows
+    (here zigzag's, TransformerEngine's own split of each document, under interleaved) are visibly wrong.
+    (Rows at positions in the packed stream instead of within documents would differ only by rounding:
+    RoPE scores depend on q and k's position difference, the same inside a document.)"""
+    results = [r for per_padding in _packed_equivalence(pools, 2, "interleaved", rope_layout="zigzag")
+               for r in per_padding.values()]
+    for key in ("logits", "grads"):
+        assert min(r[key] for r in results) > 1e4 * FP64, (key, [r[key] for r in results])
+
+
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "no_mask"))
+@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+def test_packed_padding_is_attended_by_no_real_token(pools, layout, causal):
+    """cu_seqlens_q_padded: real tokens see only their document's real tokens, causal or not (GQA, fp64)."""
+    for rank, r in enumerate(pools(3).run(mc.packed_core_attention, layout=layout, causal=causal, timeout=120)):
+        assert r["shape"] and r["finite"], (rank, r)
+        assert r["out"] <= FP64 and r["grads"] <= FP64, (rank, r)
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_packed_batch_sharding(pools, world_size):
+    table = pools(1).run(mc.megatron_rope_table, kw={}, offset=0, timeout=120)[0]
+    for rank, r in enumerate(pools(world_size).run(mc.packed_batch_sharding, table=table, timeout=120)):
+        assert all(r.values()), (rank, {k: v for k, v in r.items() if not v})
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
