@@ -9,11 +9,15 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import cp_attention as cpa
 from cp_attention.analysis import (
-    AttentionShape, ClusterSpec, comm_bytes_per_rank, flops_per_pair, imbalance, kv_bytes_per_hop, pair_owners,
-    project, split_problem, step_sync_efficiency, summarize,
+    AttentionShape, ClusterSpec, comm_bytes_per_rank, document_padding, document_pairs, flops_per_pair, imbalance,
+    kv_bytes_per_hop, pair_owners, project, split_problem, step_sync_efficiency, summarize,
+)
+from cp_attention.experiments.layout_packed import (
+    check_packed, lognormal_lengths, one_thread, packed_stream, packed_tables, stream_divisor,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +25,15 @@ PICTURES = ("mask_atlas", "work_bars", "efficiency_vs_world", "efficiency_vs_seq
             "projection_efficiency")
 TABLES = ("modelled", "work_per_rank_step", "measured_wall", "measured_step_times", "measured_summary",
           "projection", "skipped")
+PACKED_TABLES = ("packed", "packed_work_per_rank_step", "packed_te_padding", "packed_documents", "packed_measured")
+PACKED_PICTURES = ("packed_work_bars", "packed_doc_lengths")
+
+
+def packed_config(name: str = "lognormal") -> dict:
+    """A ``configs/packed/`` option as the script sees it (its ``defaults`` resolved by hand)."""
+    raw = OmegaConf.load(ROOT / "configs" / "packed" / f"{name}.yaml")
+    base = [packed_config(d) for d in raw.pop("defaults", [])]
+    return OmegaConf.to_container(OmegaConf.merge(*base, raw))
 
 
 def contiguous_imbalance(seq_len: int, n_ranks: int) -> Fraction:
@@ -139,6 +152,98 @@ def test_projection_regimes():
         ClusterSpec(link_gbytes_per_s=0)
 
 
+# ---------------------------------------------------------------- packed documents
+
+def test_lognormal_streams_are_seeded_and_fit():
+    p = packed_config()
+    a, b = lognormal_lengths(65536, 1024, 1.5, 0), lognormal_lengths(65536, 1024, 1.5, 0)
+    assert a == b and a != lognormal_lengths(65536, 1024, 1.5, 1)
+    assert sum(a) >= 65536 > sum(a[:-1]) and min(a) >= 1
+    capped = lognormal_lengths(65536, 1024, 1.5, 0, min_doc_len=64, max_doc_len=2048)
+    assert 64 <= min(capped) and max(capped) <= 2048
+    drawn = tuple(lognormal_lengths(65536, p["mean_doc_len"], p["sigma"], 3))
+    for fit in ("trim", "pad"):
+        for div in (16, 48):  # 48: 65536 does not split, so even trim needs a padding document
+            st = packed_stream({**p, "fit": fit}, 3, div)
+            assert st.tokens % div == 0 and 0 <= st.pad < div
+            assert st.cu_seqlens[-1] == st.tokens and len(st.cu_seqlens) == len(st.lengths) + 1 + (st.pad > 0)
+            if fit == "trim":  # the crossing document is cut
+                assert st.real_tokens == 65536 and st.lengths[:-1] == drawn[:-1] and st.pad == -65536 % div
+            else:  # the crossing document is left out, whole documents only
+                assert st.lengths == drawn[:-1] and st.real_tokens < 65536
+    assert stream_divisor(["contiguous", "zigzag", "interleaved"], [2, 3, 8]) == 48
+
+
+def test_per_document_padding_by_hand():
+    # N = 2, every document padded to a multiple of 4: 5 -> 8, 8 -> 8, 3 -> 4.
+    te = document_padding([5, 8, 3], 4, causal=True)
+    assert (te.documents, te.tokens, te.pad_tokens, te.padded_tokens) == (3, 16, 3 + 0 + 1, 20)
+    assert te.pairs == 15 + 36 + 6 == document_pairs([5, 8, 3], True)
+    assert te.padded_pairs == 36 + 36 + 10 and te.extra_pairs == 25
+    full = document_padding([5, 8, 3], 4, causal=False)
+    assert (full.pairs, full.padded_pairs) == (25 + 64 + 9, 64 + 64 + 16)
+    assert document_padding([4, 8], 4, True).pad_tokens == 0
+    with pytest.raises(ValueError, match="multiple"):
+        document_padding([3], 0, True)
+
+
+def test_packed_tables_match_the_work_model():
+    p = {**packed_config("smoke"), "seeds": [5], "world_sizes": [2, 4]}
+    shape = AttentionShape(batch=1, heads=2, kv_heads=2, head_dim=4)
+    skipped: list = []
+    res = packed_tables(p, list(cpa.LAYOUT_NAMES), True, shape, skipped)
+    assert not skipped and len(res["packed"]) == 2 * len(cpa.LAYOUT_NAMES)
+    st = packed_stream(p, 5, stream_divisor(list(cpa.LAYOUT_NAMES), [2, 4]))
+    assert [d["length"] for d in res["packed_documents"]] == list(st.lengths) + ([st.pad] if st.pad else [])
+    for r in res["packed"]:
+        w = cpa.work_model(r["layout"], True, st.tokens, r["world_size"], cu_seqlens=st.cu_seqlens)
+        totals = [sum(row) for row in w]
+        assert r["rank_pairs"] == " ".join(map(str, totals))
+        assert r["imbalance"] == max(totals) / (sum(totals) / len(totals))
+        assert r["step_sync_efficiency"] == step_sync_efficiency(w)
+        assert r["total_pairs"] == r["real_pairs"] == document_pairs(st.lengths, True)  # trim: no padding here
+    for r in res["packed_te_padding"]:
+        n = r["world_size"]
+        te = document_padding(st.lengths, 2 * n, True)
+        assert (r["multiple"], r["te_pad_tokens"], r["te_pairs"]) == (2 * n, te.pad_tokens, te.padded_pairs)
+        assert r["te_pad_tokens"] == sum(-x % (2 * n) for x in st.lengths)
+        assert r["extra_pairs"] == te.padded_pairs - document_pairs(st.lengths, True)
+        assert r["extra_pairs_pct"] == pytest.approx(100 * r["extra_pairs"] / r["our_pairs"])
+        per_pair = 2 * (4 + 4) + 2 * (3 * 4 + 2 * 4)
+        assert r["extra_fwdbwd_tflop"] == pytest.approx(r["extra_pairs"] * 2 * per_pair / 1e12)
+        assert r["te_zigzag_imbalance"] == 1.0  # every padded document splits into 2N equal chunks
+    assert {(r["layout"], r["world_size"]) for r in res["packed_work_per_rank_step"]} == \
+        {(lay, n) for lay in cpa.LAYOUT_NAMES for n in (2, 4)}
+
+
+def test_default_packed_workload_is_balanced_at_8_ranks():
+    """The issue's target: zigzag and interleaved imbalance <= 1.05 at N = 8 on the default packed
+    workload (64K tokens, lognormal documents), from the work model, for every configured seed."""
+    p = packed_config()
+    assert p["total_tokens"] == 65536 and 8 in p["world_sizes"]
+    div = stream_divisor(list(cpa.LAYOUT_NAMES), p["world_sizes"])
+    with one_thread():  # the work model's index math runs fastest on one thread
+        for seed in p["seeds"]:
+            st = packed_stream(p, seed, div)
+            median = sorted(st.lengths)[len(st.lengths) // 2]
+            assert len(st.lengths) > 20 and max(st.lengths) > 8 * median  # many documents, a long tail
+            for lay in ("zigzag", "interleaved"):
+                w = cpa.work_model(lay, True, st.tokens, 8, cu_seqlens=st.cu_seqlens)
+                assert imbalance(w) <= 1.05, (seed, lay, [sum(row) for row in w])
+            contiguous = cpa.work_model("contiguous", True, st.tokens, 8, cu_seqlens=st.cu_seqlens)
+            assert imbalance(contiguous) > 1.3  # the unbalanced reference stays unbalanced
+
+
+def test_check_packed_names_the_key():
+    p = packed_config()
+    check_packed(p)
+    for key, bad in (("fit", "cut"), ("sigma", -1), ("seeds", []), ("total_tokens", 0), ("max_doc_len", 0)):
+        with pytest.raises(ValueError, match=f"packed.{key}="):
+            check_packed({**p, key: bad})
+    with pytest.raises(ValueError, match="packed.measure.world_sizes="):
+        check_packed({**p, "measure": {**p["measure"], "world_sizes": [0]}})
+
+
 # ---------------------------------------------------------------- the script end to end
 
 def _run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -152,7 +257,7 @@ def _csv(path: Path) -> list[dict]:
 
 
 def test_smoke_end_to_end(tmp_path):
-    proc = _run(tmp_path, "experiment=smoke")
+    proc = _run(tmp_path, "experiment=smoke", "packed=smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in PICTURES:
         png = tmp_path / f"{name}.png"
@@ -183,9 +288,28 @@ def test_smoke_end_to_end(tmp_path):
     steps = _csv(tmp_path / "measured_step_times.csv")
     assert len(steps) == 3 * 2 * 2 * 2  # layouts x passes x ranks x steps at N=2
 
+    # The packed workload: modelled, set against TE-style padding, measured at N = 2.
+    for name in PACKED_TABLES:
+        assert (tmp_path / f"{name}.csv").exists(), name
+    for name in PACKED_PICTURES:
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "## Packed documents (cu_seqlens)" in report and "(met)" in report
+    assert all(f"({name}.png)" in report for name in PACKED_PICTURES)
+    packed = _csv(tmp_path / "packed.csv")
+    assert {(r["layout"], r["world_size"]) for r in packed} == {(lay, n) for lay in cpa.LAYOUT_NAMES for n in "28"}
+    for r in packed:
+        if r["layout"] != "contiguous" and r["world_size"] == "8":
+            assert float(r["imbalance"]) <= 1.05
+    te = _csv(tmp_path / "packed_te_padding.csv")
+    assert {r["world_size"] for r in te} == {"2", "8"} and all(int(r["te_pad_tokens"]) > 0 for r in te)
+    pm = _csv(tmp_path / "packed_measured.csv")
+    assert {r["impl"] for r in pm} == {"baseline", "ring/zigzag, TE-padded",
+                                       *(f"ring/{lay}" for lay in cpa.LAYOUT_NAMES)}
+    assert all(float(r["fwdbwd_ms"]) > 0 and not r["error"] for r in pm)
+
 
 def test_skips_what_a_layout_cannot_split_and_models_non_causal(tmp_path):
-    proc = _run(tmp_path, "experiment=smoke", "measure.world_sizes=[]", "causal=false",
+    proc = _run(tmp_path, "experiment=smoke", "packed=none", "measure.world_sizes=[]", "causal=false",
                 "model.world_sizes=[2,3]", "model.seq_lens=[1024]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     skipped = _csv(tmp_path / "skipped.csv")
@@ -203,4 +327,7 @@ def test_bad_config_fails_fast_with_the_key(tmp_path):
     proc = _run(tmp_path, "experiment=smoke", "layouts=[contiguous,nope]")
     assert proc.returncode != 0
     assert "config layouts='nope'" in proc.stderr and "zigzag" in proc.stderr
+    assert not (tmp_path / "report.md").exists()
+    proc = _run(tmp_path, "experiment=smoke", "packed=smoke", "packed.fit=cut")
+    assert proc.returncode != 0 and "config packed.fit='cut': expected trim or pad" in proc.stderr
     assert not (tmp_path / "report.md").exists()

@@ -16,6 +16,7 @@ where our layouts need only the whole stream to split. A small measured run time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import time
@@ -30,7 +31,7 @@ from ..layout import get_layout
 from ..schedule import work_model
 
 __all__ = ["PackedStream", "lognormal_lengths", "packed_stream", "stream_divisor", "check_packed",
-           "packed_tables", "measure_packed"]
+           "one_thread", "packed_tables", "measure_packed"]
 
 Records = list[dict]
 FITS = ("trim", "pad")
@@ -143,6 +144,20 @@ def check_packed(p: dict) -> None:
 
 # ---------------------------------------------------------------- modelled
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one intra-op thread for the work model's index math: its tensors are small, so extra
+    threads only add synchronisation (2-3x slower on 2 cores, 10x and more on a loaded machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _packed_work(lay: str, causal: bool, stream: PackedStream, ws: int) -> Optional[list[list[int]]]:
     try:
         return work_model(lay, causal, stream.tokens, ws, cu_seqlens=stream.cu_seqlens)
@@ -155,6 +170,11 @@ def packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionSha
     "packed_documents"}`` (record lists; the per-rank-and-step work and the document list for the
     first seed only). ``shape`` turns pairs into FLOPs (forward + backward, :func:`flops_per_pair`).
     """
+    with one_thread():
+        return _packed_tables(p, layouts, causal, shape, skipped)
+
+
+def _packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionShape, skipped: Records) -> dict:
     sizes = sorted(set(p["world_sizes"]))
     div = stream_divisor(layouts + ["zigzag"], sizes)  # zigzag: TE's own split is modelled too
     flops = shape.batch * shape.heads * (flops_per_pair(shape, False) + flops_per_pair(shape, True))
@@ -299,8 +319,9 @@ def measure_packed(p: dict, m: dict, layouts: list[str], causal: bool, log: Call
         base = spawn(_baseline_worker, 1, args, cu, threads=ws)
         ring = spawn(_ring_worker, ws, args, cu, tuple(te_cu), threads=1, timeout_s=m["timeout"])
         log(f"measured packed documents at world size {ws}, T={st.tokens} in {time.perf_counter() - t0:.0f} s")
-        model = {lay: imbalance(work_model(lay, causal, st.tokens, ws, cu_seqlens=cu)) for lay in ok}
-        model["zigzag, TE-padded"] = imbalance(work_model("zigzag", causal, te_cu[-1], ws, cu_seqlens=te_cu))
+        with one_thread():
+            model = {lay: imbalance(work_model(lay, causal, st.tokens, ws, cu_seqlens=cu)) for lay in ok}
+            model["zigzag, TE-padded"] = imbalance(work_model("zigzag", causal, te_cu[-1], ws, cu_seqlens=te_cu))
         for r in _wall_rows(base["rows"] + ring["rows"], ws):
             name = r["impl"].split("/", 1)[-1]
             out.append({**r, "documents": len(st.lengths), "tokens_computed": te_cu[-1] if "TE" in name else cu[-1],

@@ -280,10 +280,11 @@ def _packed_section(cfg: dict, res: dict) -> str:
              md_table(["N"] + [f"{lay} imb / eff (worst imb)" for lay in lays], bal)]
     at = [r for r in rows if r["world_size"] == bars and r["layout"] in ("zigzag", "interleaved")]
     if at:
-        worst = {lay: max(r["imbalance"] for r in at if r["layout"] == lay) for lay in dict.fromkeys(r["layout"] for r in at)}
-        ok = all(v <= 1.05 for v in worst.values())
+        worst = {lay: max(r["imbalance"] for r in at if r["layout"] == lay)
+                 for lay in dict.fromkeys(r["layout"] for r in at)}
+        verdict = " (met)." if all(v <= 1.05 for v in worst.values()) else " (**missed**)."
         parts.append(f"Target: zigzag and interleaved imbalance ≤ 1.05 at N = {bars}: worst over the seeds "
-                     + ", ".join(f"{lay} {v:.4f}" for lay, v in worst.items()) + (" (met)." if ok else " (**missed**)."))
+                     + ", ".join(f"{lay} {v:.4f}" for lay, v in worst.items()) + verdict)
     per = [r for r in rows if r["world_size"] == bars and r["seed"] == seed0]
     if per:
         prow = []
@@ -303,8 +304,9 @@ def _packed_section(cfg: dict, res: dict) -> str:
         def rng(key: str) -> str:
             vals = [r[key] for r in here]
             return f"{min(vals):.2f}–{max(vals):.2f}" if len(vals) > 1 else "-"
-        trows.append([n, c["multiple"], f"{c['te_pad_tokens']} ({c['te_pad_tokens_pct']:.2f}%)", rng("te_pad_tokens_pct"),
-                      c["our_pad_tokens"], f"{c['extra_pairs']:.3e} ({c['extra_pairs_pct']:.3f}%)",
+        trows.append([n, c["multiple"], f"{c['te_pad_tokens']} ({c['te_pad_tokens_pct']:.2f}%)",
+                      rng("te_pad_tokens_pct"), c["our_pad_tokens"],
+                      f"{c['extra_pairs']:.3e} ({c['extra_pairs_pct']:.3f}%)",
                       rng("extra_pairs_pct"), _fmt(c["extra_fwdbwd_tflop"], ".3f"),
                       _fmt(c["te_zigzag_imbalance"], ".4f")])
     parts += [
@@ -313,12 +315,13 @@ def _packed_section(cfg: dict, res: dict) -> str:
         "into 2N equal chunks, so every document must be padded to a multiple of 2N: `-L mod 2N` tokens each. "
         "Ours needs only the whole stream to split (at most one padding document of fewer than the layouts' "
         "divisor tokens). **Tokens**: the padding tokens TE-style adds, as a share of the real tokens; every "
-        "other layer of the model (embeddings, MLPs, norms, the loss) pays this share too. **Pairs**: causal pairs "
-        "of the padded documents minus ours (share of ours), counting the padding as attended: an upper bound on "
-        "the attention cost, as a kernel told the real lengths (TE's `cu_seqlens` beside `cu_seqlens_padded`) may "
-        f"skip padded rows. TFLOP: those pairs forward + backward for the projection's shape (B={sh['batch']}, "
-        f"H={sh['heads']}, D={sh['head_dim']}). The last column is the work model's imbalance of zigzag on the "
-        f"padded documents (TE's split). Seed {seed0}; ranges over all seeds. Data: `packed_te_padding.csv`.",
+        "other layer of the model (embeddings, MLPs, norms, the loss) pays this share too. **Pairs**: the pairs of "
+        "the padded documents (causal triangles when causal) minus ours (share of ours), counting the padding as "
+        "attended: an upper bound on the attention cost, as a kernel told the real lengths (TE's `cu_seqlens` "
+        f"beside `cu_seqlens_padded`) may skip padded rows. TFLOP: those pairs forward + backward for the "
+        f"projection's shape (B={sh['batch']}, H={sh['heads']}, D={sh['head_dim']}). The last column is the work "
+        f"model's imbalance of zigzag on the padded documents (TE's split). Seed {seed0}; ranges over all seeds. "
+        "Data: `packed_te_padding.csv`.",
         md_table(["N", "2N", "TE pad tokens (% of real)", "% range", "our pad tokens", "TE extra pairs (% of ours)",
                   "% range", "extra TFLOP fwd+bwd", "TE zigzag imb"], trows),
         f"![packed work per rank](packed_work_bars.png)\n\n(`packed_work_bars.csv`, N = {bars}, seed {seed0})",
@@ -329,11 +332,12 @@ def _packed_section(cfg: dict, res: dict) -> str:
         mrows = []
         for r in meas:
             if r["error"]:
-                mrows.append([r["world_size"], r["seq_len"], r["impl"], "n/a: " + r["error"]] + [""] * 5)
+                mrows.append([r["world_size"], r["seq_len"], r["impl"], "n/a: " + r["error"]] + [""] * 6)
                 continue
+            spread = r["fwdbwd_spread"] and max(r["fwd_spread"], r["fwdbwd_spread"])
             mrows.append([r["world_size"], r["seq_len"], r["impl"], r["tokens_computed"], _fmt(r["fwd_ms"], ".1f"),
                           _fmt(r["fwd_x_baseline"]), _fmt(r["fwdbwd_ms"], ".1f"), _fmt(r["fwdbwd_x_baseline"]),
-                          _fmt(r["modelled_imbalance"], ".4f")])
+                          _fmt(r["modelled_imbalance"], ".4f"), _fmt(spread, ".0%")])
         parts += [
             "### Measured (this machine)",
             f"`ring_attention(cu_seqlens=)` on CPU gloo, one process per rank with one thread each, the first "
@@ -342,9 +346,10 @@ def _packed_section(cfg: dict, res: dict) -> str:
             "stream with as many threads as the ring has ranks. Median of the slowest rank over "
             f"{cfg['repeats']} call(s) after one warm-up. `ring/zigzag, TE-padded` runs our zigzag on the stream "
             "with every document padded to a multiple of 2N (the padding attended): the TE-style split and its "
-            "extra tokens. Data: `packed_measured.csv`.",
+            "extra tokens. **spread** = (slowest − fastest) / median of the timed calls; a row that spreads more "
+            f"than {NOISY:.0%} was probably disturbed by another process. Data: `packed_measured.csv`.",
             md_table(["N", "T", "impl", "tokens computed", "fwd ms", "fwd × baseline", "fwd+bwd ms",
-                      "fwd+bwd × baseline", "modelled imb"], mrows),
+                      "fwd+bwd × baseline", "modelled imb", "spread"], mrows),
         ]
     return "\n\n".join(parts)
 
@@ -370,7 +375,8 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
         write_csv(out / f"{name}.csv", rows)
     for name, rows in figure_data(cfg, res).items():
         write_csv(out / f"{name}.csv", rows)
-        mask = ("causal" if cfg["causal"] else "non-causal") + (", packed documents" if name.startswith("packed") else "")
+        mask = "causal" if cfg["causal"] else "non-causal"
+        mask += ", packed documents" if name.startswith("packed") else ""
         if rows:
             _DRAW[name](rows, out / f"{name}.png", mask=mask)
         else:
