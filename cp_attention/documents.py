@@ -7,6 +7,7 @@ attends only to tokens of its own document. Only ``T`` must split over the ranks
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Union
 
 import torch
@@ -131,3 +132,10 @@ def zigzag_chunks(cu_seqlens: CuSeqlens, world_size: int) -> tuple[torch.Tensor,
     sizes = base[:, None] + (((chunk[None, :] - offset[:, None]) % c) < rem[:, None]).long()
     starts = cu[:-1, None] + torch.cumsum(sizes, 1) - sizes
     return starts, sizes
+
+
+@functools.lru_cache(maxsize=8)
+def cached_zigzag_chunks(cu_seqlens: tuple[int, ...], world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`zigzag_chunks` cached per boundaries: every rank's positions (and the schedule, which
+    reads all of them) share one computation. The returned tensors must not be modified."""
+    return zigzag_chunks(cu_seqlens, world_size)

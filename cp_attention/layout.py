@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .documents import CuSeqlens, check_cu_seqlens, zigzag_chunks
+from .documents import CuSeqlens, cached_zigzag_chunks, check_cu_seqlens
 
 __all__ = [
     "Layout",
@@ -169,7 +169,7 @@ class ZigzagLayout(Layout):
     def _packed_positions(self, cu_seqlens: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
         # Every document is cut into 2N near-equal chunks and rank r takes chunks r and 2N-1-r of each,
         # so each document's causal work is balanced on its own (see documents.zigzag_chunks).
-        starts, sizes = zigzag_chunks(cu_seqlens, world_size)
+        starts, sizes = cached_zigzag_chunks(cu_seqlens, world_size)
         cols = [rank, 2 * world_size - 1 - rank]
         starts, sizes = starts[:, cols].flatten(), sizes[:, cols].flatten()
         first = torch.cumsum(sizes, 0) - sizes

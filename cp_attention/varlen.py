@@ -121,9 +121,11 @@ def packed_steps(layout: Layout, causal: bool, rank: int, world_size: int, cu_se
     Cached, so the layers of one model forward build it once."""
     steps = []
     for blocks in doc_plan(layout, causal, rank, world_size, cu_seqlens):
-        small = [b for b in blocks if batched and max(b.q_len, b.kv_len) <= SMALL_BLOCK]
-        tasks: tuple = tuple(t for b in blocks if b not in small for t in split_doc_block(b))
-        if small:
-            tasks = (DocBatch(small, device),) + tasks
-        steps.append(tasks)
+        small, tasks = [], ()
+        for b in blocks:
+            if batched and max(b.q_len, b.kv_len) <= SMALL_BLOCK:
+                small.append(b)
+            else:
+                tasks += split_doc_block(b)
+        steps.append(((DocBatch(small, device),) if small else ()) + tasks)
     return tuple(steps)

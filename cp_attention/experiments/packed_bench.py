@@ -1,0 +1,121 @@
+"""The packed-documents benchmark: many short documents in one long packed sequence
+(``scripts/benchmark_packed.py``), causal, forward and forward+backward, on CPU gloo.
+
+Rows (the sequence length column is the packed length T):
+  baseline         one process, ``world_size`` threads: every document on its own through the same
+                   CPU flash kernel, forward and backward ops called directly (no CP, no packing
+                   machinery; ``F.scaled_dot_product_attention``'s autograd per document is ~20x
+                   slower in backward on CPU, so it would flatter the ring)
+  varlen/1 rank    one process, ``world_size`` threads: ``ring_attention(cu_seqlens=)`` at world size 1
+  ring/<layout>    ``ring_attention(cu_seqlens=)`` over ``world_size`` processes, 1 thread each
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import ring_attention
+from ..documents import pad_cu_seqlens
+from ..kernels import get_kernel
+from ..layout import get_layout
+from ..launch import spawn
+from .attention_bench import make_inputs
+from .measure import Row, measure, memory_method, sweep
+
+__all__ = ["document_lengths", "run"]
+
+
+def document_lengths(total: int, documents: int, sigma: float, seed: int) -> list[int]:
+    """``documents`` lognormal lengths (median ~ total/documents, long tail ``sigma``) summing to ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.exp(torch.randn(documents, generator=g, dtype=torch.float64) * sigma)
+    lengths = (raw / raw.sum() * (total - documents)).floor().long() + 1  # every document >= 1 token
+    lengths[torch.argmax(lengths)] += total - int(lengths.sum())
+    return lengths.tolist()
+
+
+def _cu(args) -> tuple[int, ...]:
+    lengths = document_lengths(args.tokens, args.documents, args.sigma, args.seed)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    cu, pad = pad_cu_seqlens(cu, 2 * args.world_size)
+    if pad:
+        raise ValueError(f"--tokens {args.tokens} must be a multiple of 2*world_size={2 * args.world_size}")
+    return cu
+
+
+def _per_document(q, k, v, dout, cu, kernel_name: str) -> tuple[Callable, Callable]:
+    kern = get_kernel(kernel_name, q.device, q.dtype)
+    scale = q.shape[-1] ** -0.5
+    docs = list(zip(cu, cu[1:]))
+
+    def fwd():
+        with torch.no_grad():
+            return [kern.forward(q[:, a:b], k[:, a:b], v[:, a:b], True, scale) for a, b in docs]
+
+    def fwdbwd():
+        with torch.no_grad():
+            return [kern.backward(dout[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], o, lse, True, scale)
+                    for (a, b), (o, lse) in zip(docs, fwd())]
+    return fwd, fwdbwd
+
+
+def _varlen(q, k, v, dout, group, layout, kernel: str, cu) -> tuple[Callable, Callable]:
+    cu_t = torch.tensor(cu)
+
+    def fwd():
+        with torch.no_grad():
+            return ring_attention(q, k, v, group, layout=layout, kernel=kernel, cu_seqlens=cu_t)
+
+    def fwdbwd():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        ring_attention(*leaves, group, layout=layout, kernel=kernel, cu_seqlens=cu_t).backward(dout)
+        return leaves
+    return fwd, fwdbwd
+
+
+def baseline_worker(args, seq: int) -> dict:
+    """One process: the per-document loop and our varlen path at world size 1."""
+    cu = _cu(args)
+    q, k, v, dout = make_inputs(args, seq)
+    impls = {"baseline": _per_document(q, k, v, dout, cu, args.kernel),
+             "varlen/1 rank": _varlen(q, k, v, dout, None, "contiguous", args.kernel, cu)}
+    return {"rows": measure(impls, seq, args.repeats, None), "threads": torch.get_num_threads(),
+            "memory": memory_method()}
+
+
+def ring_worker(args, seq: int) -> dict:
+    """One rank: every layout's ring over the packed documents."""
+    cu = _cu(args)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    full = make_inputs(args, seq)
+    impls = {}
+    for name in args.layouts:
+        lay = get_layout(name)
+        shard = [lay.shard(t, 1, rank, ws, cu_seqlens=cu) for t in full]
+        impls[f"ring/{lay.name}"] = _varlen(*shard, None, lay, args.kernel, cu)
+    return {"rows": measure(impls, seq, args.repeats, dist.group.WORLD), "threads": torch.get_num_threads(),
+            "memory": memory_method()}
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    """The whole benchmark for parsed ``args`` (tokens, documents, sigma, seed, world_size, layouts,
+    heads, kv_heads, head_dim, dtype, kernel, repeats, timeout); prints the table, returns the rows."""
+    args.batch, args.seq_lens = 1, [args.tokens]
+    lengths = document_lengths(args.tokens, args.documents, args.sigma, args.seed)
+    header = (f"torch {torch.__version__}, world size {args.world_size}, gloo, causal, {args.dtype}, kernel "
+              f"{args.kernel}, H={args.heads} Hkv={args.kv_heads} D={args.head_dim}; {args.documents} documents in "
+              f"T={args.tokens} tokens (lognormal sigma={args.sigma}, seed {args.seed}: median "
+              f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}); median of {args.repeats} (+1 warm-up)")
+
+    def both(seq: int) -> tuple[dict, dict]:
+        base = spawn(baseline_worker, 1, args, seq, threads=args.world_size)
+        return base, spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)
+
+    rows, _, _ = sweep(header, args.seq_lens, both, "ring", args.world_size)
+    return rows
