@@ -33,7 +33,10 @@ class RingPlan:
     kernel: AttentionKernel
     scale: float
     softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
-    packed: bool = False  # steps from packed documents: K/V rows are gathered, so keep them token-major
+    # Steps from packed documents: K/V rows are gathered (so kept token-major), and step 0's tasks
+    # cover every query row and every held key row exactly once (varlen.packed_steps checks it), so
+    # the accumulators are written there, not merged into zeros.
+    packed: bool = False
 
     @property
     def kernel_head_major(self) -> bool:
@@ -113,6 +116,18 @@ def _add_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: t
     return acc
 
 
+def _set_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``acc[:, rows] = block``, allocating ``acc`` uninitialised: for a step whose tasks cover every row once."""
+    if acc is None:
+        acc = block.new_empty((block.shape[0], length, *block.shape[2:]), dtype=dtype)
+    if isinstance(rows, slice):
+        acc[:, rows] = block
+    else:
+        acc.index_copy_(1, rows, block.to(dtype))
+    return acc
+
+
 def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "slice | torch.Tensor",
                 o_blk: torch.Tensor, lse_blk: torch.Tensor, length: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +187,12 @@ class RingAttentionFunction(torch.autograd.Function):
             kc, vc = ring.views()
             for t in tasks:
                 for rows, o_blk, lse_blk in _task_forward(plan, t, q, kc, vc):
-                    out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
+                    if plan.packed and s == 0:
+                        out = _set_rows(out, rows, o_blk, n, acc)
+                        lse = _set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
+                                        lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
+                    else:
+                        out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
             if s < last:
                 ring.finish()
         if out is None:  # no task at all: every row attends to nothing
@@ -228,9 +248,10 @@ class RingAttentionFunction(torch.autograd.Function):
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = dkv.current if dkv else (None, None)
             for q_rows, dq_blk, kv_rows, dk_blk, dv_blk in grads:
-                dq = _add_rows(dq, q_rows, dq_blk, n, acc)
-                dk_acc = _add_rows(dk_acc, kv_rows, dk_blk, n, acc)
-                dv_acc = _add_rows(dv_acc, kv_rows, dv_blk, n, acc)
+                update = _set_rows if plan.packed and s == 0 else _add_rows
+                dq = update(dq, q_rows, dq_blk, n, acc)
+                dk_acc = update(dk_acc, kv_rows, dk_blk, n, acc)
+                dv_acc = update(dv_acc, kv_rows, dv_blk, n, acc)
             if dkv is None:
                 dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
                 dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc

@@ -21,44 +21,52 @@ from .schedule import BlockTask
 
 __all__ = ["DocBatch", "packed_steps", "SMALL_BLOCK"]
 
-# A block whose longer side is at most this joins a padded batch; longer ones run alone.
-SMALL_BLOCK = 256
-# Padded sizes of the batches: steps of about 1.5x, so padding costs at most ~1.5x per side.
-_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
+# A block whose longer side is at most this joins a padded batch; longer ones run alone, where
+# per-call overhead is small against their work and gathering and padding would cost more than they
+# save (scripts/benchmark_packed.py: 64 beat 128 by ~15% and tied with 32 at 1,000 documents in 64K).
+SMALL_BLOCK = 64
+# Padded sizes, per side. The CPU flash op runs some lengths much faster than their neighbours
+# (fwd+bwd per block at 8 heads x 64: 24 -> 153 us, 32 -> 217, 40 -> 377, 48 -> 330, 64 -> 599,
+# 80 -> 1038, 96 -> 1041); these are the efficient ones.
+_SIZES = (8, 12, 16, 20, 24, 32, 48, 64)
 
 
-def _bucket(block: DocBlock) -> tuple[int, bool]:
-    """(padded size, causal square?) of a small block. A causal square (the diagonal of a document)
-    needs no mask: padded keys come after every real query, so the top-left triangle hides them."""
-    side = max(block.q_len, block.kv_len)
+def _size(n: int) -> int:
+    return next(b for b in _SIZES if b >= n)
+
+
+def _bucket(block: DocBlock) -> tuple[int, int, bool]:
+    """(padded query rows, padded keys, causal square?) of a small block. A causal square (the
+    diagonal of a document) needs no mask: padded keys come after every real query, so the top-left
+    triangle hides them."""
     square = block.diag == 0 and block.q_len == block.kv_len
-    return next(b for b in _BUCKETS if b >= side), square
+    return _size(block.q_len), _size(block.kv_len), square
 
 
 @dataclass(frozen=True)
 class _Bucket:
-    q_idx: torch.Tensor  # [E, L] local query rows; padding repeats the block's first row
-    q_valid: torch.Tensor  # [E, L] bool
-    kv_idx: torch.Tensor  # [E, L] held K/V rows; padding repeats the block's first key
-    kv_valid: torch.Tensor  # [E, L] bool
-    mask: "torch.Tensor | None"  # [E, L, L] bool, True where a query may see a key; None: causal square
-    no_lse: torch.Tensor  # [E, 1, L]: +inf on padding rows, 0 elsewhere
+    q_idx: torch.Tensor  # [E, Lq] local query rows; padding repeats the block's first row
+    q_valid: torch.Tensor  # [E, Lq] bool
+    kv_idx: torch.Tensor  # [E, Lk] held K/V rows; padding repeats the block's first key
+    kv_valid: torch.Tensor  # [E, Lk] bool
+    mask: "torch.Tensor | None"  # [E, Lq, Lk] bool, True where a query may see a key; None: causal square
+    no_lse: torch.Tensor  # [E, 1, Lq]: +inf on padding rows, 0 elsewhere
 
 
-def _make_bucket(blocks: Sequence[DocBlock], size: int, square: bool) -> _Bucket:
-    ar = torch.arange(size)
+def _make_bucket(blocks: Sequence[DocBlock], lq: int, lk: int, square: bool) -> _Bucket:
+    aq, ak = torch.arange(lq), torch.arange(lk)
     q0 = torch.tensor([b.q_start for b in blocks])[:, None]
     k0 = torch.tensor([b.kv_start for b in blocks])[:, None]
-    q_valid = ar[None, :] < torch.tensor([b.q_len for b in blocks])[:, None]
-    kv_valid = ar[None, :] < torch.tensor([b.kv_len for b in blocks])[:, None]
+    q_valid = aq[None, :] < torch.tensor([b.q_len for b in blocks])[:, None]
+    kv_valid = ak[None, :] < torch.tensor([b.kv_len for b in blocks])[:, None]
     mask = None
     if not square:
-        diag = torch.tensor([size if b.diag is None else b.diag for b in blocks])[:, None, None]
-        mask = kv_valid[:, None, :] & (ar[None, None, :] <= ar[None, :, None] + diag)
+        diag = torch.tensor([lk if b.diag is None else b.diag for b in blocks])[:, None, None]
+        mask = kv_valid[:, None, :] & (ak[None, None, :] <= aq[None, :, None] + diag)
         mask[..., 0] |= ~q_valid  # padding rows see a key, so no kernel meets an empty row
     # Backward gives padding rows an LSE of +inf: their probabilities are exactly 0, whatever they see.
     no_lse = torch.zeros(q_valid.shape, dtype=torch.float64).masked_fill_(~q_valid, float("inf"))[:, None, :]
-    return _Bucket(torch.where(q_valid, q0 + ar, q0), q_valid, torch.where(kv_valid, k0 + ar, k0), kv_valid,
+    return _Bucket(torch.where(q_valid, q0 + aq, q0), q_valid, torch.where(kv_valid, k0 + ak, k0), kv_valid,
                    mask, no_lse)
 
 
@@ -76,7 +84,7 @@ class DocBatch:
     """
 
     def __init__(self, blocks: Sequence[DocBlock], device: torch.device) -> None:
-        groups: dict[tuple[int, bool], list[DocBlock]] = {}
+        groups: dict[tuple[int, int, bool], list[DocBlock]] = {}
         for b in blocks:
             groups.setdefault(_bucket(b), []).append(b)
         self.buckets = [_Bucket(*(None if t is None else t.to(device) for t in vars(_make_bucket(groups[key], *key))
@@ -103,7 +111,7 @@ class DocBatch:
         results = []
         for b in self.buckets:
             extra = {} if b.mask is None else {"mask": b.mask}
-            dout_b = _rows(dout, b.q_idx) * b.q_valid[..., None, None].to(dout.dtype)
+            dout_b = _rows(dout, b.q_idx).masked_fill_(~b.q_valid[..., None, None], 0)
             lse_b = lse[0].index_select(1, b.q_idx.flatten()).view(-1, *b.q_idx.shape).transpose(0, 1)
             lse_b = lse_b + b.no_lse.to(lse.dtype)
             dq, dk, dv = kernel.backward(dout_b, _rows(q, b.q_idx), _rows(k, b.kv_idx), _rows(v, b.kv_idx),
@@ -128,4 +136,18 @@ def packed_steps(layout: Layout, causal: bool, rank: int, world_size: int, cu_se
             else:
                 tasks += split_doc_block(b)
         steps.append(((DocBatch(small, device),) if small else ()) + tasks)
+    _check_first_step(doc_plan(layout, causal, rank, world_size, cu_seqlens)[0], cu_seqlens[-1] // world_size)
     return tuple(steps)
+
+
+def _check_first_step(blocks: Sequence[DocBlock], local_len: int) -> None:
+    """The engine writes step 0's results instead of merging them, which is exact only if its tasks
+    cover every query row and every key row exactly once: each document's whole block with itself,
+    full or causal (one task each)."""
+    spans = sorted((b.q_start, b.q_stop) for b in blocks)
+    whole = all((b.q_start, b.q_stop) == (b.kv_start, b.kv_stop) and b.diag in (None, 0) for b in blocks)
+    tiled = bool(spans) and spans[0][0] == 0 and spans[-1][1] == local_len and all(
+        x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    if not (whole and tiled):
+        raise RuntimeError("internal error: a packed plan's first step does not cover each row exactly once; "
+                           "please report it with the layout and cu_seqlens")

@@ -13,6 +13,7 @@ Rows (the sequence length column is the packed length T):
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable
 
 import torch
@@ -112,6 +113,13 @@ def run(args: argparse.Namespace) -> list[Row]:
               f"{args.kernel}, H={args.heads} Hkv={args.kv_heads} D={args.head_dim}; {args.documents} documents in "
               f"T={args.tokens} tokens (lognormal sigma={args.sigma}, seed {args.seed}: median "
               f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}); median of {args.repeats} (+1 warm-up)")
+
+    # A speed benchmark: keep glibc's usual caching of freed memory (sweep() would otherwise make every
+    # allocation over 128 KiB a fresh mapping, which the packed path's many mid-size temporaries pay in
+    # page faults and the per-document baseline's small tensors never do). Peak memory columns then
+    # count only newly mapped pages.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(128 << 20))
 
     def both(seq: int) -> tuple[dict, dict]:
         base = spawn(baseline_worker, 1, args, seq, threads=args.world_size)

@@ -8,6 +8,8 @@ which leaves every dot product, and hence the result, unchanged.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -20,11 +22,24 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
+# Additive masks made from the (long-lived) bool masks of packed-document batches, per dtype: a
+# batch's mask is reused by every layer and by backward, so it is converted once.
+# Keyed by the mask's id and dropped with it (tensors compare elementwise, so no WeakKeyDictionary).
+_ADDITIVE: dict[int, dict] = {}
+
+
 def _additive(mask: "torch.Tensor | None", dtype: torch.dtype) -> "torch.Tensor | None":
     # The op wants an additive mask of the query's dtype, broadcast over heads: [B, 1, Sq, Sk].
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
+    per_dtype = _ADDITIVE.get(id(mask))
+    if per_dtype is None:
+        per_dtype = _ADDITIVE[id(mask)] = {}
+        weakref.finalize(mask, _ADDITIVE.pop, id(mask), None)
+    if dtype not in per_dtype:
+        per_dtype[dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            ~mask, float("-inf"))[:, None]
+    return per_dtype[dtype]
 
 
 class SdpaCpuKernel:
