@@ -3,9 +3,10 @@
 
 Rows (the sequence length column is the packed length T):
   baseline         one process, ``world_size`` threads: every document on its own through the same
-                   CPU flash kernel, forward and backward ops called directly (no CP, no packing
-                   machinery; ``F.scaled_dot_product_attention``'s autograd per document is ~20x
-                   slower in backward on CPU, so it would flatter the ring)
+                   CPU flash kernel, forward and backward ops called directly and the results
+                   concatenated into full tensors (no CP, no packing machinery;
+                   ``F.scaled_dot_product_attention``'s autograd per document is ~20x slower in
+                   backward on CPU, so it would flatter the ring)
   varlen/1 rank    one process, ``world_size`` threads: ``ring_attention(cu_seqlens=)`` at world size 1
   ring/<layout>    ``ring_attention(cu_seqlens=)`` over ``world_size`` processes, 1 thread each
 """
@@ -51,18 +52,24 @@ def _cu(args) -> tuple[int, ...]:
 
 
 def _per_document(q, k, v, dout, cu, kernel_name: str) -> tuple[Callable, Callable]:
+    """Every document through the kernel on its own, assembled into full tensors as a user would (the
+    ring returns the full local output and gradients too)."""
     kern = get_kernel(kernel_name, q.device, q.dtype)
     scale = q.shape[-1] ** -0.5
     docs = list(zip(cu, cu[1:]))
 
+    def parts():
+        return [kern.forward(q[:, a:b], k[:, a:b], v[:, a:b], True, scale) for a, b in docs]
+
     def fwd():
         with torch.no_grad():
-            return [kern.forward(q[:, a:b], k[:, a:b], v[:, a:b], True, scale) for a, b in docs]
+            return torch.cat([o for o, _ in parts()], 1)
 
     def fwdbwd():
         with torch.no_grad():
-            return [kern.backward(dout[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], o, lse, True, scale)
-                    for (a, b), (o, lse) in zip(docs, fwd())]
+            grads = [kern.backward(dout[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], o, lse, True, scale)
+                     for (a, b), (o, lse) in zip(docs, parts())]
+            return [torch.cat(g, 1) for g in zip(*grads)]
     return fwd, fwdbwd
 
 
