@@ -209,3 +209,27 @@ def packed_attention_errors(rank: int, world_size: int, *, layout: str, causal: 
             "dq": excess_error(ql.grad, shard(qr.grad), atol, rtol),
             "dk": excess_error(kl.grad, shard(kr.grad), atol, rtol),
             "dv": excess_error(vl.grad, shard(vr.grad), atol, rtol)}
+
+
+def packed_refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
+    """A bad packed call (``case``); return the exception type and message ring_attention raised."""
+    local = 4
+    cu = [0, 3, local * world_size]
+    batch = 1
+    if case == "batch":
+        batch = 2
+    elif case == "wrong_end":
+        cu = [0, 3, local * world_size + 2]
+    elif case == "not_increasing":
+        cu = [0, 3, 3, local * world_size]
+    elif case == "differs":  # only the last rank disagrees: every rank must still raise, none may hang
+        cu = [0, 3 if rank < world_size - 1 else 5, local * world_size]
+    q = torch.randn(batch, local, 2, 8, dtype=torch.float64, requires_grad=True)
+    try:
+        cpa.ring_attention(q, q, q, layout="interleaved", cu_seqlens=torch.tensor(cu)).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the case reports what was raised
+        result = (type(e).__name__, str(e))
+    else:
+        result = ("", "")
+    dist.barrier()  # the group is still usable: nobody is stuck in a half-finished exchange
+    return result

@@ -138,3 +138,16 @@ def test_custom_layout_without_packing_is_refused_by_name():
 
     with pytest.raises(NotImplementedError, match="does not support packed documents"):
         cpa.get_layout("reversed_zigzag").positions(8, 0, 2, cu_seqlens=[0, 3, 8])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("batch", "need batch size 1"),
+    ("wrong_end", "must end at the packed length T = local length 4 x world_size 3 = 12, got 14"),
+    ("not_increasing", "strictly increasing"),
+    ("differs", "every rank of the group must pass the same cu_seqlens"),
+])
+def test_bad_packed_calls_raise_on_every_rank(pools, case, message):
+    results = pools(3).run(dist_cases.packed_refusal, case=case, timeout=60)
+    assert len({r for r in results}) == 1, f"ranks disagree: {results}"
+    kind, text = results[0]
+    assert kind == "ValueError" and message in text, results[0]
