@@ -238,31 +238,40 @@ class RingAttentionFunction(torch.autograd.Function):
         dq = None
         last = len(plan.steps) - 1
         kv = _KVRing(plan.comm, (k, v), last, head_major=plan.kernel_head_major)
-        dkv = None  # dK/dV accumulators for the shard currently held; they follow it round the ring
+        # Our own shard's gradients from our own queries stay home (step 0). Every other shard's
+        # accumulator starts at the first rank that holds it after its owner (step 1), collects each
+        # holder's contribution and reaches the owner after N-1 hops, as many as K/V travel: one hop
+        # less than circulating the owner's part too.
+        own, dkv = (None, None), None
         for s, tasks in enumerate(plan.steps):
             if s < last:
                 kv.start()
             kc, vc = kv.views()
             grads = [g for t in tasks for g in _task_backward(plan, t, dout, q, kc, vc, out, lse)]
-            if s > 0:
+            if s > 1:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
-            dk_acc, dv_acc = dkv.current if dkv else (None, None)
+            dk_acc, dv_acc = own if s == 0 else (dkv.current if s > 1 else (None, None))
+            update = _set_rows if plan.packed and s == 0 else _add_rows
             for q_rows, dq_blk, kv_rows, dk_blk, dv_blk in grads:
-                update = _set_rows if plan.packed and s == 0 else _add_rows
-                dq = update(dq, q_rows, dq_blk, n, acc)
+                dq = update(dq, q_rows, dq_blk, n, acc) if s == 0 else _add_rows(dq, q_rows, dq_blk, n, acc)
                 dk_acc = update(dk_acc, kv_rows, dk_blk, n, acc)
                 dv_acc = update(dv_acc, kv_rows, dv_blk, n, acc)
-            if dkv is None:
-                dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
-                dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc
-                # N hops: one more than K/V, so every shard's gradients come home
-                dkv = _KVRing(plan.comm, (dk_acc, dv_acc), len(plan.steps), owned=True)
-            if plan.comm.world_size > 1:
+            if s == 0:
+                own = (dk_acc, dv_acc)
+            else:
+                if s == 1:
+                    dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
+                    dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc
+                    dkv = _KVRing(plan.comm, (dk_acc, dv_acc), last, owned=True)
                 dkv.start()
             if s < last:
                 kv.finish()
-        if plan.comm.world_size > 1:
-            dkv.finish()  # one more hop: our own shard's gradients come home
-        dk, dv = dkv.current
+        dk, dv = own
+        if dkv is not None:
+            dkv.finish()  # the last hop: the other ranks' contributions to our shard come home
+            dk = dkv.current[0] if dk is None else dk.add_(dkv.current[0])
+            dv = dkv.current[1] if dv is None else dv.add_(dkv.current[1])
+        dk = torch.zeros_like(k, dtype=acc) if dk is None else dk
+        dv = torch.zeros_like(v, dtype=acc) if dv is None else dv
         dq = torch.zeros_like(q) if dq is None else dq
         return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

@@ -2,9 +2,10 @@
 
 Thousands of short documents must not become thousands of Python-level kernel calls. A step's small
 :class:`~cp_attention.doc_schedule.DocBlock` s are gathered into padded batches, one per size bucket,
-and each batch is one masked kernel call (the mask is the blocks' own band, so the result is exact).
-Large blocks run on their own as plain :class:`~cp_attention.schedule.BlockTask` s, as do all blocks
-for a kernel that takes no mask.
+and each batch is one kernel call: causal for documents' diagonal blocks, else masked with the
+blocks' own band, so the result is exact. Padding rows are discarded in forward and get an LSE of
++inf (probabilities exactly 0) in backward. Larger blocks run on their own as plain
+:class:`~cp_attention.schedule.BlockTask` s, as do all blocks for a kernel that takes no mask.
 """
 
 from __future__ import annotations
