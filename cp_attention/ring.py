@@ -3,8 +3,8 @@
 Forward: at step s this rank holds the K/V shard of rank (r - s) mod N. It posts the exchange of
 that shard to the next rank (double buffer), runs the step's block tasks, and folds each block into
 fp32 out/LSE accumulators. Backward replays the same plan: K/V ride the ring again, and a fp32 dK/dV
-accumulator travels with each shard, collecting every rank's contribution, and arrives back at its
-owner after N hops.
+accumulator travels behind each shard from the first rank after its owner, collecting every other
+rank's contribution, and arrives back at its owner after N-1 hops, where the owner's own part waited.
 """
 
 from __future__ import annotations
