@@ -8,13 +8,14 @@ attends only to tokens of its own document. Only ``T`` must split over the ranks
 from __future__ import annotations
 
 import functools
-from typing import Sequence, Union
+from typing import Iterable, Sequence, Union
 
 import torch
 
 __all__ = [
     "CuSeqlens",
     "check_cu_seqlens",
+    "cu_seqlens_from_lengths",
     "cu_seqlens_tuple",
     "document_ids",
     "document_position_ids",
@@ -44,6 +45,14 @@ def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
         raise ValueError("cu_seqlens must hold integers [0, l1, l1+l2, ..., T]")
     return values
+
+
+def cu_seqlens_from_lengths(lengths: Iterable[int]) -> tuple[int, ...]:
+    """Document boundaries ``[0, l1, l1+l2, ..., T]`` of documents with ``lengths``, in order."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    return tuple(cu)
 
 
 def check_cu_seqlens(cu_seqlens: CuSeqlens, total: "int | None" = None) -> tuple[int, ...]:

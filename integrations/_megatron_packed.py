@@ -1,17 +1,17 @@
-"""Megatron-core THD packed sequences for the ring: document boundaries from ``PackedSeqParams``
-(TransformerEngine's padded convention included) and packed batches sharded by our layouts."""
+"""Megatron-core THD packed sequences for the ring: the document boundaries of ``PackedSeqParams``
+(TransformerEngine's padded convention included) and the verdict on a packed attention call."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-import cp_attention as cpa
-from cp_attention.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
+from cp_attention.documents import check_cu_seqlens
 
-__all__ = ["packed_documents", "packed_seq_params_from_batch", "shard_packed_batch", "PACKED_ENTRIES"]
+__all__ = ["packed_documents", "packed_verdict", "group_ranks"]
 
 
 def _show(cu: Optional[tuple[int, ...]]) -> str:
@@ -89,57 +89,60 @@ def packed_documents(packed_seq_params: PackedSeqParams) -> tuple[int, ...]:
     return tuple(documents)
 
 
-# megatron's THD batch entries (get_thd_batch_on_this_cp_rank): boundaries, not tokens; never sharded.
-PACKED_ENTRIES = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+def group_ranks(group) -> Optional[tuple[int, ...]]:
+    """The global ranks of ``group`` (None without a group or torch.distributed), to compare groups."""
+    if group is None or not dist.is_initialized():
+        return None
+    return tuple(dist.get_process_group_ranks(group))
 
 
-def _batch_boundaries(batch: Mapping[str, Any], key: str) -> Any:
-    value = batch.get(key)
-    if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1:
-        value = value[0]  # a collated [1, n]
-    return value
-
-
-def packed_seq_params_from_batch(batch: Mapping[str, Any]) -> PackedSeqParams:
-    """THD ``PackedSeqParams`` from megatron's batch entries ``cu_seqlens`` [, ``cu_seqlens_padded``,
-    ``max_seqlen``] (``max_seqlen`` defaults to the longest padded document)."""
-    cu, padded = _batch_boundaries(batch, "cu_seqlens"), _batch_boundaries(batch, "cu_seqlens_padded")
-    longest = batch.get("max_seqlen")
-    if longest is None:
-        bounds = cu_seqlens_tuple(cu if padded is None else padded)
-        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
-    else:
-        longest = int(torch.as_tensor(longest).flatten()[0])
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                           cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
-
-
-def shard_packed_batch(batch: Mapping[str, Any], lay: cpa.Layout, rank: int, world_size: int,
-                  packed_seq_params: PackedSeqParams) -> dict[str, Any]:
+def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
+                   query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
+    """This rank's verdict on a packed call of the ring core ``attention``: the documents to attend
+    within (:func:`packed_documents`), or ``ValueError``/``NotImplementedError`` naming what it cannot
+    honour. Pure: the caller agrees on the verdict across the CP group before any communication."""
+    config, cp_size, layout = attention.config, attention.cp_size, attention.layout
+    if getattr(config, "multi_latent_attention", False):
+        raise NotImplementedError("packed sequences (packed_seq_params) with multi-latent attention are not "
+                                  "supported by ring attention: MLA rotates its own RoPE part of q and k "
+                                  "per document with TransformerEngine's split; pass unpacked batches")
+    if getattr(config, "mtp_num_layers", None):
+        raise NotImplementedError(f"packed sequences (packed_seq_params) with multi-token prediction "
+                                  f"(mtp_num_layers={config.mtp_num_layers}) are not supported by ring "
+                                  "attention: megatron rolls packed labels across CP ranks assuming "
+                                  "TransformerEngine's per-document split; pass unpacked batches")
+    if attention.packed_rotary_problem is not None:
+        raise NotImplementedError(attention.packed_rotary_problem)
     documents = packed_documents(packed_seq_params)
+    local_cp = getattr(packed_seq_params, "local_cp_size", None)
+    if local_cp is not None and local_cp != cp_size:
+        raise NotImplementedError(f"packed_seq_params.local_cp_size={local_cp} (hybrid/dynamic context "
+                                  f"parallelism) is not supported by ring attention; leave it None (the CP "
+                                  f"group is the model's, of size {cp_size})")
+    group = getattr(packed_seq_params, "cp_group", None)
+    if group is not None and group_ranks(group) != group_ranks(attention.cp_group):
+        raise NotImplementedError(f"packed_seq_params.cp_group (ranks {group_ranks(group)}) is not the "
+                                  f"model's CP group (ranks {group_ranks(attention.cp_group)}); dynamic CP groups "
+                                  "are not supported by ring attention: leave packed_seq_params.cp_group None")
+    if attention_mask is not None:
+        raise NotImplementedError(f"attention_mask {tuple(attention_mask.shape)} with packed sequences is not "
+                                  "supported by ring attention: the documents of packed_seq_params and the "
+                                  "causal flag are the whole mask; pass attention_mask=None")
+    shapes = [tuple(t.shape) for t in (query, key, value)]
+    ok = (all(len(s) == 3 for s in shapes) or all(len(s) == 4 and s[1] == 1 for s in shapes))
+    if not ok or len({s[0] for s in shapes}) != 1:
+        raise ValueError(f"packed (THD) query, key and value must be [t, heads, dim] (or [t, 1, heads, dim]) "
+                         f"with the same t, got shapes {shapes}")
+    local = shapes[0][0]
     total = documents[-1]
-    if batch.get("attention_mask") is not None:
-        raise ValueError("a packed (THD) batch takes no attention_mask: its documents (packed_seq_params) and "
-                         "the causal flag are the whole mask; drop batch['attention_mask'] or set it to None")
+    if total != local * cp_size:
+        raise ValueError(f"packed_seq_params describe a packed stream of {total} tokens, but this rank holds "
+                         f"{local} tokens x cp_size {cp_size} = {local * cp_size}; shard the batch "
+                         f"with get_batch_on_this_cp_rank(batch, layout='{layout.name}', "
+                         "packed_seq_params=...)")
     try:
-        lay.check(total, world_size)
+        layout.check(total, cp_size)
     except ValueError as e:
         raise ValueError(f"packed stream of {total} tokens: {e}; append a padding document with "
-                         f"cp_attention.pad_cu_seqlens(cu_seqlens, {lay.divisor(world_size)}) and pad every "
-                         "token tensor to match (labels -100 / loss_mask 0)") from None
-    out = dict(batch)
-    out["packed_seq_params"] = packed_seq_params
-    device = torch.device("cpu")
-    for key, val in batch.items():
-        if key in PACKED_ENTRIES or key == "attention_mask" or not isinstance(val, torch.Tensor):
-            continue
-        if val.dim() < 2 or val.shape[0] != 1 or val.shape[1] != total:
-            raise ValueError(f"batch[{key!r}] has shape {tuple(val.shape)}; a packed (THD) batch holds one row "
-                             f"[1, {total}, ...] over the packed stream of {total} tokens the documents describe "
-                             f"(cu_seqlens end at {total})")
-        device = val.device
-        out[key] = val if world_size == 1 else lay.shard(val, 1, rank, world_size, cu_seqlens=documents)
-    if out.get("position_ids") is None:
-        positions = lay.positions(total, rank, world_size, documents)
-        out["position_ids"] = document_position_ids(positions, documents)[None].to(device)
-    return out
+                         f"cp_attention.pad_cu_seqlens(cu_seqlens, {layout.divisor(cp_size)})") from None
+    return documents

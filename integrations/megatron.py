@@ -38,7 +38,7 @@ import copy
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,8 @@ except ImportError:  # pragma: no cover - a megatron-core without it
     def _rope_mscale(config) -> float:
         return 1.0
 
-from ._megatron_packed import packed_documents, packed_seq_params_from_batch, shard_packed_batch  # noqa: E402
+from ._megatron_batch import DEFAULT_LAYOUT, get_batch_on_this_cp_rank  # noqa: E402
+from ._megatron_packed import group_ranks, packed_documents, packed_verdict  # noqa: E402
 from ._megatron_rope import LayoutRotaryEmbedding  # noqa: E402
 
 __all__ = [
@@ -84,8 +85,6 @@ __all__ = [
     "DEFAULT_LAYOUT",
 ]
 
-# TransformerEngine's and megatron's own batch slicing are zigzag, so it is the default everywhere.
-DEFAULT_LAYOUT = "zigzag"
 _APPLY_HINT = ("call cp_attention.integrations.megatron.apply_context_parallel(model) once after building "
                "the model")
 
@@ -236,7 +235,7 @@ class RingDotProductAttention(MegatronModule):
                                f"makes rotary embeddings use global positions under the {self.layout.name} layout")
         causal = self._causal(attn_mask_type)
         if packed_seq_params is not None:
-            documents = self._agree(self._packed_verdict, query.device, packed_seq_params, attention_mask,
+            documents = self._agree(packed_verdict, query.device, self, packed_seq_params, attention_mask,
                                     query, key, value)
             return self._packed_forward(query, key, value, documents, causal)
         self._check_mask(attention_mask, causal, query.shape[0])
@@ -267,55 +266,6 @@ class RingDotProductAttention(MegatronModule):
         bad = [r for r, p in enumerate(found) if p is not None]
         name, message = found[bad[0]]
         raise _AGREED_ERRORS.get(name, RuntimeError)(f"{message} (on CP rank {bad[0]}; CP ranks with bad input: {bad})")
-
-    def _packed_verdict(self, packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
-                        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
-        """This rank's verdict on a packed call: the documents to attend within, or an error."""
-        config = self.config
-        if getattr(config, "multi_latent_attention", False):
-            raise NotImplementedError("packed sequences (packed_seq_params) with multi-latent attention are not "
-                                      "supported by ring attention: MLA rotates its own RoPE part of q and k "
-                                      "per document with TransformerEngine's split; pass unpacked batches")
-        if getattr(config, "mtp_num_layers", None):
-            raise NotImplementedError(f"packed sequences (packed_seq_params) with multi-token prediction "
-                                      f"(mtp_num_layers={config.mtp_num_layers}) are not supported by ring "
-                                      "attention: megatron rolls packed labels across CP ranks assuming "
-                                      "TransformerEngine's per-document split; pass unpacked batches")
-        if self.packed_rotary_problem is not None:
-            raise NotImplementedError(self.packed_rotary_problem)
-        documents = packed_documents(packed_seq_params)
-        local_cp = getattr(packed_seq_params, "local_cp_size", None)
-        if local_cp is not None and local_cp != self.cp_size:
-            raise NotImplementedError(f"packed_seq_params.local_cp_size={local_cp} (hybrid/dynamic context "
-                                      f"parallelism) is not supported by ring attention; leave it None (the CP "
-                                      f"group is the model's, of size {self.cp_size})")
-        group = getattr(packed_seq_params, "cp_group", None)
-        if group is not None and _group_ranks(group) != _group_ranks(self.cp_group):
-            raise NotImplementedError(f"packed_seq_params.cp_group (ranks {_group_ranks(group)}) is not the "
-                                      f"model's CP group (ranks {_group_ranks(self.cp_group)}); dynamic CP groups "
-                                      "are not supported by ring attention: leave packed_seq_params.cp_group None")
-        if attention_mask is not None:
-            raise NotImplementedError(f"attention_mask {tuple(attention_mask.shape)} with packed sequences is not "
-                                      "supported by ring attention: the documents of packed_seq_params and the "
-                                      "causal flag are the whole mask; pass attention_mask=None")
-        shapes = [tuple(t.shape) for t in (query, key, value)]
-        ok = (all(len(s) == 3 for s in shapes) or all(len(s) == 4 and s[1] == 1 for s in shapes))
-        if not ok or len({s[0] for s in shapes}) != 1:
-            raise ValueError(f"packed (THD) query, key and value must be [t, heads, dim] (or [t, 1, heads, dim]) "
-                             f"with the same t, got shapes {shapes}")
-        local = shapes[0][0]
-        total = documents[-1]
-        if total != local * self.cp_size:
-            raise ValueError(f"packed_seq_params describe a packed stream of {total} tokens, but this rank holds "
-                             f"{local} tokens x cp_size {self.cp_size} = {local * self.cp_size}; shard the batch "
-                             f"with get_batch_on_this_cp_rank(batch, layout='{self.layout.name}', "
-                             "packed_seq_params=...)")
-        try:
-            self.layout.check(total, self.cp_size)
-        except ValueError as e:
-            raise ValueError(f"packed stream of {total} tokens: {e}; append a padding document with "
-                             f"cp_attention.pad_cu_seqlens(cu_seqlens, {self.layout.divisor(self.cp_size)})") from None
-        return documents
 
     def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         documents: tuple[int, ...], causal: bool) -> torch.Tensor:
@@ -407,12 +357,6 @@ def get_gpt_layer_ring_spec(layout: Optional[str] = None, backend: str = "local"
     return use_ring_attention(getattr(gpt_layer_specs, builders[backend])(**spec_kwargs), layout, kernel)
 
 
-def _group_ranks(group) -> Optional[tuple[int, ...]]:
-    if group is None or not dist.is_initialized():
-        return None
-    return tuple(dist.get_process_group_ranks(group))
-
-
 def _swap_rotary_embeddings(model: torch.nn.Module, layout: cpa.Layout, group) -> list[LayoutRotaryEmbedding]:
     """Wrap every ``RotaryEmbedding`` (not those already wrapped); return the model's wrappers."""
     slots = [(parent, name, child) for parent in model.modules() if not isinstance(parent, LayoutRotaryEmbedding)
@@ -448,7 +392,7 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError("the model has no RingDotProductAttention; build it from get_gpt_layer_ring_spec(...) "
                          "or use_ring_attention(spec)")
     layouts = sorted({m.layout.name for m in rings})
-    groups = {_group_ranks(m.cp_group) for m in rings}
+    groups = {group_ranks(m.cp_group) for m in rings}
     if len(layouts) > 1 or len(groups) > 1:
         raise ValueError(f"all ring attentions of a model must share one layout and CP group, got layouts "
                          f"{layouts} and groups {sorted(map(str, groups))}")
@@ -471,60 +415,3 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
         m.packed_rotary = ropes[0].packed_rows if len(ropes) == 1 else None
         m.packed_rotary_problem = problem
     return model
-
-
-def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.Layout] = DEFAULT_LAYOUT,
-                              cp_group=None, packed_seq_params: Optional[PackedSeqParams] = None
-                              ) -> dict[str, Any]:
-    """This CP rank's share of a megatron batch dict, for any layout.
-
-    Like ``megatron.core.utils.get_batch_on_this_cp_rank``: every tensor (``tokens``, ``labels``,
-    ``loss_mask``, ``position_ids``, ...) is sharded along dim 1, ``attention_mask [b, 1, s, s]``
-    along dim 2 (its queries); ``None`` and non-tensor values pass through. ``position_ids`` sharded
-    this way hold global positions. ``cp_group`` defaults to megatron's CP group (world size 1 if
-    ``parallel_state`` is not initialised). Returns a new dict; ``batch`` is not modified.
-
-    Packed (THD) batches, like ``megatron.core.utils.get_thd_batch_on_this_cp_rank``: pass megatron's
-    ``packed_seq_params`` (``qkv_format="thd"``), or leave it None and give the batch megatron's THD
-    entries ``cu_seqlens`` [, ``cu_seqlens_padded``, ``max_seqlen``] (1-D or ``[1, n]``; they pass
-    through unsharded). Every token tensor is ``[1, T, ...]`` over the FULL packed stream and is
-    sharded along dim 1 with ``layout.shard(..., cu_seqlens=packed_documents(params))`` (this
-    package's layouts, not TransformerEngine's split, so documents may have any length). The result
-    also holds ``packed_seq_params`` (the one given, or one built from the entries) to pass to the
-    model, and ``position_ids``: sharded like the tokens when the batch has them, else made: each
-    token's position within its document. Padding tokens need ``loss_mask`` 0 (or label -100).
-
-    Raises ``ValueError`` if a tensor's sequence length differs from the others' or the layout cannot
-    split it; for packed batches also for a batch larger than one row, an ``attention_mask``,
-    boundaries given twice (argument and batch entries) or malformed, and ``NotImplementedError``
-    for unsupported packed parameters (see :func:`packed_documents`).
-    """
-    lay = cpa.get_layout(layout)
-    if batch.get("cu_seqlens") is not None:
-        if packed_seq_params is not None:
-            raise ValueError("the packed boundaries were given twice, as packed_seq_params and as batch['cu_seqlens']; "
-                             "pass one of them")
-        packed_seq_params = packed_seq_params_from_batch(batch)
-    if cp_group is None and parallel_state.model_parallel_is_initialized():
-        cp_group = parallel_state.get_context_parallel_group()
-    rank, world_size = group_rank_and_size(cp_group) if cp_group is not None else (0, 1)
-    if packed_seq_params is not None:
-        return shard_packed_batch(batch, lay, rank, world_size, packed_seq_params)
-    out = dict(batch)
-    if world_size == 1:
-        return out
-    seq_len = None
-    for key, val in batch.items():
-        if not isinstance(val, torch.Tensor):
-            continue
-        dim = 2 if key == "attention_mask" else 1
-        if val.dim() <= dim:
-            raise ValueError(f"batch[{key!r}] has shape {tuple(val.shape)}; expected a sequence dimension {dim}")
-        if seq_len is None:
-            seq_len = val.shape[dim]
-            lay.check(seq_len, world_size)
-        elif val.shape[dim] != seq_len:
-            raise ValueError(f"batch[{key!r}] has sequence length {val.shape[dim]} along dim {dim}, but other "
-                             f"entries have {seq_len}; every entry must cover the same full sequence")
-        out[key] = lay.shard(val, dim, rank, world_size)
-    return out

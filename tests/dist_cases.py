@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cp_attention as cpa
+from cp_attention.documents import cu_seqlens_from_lengths
 from cp_attention.comm import RingComm
 from cp_attention.dtypes import dtype_from_name
 from cp_attention.kernels import MathKernel
@@ -174,9 +175,7 @@ def packed_attention_errors(rank: int, world_size: int, *, layout: str, causal: 
     """Packed documents (``cu_seqlens`` from ``lengths``) against each document's own fp64 attention:
     excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard."""
     dt = dtype_from_name(dtype)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = list(cu_seqlens_from_lengths(lengths))
     q, k, v, dout = make_inputs(seed, 1, cu[-1], heads, kv_heads, head_dim, head_dim, dt)
     scale = head_dim ** -0.5
     qr, kr, vr = (t.double().clone().requires_grad_() for t in (q, k, v))

@@ -10,16 +10,13 @@ from hypothesis import given, settings, strategies as st
 
 import cp_attention as cpa
 from cp_attention.doc_schedule import DocBlock, doc_block_pairs, doc_plan, split_doc_block
-from cp_attention.documents import document_ids, pad_cu_seqlens
+from cp_attention.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
 from cp_attention.schedule import BlockTask, source_rank, task_pairs
 from cp_attention.varlen import SMALL_BLOCK, packed_steps
 
 
 def _cu(lengths, layout, n):
-    cu = [0]
-    for x in lengths:
-        cu.append(cu[-1] + x)
-    return pad_cu_seqlens(cu, cpa.get_layout(layout).divisor(n))[0]
+    return pad_cu_seqlens(cu_seqlens_from_lengths(lengths), cpa.get_layout(layout).divisor(n))[0]
 
 
 def _block_mask(b: DocBlock) -> torch.Tensor:

@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 import cp_attention as cpa  # noqa: E402
 
 from . import megatron_cases as mc  # noqa: E402
+from . import megatron_packed_cases as mpc  # noqa: E402
 
 FP64 = 1e-10  # DESIGN.md: fp64 model, fp64 reference
 FP32 = 2e-6  # megatron's own loss is computed in fp32
@@ -118,7 +119,8 @@ REFUSED = {
 
 
 def test_unsupported_inputs_are_refused_on_every_rank(pools):
-    results = pools(2).run(mc.refusals, timeout=180)
+    results = [{**plain, **packed} for plain, packed in zip(pools(2).run(mc.refusals, timeout=180),
+                                                            pools(2).run(mpc.packed_refusals, timeout=180))]
     for name, (exc, fragment) in REFUSED.items():
         for rank, r in enumerate(results):
             assert r[name].startswith(exc + ":"), f"{name} on rank {rank}: {r[name]}"
@@ -158,13 +160,13 @@ def _packed_references(pools, **model_kw):
     """Each document of the packed batches run on its own at CP=1 (megatron's attention and RoPE), per padding."""
     key = tuple(sorted(model_kw.items()))
     if key not in _PACKED_REFS:
-        _PACKED_REFS[key] = {padded: pools(1).run(mc.packed_reference, model_kw=model_kw, padded=padded,
+        _PACKED_REFS[key] = {padded: pools(1).run(mpc.packed_reference, model_kw=model_kw, padded=padded,
                                                   timeout=180)[0] for padded in (False, True)}
     return _PACKED_REFS[key]
 
 
 def _packed_equivalence(pools, world_size, layout, rope_layout=None, **model_kw):
-    return pools(world_size).run(mc.packed_equivalence, layout=layout, refs=_packed_references(pools, **model_kw),
+    return pools(world_size).run(mpc.packed_equivalence, layout=layout, refs=_packed_references(pools, **model_kw),
                                  model_kw=model_kw, rope_layout=rope_layout, timeout=180)
 
 
@@ -206,7 +208,7 @@ def test_packed_rope_at_the_wrong_positions_is_detected(pools):
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
 def test_packed_padding_is_attended_by_no_real_token(pools, layout, causal):
     """cu_seqlens_q_padded: real tokens see only their document's real tokens, causal or not (GQA, fp64)."""
-    for rank, r in enumerate(pools(3).run(mc.packed_core_attention, layout=layout, causal=causal, timeout=120)):
+    for rank, r in enumerate(pools(3).run(mpc.packed_core_attention, layout=layout, causal=causal, timeout=120)):
         assert r["shape"] and r["finite"], (rank, r)
         assert r["out"] <= FP64 and r["grads"] <= FP64, (rank, r)
 
@@ -214,7 +216,7 @@ def test_packed_padding_is_attended_by_no_real_token(pools, layout, causal):
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_packed_batch_sharding(pools, world_size):
     table = pools(1).run(mc.megatron_rope_table, kw={}, offset=0, timeout=120)[0]
-    for rank, r in enumerate(pools(world_size).run(mc.packed_batch_sharding, table=table, timeout=120)):
+    for rank, r in enumerate(pools(world_size).run(mpc.packed_batch_sharding, table=table, timeout=120)):
         assert all(r.values()), (rank, {k: v for k, v in r.items() if not v})
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cp_attention as cpa
-from cp_attention.documents import (cu_seqlens_from_position_ids, document_ids, document_position_ids,
+from cp_attention.documents import (cu_seqlens_from_lengths, cu_seqlens_from_position_ids, document_ids, document_position_ids,
                                     pad_cu_seqlens, zigzag_chunks)
 
 from . import dist_cases
@@ -18,10 +18,7 @@ WORLD_SIZES = (1, 2, 3, 4)
 
 
 def _cu(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
+    return list(cu_seqlens_from_lengths(lengths))
 
 
 def _padded(lengths, layout, world_size):

@@ -26,11 +26,11 @@ from typing import Callable, Iterable, Optional
 from ..analysis import (
     AttentionShape, document_padding, document_pairs, flops_per_pair, imbalance, step_sync_efficiency,
 )
-from ..documents import pad_cu_seqlens
+from ..documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from ..layout import get_layout
 from ..schedule import work_model
 
-__all__ = ["PackedStream", "lognormal_lengths", "packed_stream", "stream_divisor", "check_packed",
+__all__ = ["PackedStream", "lognormal_lengths", "packed_stream", "te_padded_cu_seqlens", "stream_divisor", "check_packed",
            "one_thread", "packed_tables", "measure_packed"]
 
 Records = list[dict]
@@ -48,10 +48,7 @@ class PackedStream:
     @property
     def cu_seqlens(self) -> tuple[int, ...]:
         """flash-attn's ``[0, l1, l1+l2, ..., T]``, the padding document included."""
-        cu = [0]
-        for n in (*self.lengths, *((self.pad,) if self.pad else ())):
-            cu.append(cu[-1] + n)
-        return tuple(cu)
+        return cu_seqlens_from_lengths((*self.lengths, *((self.pad,) if self.pad else ())))
 
     @property
     def real_tokens(self) -> int:
@@ -100,11 +97,13 @@ def packed_stream(p: dict, seed: int, divisor: int, total_tokens: Optional[int] 
             lengths.pop()
         else:
             lengths[-1] -= over
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    _, pad = pad_cu_seqlens(cu, divisor)
+    _, pad = pad_cu_seqlens(cu_seqlens_from_lengths(lengths), divisor)
     return PackedStream(seed, tuple(lengths), pad)
+
+
+def te_padded_cu_seqlens(lengths: Iterable[int], multiple: int) -> tuple[int, ...]:
+    """Boundaries of the documents each padded to a multiple of ``multiple`` (TransformerEngine's THD split)."""
+    return cu_seqlens_from_lengths(n + (-n % multiple) for n in lengths)
 
 
 def stream_divisor(layouts: Iterable[str], world_sizes: Iterable[int]) -> int:
@@ -209,9 +208,7 @@ def _packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionSh
                                "pairs": w[r][s], "rank_total_over_mean": totals[r] / mean}
                               for r in range(ws) for s in range(ws)]
             te = document_padding(st.lengths, 2 * ws, causal)
-            te_cu = [0]
-            for n in st.lengths:
-                te_cu.append(te_cu[-1] + n + (-n % (2 * ws)))
+            te_cu = te_padded_cu_seqlens(st.lengths, 2 * ws)
             te_w = work_model("zigzag", causal, te_cu[-1], ws, cu_seqlens=te_cu)
             te_rows.append({
                 "seed": seed, "world_size": ws, "multiple": 2 * ws, "documents": te.documents,
@@ -230,44 +227,16 @@ def _packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionSh
 
 # ---------------------------------------------------------------- measured
 
-def _inputs(args, seq: int, salt: int):
-    import torch
-
-    from ..dtypes import dtype_from_name
-
-    g = torch.Generator().manual_seed(2024 + seq + salt)
-    dt = dtype_from_name(args.dtype)
-    h, hkv, d = args.heads, args.kv_heads, args.head_dim
-    return tuple(torch.randn(1, seq, n, d, generator=g).to(dt) for n in (h, hkv, hkv, h))
-
-
-def _closures(q, k, v, dout, group, layout, args, cu) -> tuple[Callable, Callable]:
-    import torch
-
-    from .. import ring_attention
-
-    cu_t = torch.tensor(cu, dtype=torch.int32)
-    kw = dict(layout=layout, causal=args.causal, kernel=args.kernel, cu_seqlens=cu_t)
-
-    def fwd():
-        with torch.no_grad():
-            return ring_attention(q, k, v, group, **kw)
-
-    def fwdbwd():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        ring_attention(*leaves, group, **kw).backward(dout)
-        return leaves
-    return fwd, fwdbwd
-
-
 def _baseline_worker(args, cu: tuple[int, ...]) -> dict:
     """One process, the whole packed stream (spawn with ``threads`` = the ring's total)."""
     import torch
 
+    from .attention_bench import make_inputs, ours
     from .measure import measure
 
-    full = _inputs(args, cu[-1], 0)
-    rows = measure({"baseline": _closures(*full, None, "contiguous", args, cu)}, cu[-1], args.repeats, None)
+    full = make_inputs(args, cu[-1])
+    rows = measure({"baseline": ours(*full, None, "contiguous", args.kernel, args.causal, cu)}, cu[-1], args.repeats,
+                   None)
     return {"rows": rows, "threads": torch.get_num_threads()}
 
 
@@ -276,17 +245,18 @@ def _ring_worker(args, cu: tuple[int, ...], te_cu: tuple[int, ...]) -> dict:
     import torch
     import torch.distributed as dist
 
+    from .attention_bench import make_inputs, ours
     from .measure import measure
 
     rank, ws, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    full, te_full = _inputs(args, cu[-1], 0), _inputs(args, te_cu[-1], 1)
+    full, te_full = make_inputs(args, cu[-1]), make_inputs(args, te_cu[-1])
     impls = {}
     for lay in args.layouts:
         shards = [lay.shard(t, 1, rank, ws, cu_seqlens=cu) for t in full]
-        impls[f"ring/{lay.name}"] = _closures(*shards, group, lay, args, cu)
+        impls[f"ring/{lay.name}"] = ours(*shards, group, lay, args.kernel, args.causal, cu)
     zig = get_layout("zigzag")
     shards = [zig.shard(t, 1, rank, ws, cu_seqlens=te_cu) for t in te_full]
-    impls["ring/zigzag, TE-padded"] = _closures(*shards, group, zig, args, te_cu)
+    impls["ring/zigzag, TE-padded"] = ours(*shards, group, zig, args.kernel, args.causal, te_cu)
     return {"rows": measure(impls, cu[-1], args.repeats, group), "threads": torch.get_num_threads()}
 
 
@@ -309,15 +279,13 @@ def measure_packed(p: dict, m: dict, layouts: list[str], causal: bool, log: Call
         ok = [lay for lay in layouts if _supports_packed(lay)]
         st = packed_stream(p, p["seeds"][0], stream_divisor(ok + ["zigzag"], [ws]), p["measure"]["total_tokens"])
         cu = st.cu_seqlens
-        te_cu = [0]
-        for n in st.lengths:
-            te_cu.append(te_cu[-1] + n + (-n % (2 * ws)))
-        args = argparse.Namespace(heads=m["heads"], kv_heads=m["kv_heads"] or m["heads"], head_dim=m["head_dim"],
+        te_cu = te_padded_cu_seqlens(st.lengths, 2 * ws)
+        args = argparse.Namespace(batch=1, heads=m["heads"], kv_heads=m["kv_heads"] or m["heads"], head_dim=m["head_dim"],
                                   dtype=m["dtype"], kernel=m["kernel"], repeats=m["repeats"], causal=causal,
                                   layouts=[get_layout(x) for x in ok])
         t0 = time.perf_counter()
         base = spawn(_baseline_worker, 1, args, cu, threads=ws)
-        ring = spawn(_ring_worker, ws, args, cu, tuple(te_cu), threads=1, timeout_s=m["timeout"])
+        ring = spawn(_ring_worker, ws, args, cu, te_cu, threads=1, timeout_s=m["timeout"])
         log(f"measured packed documents at world size {ws}, T={st.tokens} in {time.perf_counter() - t0:.0f} s")
         with one_thread():
             model = {lay: imbalance(work_model(lay, causal, st.tokens, ws, cu_seqlens=cu)) for lay in ok}

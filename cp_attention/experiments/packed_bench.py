@@ -20,12 +20,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import ring_attention
-from ..documents import pad_cu_seqlens
+from ..documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from ..kernels import get_kernel
 from ..layout import get_layout
 from ..launch import spawn
-from .attention_bench import make_inputs
+from .attention_bench import make_inputs, ours
 from .measure import Row, measure, memory_method, sweep
 
 __all__ = ["document_lengths", "run"]
@@ -42,10 +41,7 @@ def document_lengths(total: int, documents: int, sigma: float, seed: int) -> lis
 
 def _cu(args) -> tuple[int, ...]:
     lengths = document_lengths(args.tokens, args.documents, args.sigma, args.seed)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    cu, pad = pad_cu_seqlens(cu, 2 * args.world_size)
+    cu, pad = pad_cu_seqlens(cu_seqlens_from_lengths(lengths), 2 * args.world_size)
     if pad:
         raise ValueError(f"--tokens {args.tokens} must be a multiple of 2*world_size={2 * args.world_size}")
     return cu
@@ -73,26 +69,12 @@ def _per_document(q, k, v, dout, cu, kernel_name: str) -> tuple[Callable, Callab
     return fwd, fwdbwd
 
 
-def _varlen(q, k, v, dout, group, layout, kernel: str, cu) -> tuple[Callable, Callable]:
-    cu_t = torch.tensor(cu)
-
-    def fwd():
-        with torch.no_grad():
-            return ring_attention(q, k, v, group, layout=layout, kernel=kernel, cu_seqlens=cu_t)
-
-    def fwdbwd():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        ring_attention(*leaves, group, layout=layout, kernel=kernel, cu_seqlens=cu_t).backward(dout)
-        return leaves
-    return fwd, fwdbwd
-
-
 def baseline_worker(args, seq: int) -> dict:
     """One process: the per-document loop and our varlen path at world size 1."""
     cu = _cu(args)
     q, k, v, dout = make_inputs(args, seq)
     impls = {"baseline": _per_document(q, k, v, dout, cu, args.kernel),
-             "varlen/1 rank": _varlen(q, k, v, dout, None, "contiguous", args.kernel, cu)}
+             "varlen/1 rank": ours(q, k, v, dout, None, "contiguous", args.kernel, cu_seqlens=cu)}
     return {"rows": measure(impls, seq, args.repeats, None), "threads": torch.get_num_threads(),
             "memory": memory_method()}
 
@@ -106,7 +88,7 @@ def ring_worker(args, seq: int) -> dict:
     for name in args.layouts:
         lay = get_layout(name)
         shard = [lay.shard(t, 1, rank, ws, cu_seqlens=cu) for t in full]
-        impls[f"ring/{lay.name}"] = _varlen(*shard, None, lay, args.kernel, cu)
+        impls[f"ring/{lay.name}"] = ours(*shard, None, lay, args.kernel, cu_seqlens=cu)
     return {"rows": measure(impls, seq, args.repeats, dist.group.WORLD), "threads": torch.get_num_threads(),
             "memory": memory_method()}
 
