@@ -253,7 +253,7 @@ class RingAttentionFunction(torch.autograd.Function):
             dk_acc, dv_acc = own if s == 0 else (dkv.current if s > 1 else (None, None))
             update = _set_rows if plan.packed and s == 0 else _add_rows
             for q_rows, dq_blk, kv_rows, dk_blk, dv_blk in grads:
-                dq = update(dq, q_rows, dq_blk, n, acc) if s == 0 else _add_rows(dq, q_rows, dq_blk, n, acc)
+                dq = update(dq, q_rows, dq_blk, n, acc)
                 dk_acc = update(dk_acc, kv_rows, dk_blk, n, acc)
                 dv_acc = update(dv_acc, kv_rows, dv_blk, n, acc)
             if s == 0:
