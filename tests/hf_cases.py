@@ -313,4 +313,6 @@ def documents_equivalence(rank: int, world_size: int, *, family: str, layout: st
         "finite": bool(torch.isfinite(out.logits).all()),
         "impl": model.config._attn_implementation,
         "shape": tuple(local["input_ids"].shape),
+        # every document (and at most one padding document) is in the packed row
+        "documents": len(cu) - 1 - len(docs),
     }

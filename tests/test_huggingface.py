@@ -108,5 +108,6 @@ def test_packed_and_padded_batches_equal_their_documents(pools, world_size, fami
     for rank, r in enumerate(results):
         assert r["finite"] and r["impl"] == "cp_ring", (rank, r)
         assert r["shape"][0] == 1, f"packed into one row: {r['shape']}"
+        assert r["documents"] in (0, 1), f"{r['documents']} documents more than the batch holds (one may be padding)"
         for key in ("logits", "loss", "grads"):
             assert r[key] <= FP64, f"{family} {layout} {mode} cp={world_size}: rank {rank} {key} differs by {r[key]:.3e}"
