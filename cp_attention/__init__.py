@@ -17,7 +17,8 @@ from .layout import LAYOUT_NAMES, ContiguousLayout, InterleavedLayout, Layout, Z
 from .ring import RingAttentionFunction, RingPlan
 from .schedule import BlockTask, get_schedule, rank_plan, work_model
 from .validation import validate_call
-from .varlen import packed_steps
+from .varlen import packed_steps, window_steps
+from .window_schedule import normalize_window, ring_length
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "get_schedule",
     "rank_plan",
     "work_model",
+    "ring_length",
     "get_kernel",
     "document_position_ids",
     "pad_cu_seqlens",
@@ -61,6 +63,7 @@ def ring_attention(
     sinks: "torch.Tensor | None" = None,
     softcap: float = 0.0,
     cu_seqlens: "torch.Tensor | None" = None,
+    window_size: "tuple[int, int]" = (-1, -1),
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -86,6 +89,10 @@ def ring_attention(
             sequence (the same on every rank; an int tensor or sequence, read on the host). A token
             then attends only within its document (causal or not). q, k, v are ``[1, T/N, ...]``,
             sharded with ``layout.shard(..., cu_seqlens=cu_seqlens)``; only T must split, never a document.
+        window_size: ``(left, right)`` sliding window, flash-attn's convention: a query at global
+            position i sees key j iff ``i - left <= j <= i + right`` (and ``j <= i`` when causal); -1
+            is unbounded. Positions are within documents when packed. Blocks and ring steps wholly
+            outside the window are skipped: the ring stops after the last shard any rank needs.
 
     Returns:
         ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k, v (and sinks); with
@@ -95,20 +102,26 @@ def ring_attention(
     Raises:
         ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
             an unknown layout or kernel, sinks of the wrong shape, a negative softcap or a kernel that
-            cannot apply it, bad ``cu_seqlens`` or a batch larger than 1 with them, or arguments that differ between
-            ranks. Raised on every rank of the group alike, before any ring communication.
+            cannot apply it, bad ``cu_seqlens`` or a batch larger than 1 with them, a bad ``window_size``,
+            or arguments that differ between ranks. Raised on every rank of the group alike, before any ring communication.
     """
     comm = RingComm(group)
     cu = cu_seqlens if cu_seqlens is None else _host_cu_seqlens(cu_seqlens)
-    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks, softcap, cu)
+    validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks, softcap, cu,
+                  window_size)
     lay = get_layout(layout)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    kern = get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0)
-    if cu is None:
-        steps = rank_plan(lay, causal, comm.rank, comm.world_size, q.shape[1])
-    else:
+    total = q.shape[1] * comm.world_size
+    window = normalize_window(window_size, causal, total if cu is None else max(b - a for a, b in zip(cu, cu[1:])))
+    kern = get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0, mask=window is not None)
+    if cu is not None:
         steps = packed_steps(lay, bool(causal), comm.rank, comm.world_size, cu,
-                             getattr(kern, "supports_mask", False), q.device)
-    plan = RingPlan(comm, steps, kern, scale, float(softcap), packed=cu is not None)
+                             getattr(kern, "supports_mask", False), q.device, window)
+    elif window is not None:
+        steps = window_steps(lay, bool(causal), comm.rank, comm.world_size, total, window)
+    else:
+        steps = rank_plan(lay, causal, comm.rank, comm.world_size, q.shape[1])
+    plan = RingPlan(comm, steps, kern, scale, float(softcap), packed=cu is not None,
+                    first_step_tiles=cu is not None and window is None)
     out, lse = RingAttentionFunction.apply(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out

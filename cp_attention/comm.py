@@ -46,17 +46,22 @@ class RingComm:
         self.group = group
         self.rank, self.world_size = group_rank_and_size(group)
         if self.world_size > 1:
-            # P2P ops address peers by global rank.
-            pg = group if group is not None else dist.group.WORLD
-            self.next_rank = dist.get_global_rank(pg, (self.rank + 1) % self.world_size)
-            self.prev_rank = dist.get_global_rank(pg, (self.rank - 1) % self.world_size)
+            self._pg = group if group is not None else dist.group.WORLD
+            self.next_rank = self.peer(1)
+            self.prev_rank = self.peer(-1)
 
-    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> _Pending:
-        """Start sending ``send`` to the next rank and receiving into ``recv`` from the previous one.
+    def peer(self, offset: int) -> int:
+        """The global rank ``offset`` places on along the ring (P2P ops address peers globally)."""
+        return dist.get_global_rank(self._pg, (self.rank + offset) % self.world_size)
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Pending:
+        """Start sending ``send`` to the rank ``hop`` places on (the next one by default) and
+        receiving into ``recv`` from the rank ``hop`` places back.
 
         All tensors must be contiguous; ``send`` must not be written and ``recv`` not read until
         ``wait()`` on the returned handle. Every rank must post the same sequence of exchanges.
         """
-        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]
+        to, frm = (self.next_rank, self.prev_rank) if hop == 1 else (self.peer(hop), self.peer(-hop))
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, frm, self.group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops))

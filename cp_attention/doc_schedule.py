@@ -28,10 +28,10 @@ class DocBlock:
     """Local query rows ``q_start:q_stop`` of one document against that document's K/V rows
     ``kv_start:kv_stop`` of the shard held at this step.
 
-    ``diag`` None: every query sees every key. Otherwise query ``i`` of the block (counted from
-    ``q_start``) sees key ``b`` (from ``kv_start``) iff ``b <= i + diag``: a causal band whose
-    diagonal is shifted by ``diag`` (0 is the top-left triangle). Every query row sees at least one key
-    (``diag >= 0``), and the last row sees the last key.
+    ``diag`` None: no upper bound. Otherwise query ``i`` of the block (counted from ``q_start``) sees
+    key ``b`` (from ``kv_start``) only if ``b <= i + diag``: a causal band whose diagonal is shifted by
+    ``diag`` (0 is the top-left triangle). ``lo`` (sliding windows only; None: no lower bound) also
+    requires ``b >= i + lo``. Every query row sees at least one key, and every key is seen.
     """
 
     q_start: int
@@ -39,6 +39,7 @@ class DocBlock:
     kv_start: int
     kv_stop: int
     diag: Optional[int]
+    lo: Optional[int] = None
 
     @property
     def q_len(self) -> int:
@@ -128,6 +129,10 @@ def doc_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, c
 def doc_block_pairs(block: DocBlock) -> int:
     """Number of (query, key) score pairs a block computes."""
     a, w = block.q_len, block.kv_len
+    if block.lo is not None:
+        i = torch.arange(a)
+        last = i + block.diag if block.diag is not None else torch.full_like(i, w - 1)
+        return int((last.clamp(max=w - 1) - (i + block.lo).clamp(min=0) + 1).clamp(min=0).sum())
     if block.diag is None:
         return a * w
     # Row i sees min(i + diag + 1, w) keys: a ramp until the band reaches the last key, then full rows.
@@ -138,8 +143,10 @@ def doc_block_pairs(block: DocBlock) -> int:
 
 def split_doc_block(block: DocBlock) -> tuple[BlockTask, ...]:
     """The same pairs as at most two plain :class:`BlockTask` (a full block and a top-left causal one),
-    for kernels that run blocks one by one."""
+    for kernels that run blocks one by one; a sliding-window block is one banded task."""
     qa, qb, ka, kb, d = block.q_start, block.q_stop, block.kv_start, block.kv_stop, block.diag
+    if block.lo is not None:
+        return (BlockTask(qa, qb, ka, kb, False, (block.lo, block.kv_len if d is None else d)),)
     if d is None:
         return (BlockTask(qa, qb, ka, kb, False),)
     # Row i sees key b iff b <= i + d: the first d keys are seen by every row, and past them row i

@@ -9,6 +9,7 @@ rank's contribution, and arrives back at its owner after N-1 hops, where the own
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +34,12 @@ class RingPlan:
     kernel: AttentionKernel
     scale: float
     softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
-    # Steps from packed documents: K/V rows are gathered (so kept token-major), and step 0's tasks
-    # cover every query row and every held key row exactly once (varlen.packed_steps checks it), so
-    # the accumulators are written there, not merged into zeros.
+    # Steps from packed documents: K/V rows are gathered, so kept token-major.
     packed: bool = False
+    # Step 0's tasks cover every query row and every held key row exactly once (varlen.packed_steps
+    # checks it for packed documents without a window), so the accumulators are written there, not
+    # merged into zeros.
+    first_step_tiles: bool = False
 
     @property
     def kernel_head_major(self) -> bool:
@@ -79,11 +82,12 @@ class _KVRing:
         """The current shard as ``[B, n, H, D]``-shaped tensors (strided views when head-major)."""
         return tuple(t.transpose(1, 2) for t in self.current) if self.head_major else self.current
 
-    def start(self) -> None:
-        """Post the exchange: send the current shard, receive the next one into the spare buffer."""
+    def start(self, hop: int = 1) -> None:
+        """Post the exchange: send the current shard ``hop`` ranks on, receive the next one into the
+        spare buffer."""
         recv = self._spare if self._spare is not None else tuple(torch.empty_like(t) for t in self.current)
         self._spare = None
-        self._pending = (self.current, recv, self.comm.exchange(self.current, recv))
+        self._pending = (self.current, recv, self.comm.exchange(self.current, recv, hop))
 
     def finish(self) -> None:
         """Wait for the exchange and make the received shard current."""
@@ -146,12 +150,27 @@ def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "s
     return out, lse
 
 
+@functools.lru_cache(maxsize=256)
+def band_mask(rows: int, cols: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """``[1, rows, cols]`` bool: query ``i`` may see key ``b`` iff ``lo <= b - i <= hi`` (cached, so
+    kernels that convert masks do it once)."""
+    offset = torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+    return ((offset >= lo) & (offset <= hi))[None]
+
+
+def _block_kwargs(plan: RingPlan, t: BlockTask, q: torch.Tensor) -> dict:
+    if t.band is None:
+        return plan.kernel_kwargs
+    mask = band_mask(t.q_stop - t.q_start, t.kv_stop - t.kv_start, *t.band, q.device)
+    return {**plan.kernel_kwargs, "mask": mask}
+
+
 def _task_forward(plan: RingPlan, t: "BlockTask | DocBatch", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """A task's results: a list of ``(rows, out, lse)``."""
     if isinstance(t, DocBatch):
         return t.forward(plan.kernel, q, k, v, plan.scale, plan.kernel_kwargs)
     o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
-                                         **plan.kernel_kwargs)
+                                         **_block_kwargs(plan, t, q))
     return [(t.q, o_blk, lse_blk)]
 
 
@@ -160,7 +179,7 @@ def _task_backward(plan: RingPlan, t: "BlockTask | DocBatch", dout, q, k, v, out
     if isinstance(t, DocBatch):
         return t.backward(plan.kernel, dout, q, k, v, out, lse, plan.scale, plan.kernel_kwargs)
     dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
-                                      t.causal, plan.scale, **plan.kernel_kwargs)
+                                      t.causal, plan.scale, **_block_kwargs(plan, t, q))
     return [(t.q, dq, t.kv, dk, dv)]
 
 
@@ -187,7 +206,7 @@ class RingAttentionFunction(torch.autograd.Function):
             kc, vc = ring.views()
             for t in tasks:
                 for rows, o_blk, lse_blk in _task_forward(plan, t, q, kc, vc):
-                    if plan.packed and s == 0:
+                    if plan.first_step_tiles and s == 0:
                         out = _set_rows(out, rows, o_blk, n, acc)
                         lse = _set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
                                         lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
@@ -251,7 +270,7 @@ class RingAttentionFunction(torch.autograd.Function):
             if s > 1:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = own if s == 0 else (dkv.current if s > 1 else (None, None))
-            update = _set_rows if plan.packed and s == 0 else _add_rows
+            update = _set_rows if plan.first_step_tiles and s == 0 else _add_rows
             for q_rows, dq_blk, kv_rows, dk_blk, dv_blk in grads:
                 dq = update(dq, q_rows, dq_blk, n, acc)
                 dk_acc = update(dk_acc, kv_rows, dk_blk, n, acc)
@@ -263,7 +282,8 @@ class RingAttentionFunction(torch.autograd.Function):
                     dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
                     dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc
                     dkv = _KVRing(plan.comm, (dk_acc, dv_acc), last, owned=True)
-                dkv.start()
+                # A ring cut short by a window (last < N - 1) sends the final hop straight home.
+                dkv.start(1 if s < last else plan.comm.world_size - last)
             if s < last:
                 kv.finish()
         dk, dv = own

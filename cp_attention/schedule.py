@@ -32,8 +32,9 @@ class BlockTask:
     ``kv_start:kv_stop`` of the K/V shard held at this step.
 
     ``causal`` means the top-left-aligned lower triangle of the sliced block: query ``i`` of the
-    slice sees key ``k`` of the slice iff ``k <= i``. Tasks are never empty, and every query row of
-    a task sees at least one key. (Packed sequences will add per-document boundaries here.)
+    slice sees key ``k`` of the slice iff ``k <= i``. ``band = (lo, hi)`` (sliding windows; then
+    ``causal`` is False) means query ``i`` sees key ``k`` iff ``lo <= k - i <= hi``. Tasks are never
+    empty, and every query row of a task sees at least one key.
     """
 
     q_start: int
@@ -41,6 +42,7 @@ class BlockTask:
     kv_start: int
     kv_stop: int
     causal: bool
+    band: "tuple[int, int] | None" = None
 
     @property
     def q(self) -> slice:
@@ -152,6 +154,9 @@ def task_pairs(task: BlockTask) -> int:
     """Number of (query, key) score pairs the task computes."""
     a = task.q_stop - task.q_start
     b = task.kv_stop - task.kv_start
+    if task.band is not None:
+        lo, hi = task.band
+        return sum(max(0, min(b - 1, i + hi) - max(0, i + lo) + 1) for i in range(a))
     if not task.causal:
         return a * b
     # Top-left triangle: row i sees min(i + 1, b) keys.
@@ -160,24 +165,33 @@ def task_pairs(task: BlockTask) -> int:
     return tri_rows * (tri_rows + 1) // 2 + full_rows * b
 
 
-def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None
-               ) -> list[list[int]]:
+def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
+               window_size=None) -> list[list[int]]:
     """Score pairs per rank and step: ``work[rank][step]``. With ``cu_seqlens`` (packed documents
-    ``[0, l1, ..., seq_len]``) only pairs within a document count.
+    ``[0, l1, ..., seq_len]``) only pairs within a document count; with ``window_size=(left, right)``
+    (flash-attn's sliding window, -1 unbounded) only pairs inside the window. Steps the ring does not
+    run (see :func:`~cp_attention.window_schedule.ring_length`) count 0.
 
-    Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks or for bad
-    ``cu_seqlens``.
+    Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks, for bad
+    ``cu_seqlens`` or a bad ``window_size``.
     """
     lay = get_layout(layout)
     lay.check(seq_len, world_size)
+    cu = None
     if cu_seqlens is not None:
-        from .doc_schedule import doc_block_pairs, doc_plan  # built on this module
-
         from .documents import check_cu_seqlens
 
         cu = check_cu_seqlens(cu_seqlens, total=seq_len)
-        return [[sum(doc_block_pairs(b) for b in blocks) for blocks in doc_plan(lay, causal, r, world_size, cu)]
-                for r in range(world_size)]
+    if cu is not None or window_size is not None:
+        from .doc_schedule import doc_block_pairs  # built on this module
+        from .window_schedule import normalize_window, plan_blocks
+
+        longest = seq_len if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
+        window = normalize_window(window_size, causal, longest)
+        if cu is not None or window is not None:
+            plans = [plan_blocks(lay, causal, r, world_size, seq_len, cu, window) for r in range(world_size)]
+            return [[sum(doc_block_pairs(b) for b in blocks) for blocks in plan] + [0] * (world_size - len(plan))
+                    for plan in plans]
     n = seq_len // world_size
     return [
         [sum(task_pairs(t) for t in tasks) for tasks in rank_plan(lay, causal, r, world_size, n)]

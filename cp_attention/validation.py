@@ -44,6 +44,7 @@ class CallSpec:
     documents: int = 0  # packed documents: 0 without cu_seqlens, their count, -1 for bad cu_seqlens
     packed_len: int = 0  # cu_seqlens[-1]
     cu_hash: int = 0  # a fingerprint of cu_seqlens, so ranks that pass different boundaries are caught
+    window: tuple[int, int] = (-1, -1)  # window_size as given; (-2, -2) when not two ints >= -1
 
 
 def _float_bits(x: float) -> int:
@@ -72,8 +73,21 @@ def _cu_codes(cu_seqlens) -> list[int]:
     return [len(cu) - 1, cu[-1], hash(cu) & ((1 << 62) - 1)]
 
 
+def _window_codes(window_size) -> list[int]:
+    if window_size is None:
+        return [-1, -1]
+    try:
+        left, right = window_size
+        if all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in (left, right)):
+            return [left, right]
+    except (TypeError, ValueError):
+        pass
+    return [-2, -2]
+
+
 def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",
-           kernel: str, sinks: "torch.Tensor | None" = None, softcap: float = 0.0, cu_seqlens=None) -> list[int]:
+           kernel: str, sinks: "torch.Tensor | None" = None, softcap: float = 0.0, cu_seqlens=None,
+           window_size=None) -> list[int]:
     """This rank's call as a fixed-length list of ints (see :class:`CallSpec`)."""
     sig: list[int] = []
     for t in (q, k, v):
@@ -103,6 +117,7 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
     except (TypeError, ValueError):
         sig.append(_float_bits(float("nan")))
     sig += _cu_codes(cu_seqlens)
+    sig += _window_codes(window_size)
     return sig
 
 
@@ -111,7 +126,7 @@ def _decode(sig: list[int]) -> CallSpec:
                    for i in range(3))
     rest = sig[15:]
     return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], bool(rest[4]), _bits_float(rest[5]), bool(rest[6]),
-                    rest[7], _bits_float(rest[8]), rest[9], rest[10], rest[11])
+                    rest[7], _bits_float(rest[8]), rest[9], rest[10], rest[11], (rest[12], rest[13]))
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -161,9 +176,12 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
                 f"{sq * world_size}, got {c.packed_len}")
     if not math.isfinite(c.softcap) or c.softcap < 0:
         return f"softcap must be a finite float >= 0 (0 disables it), got {c.softcap}"
+    if c.window == (-2, -2):
+        return ("window_size must be (left, right), two ints >= -1 (flash-attn's convention: -1 = unbounded, "
+                "(-1, -1) = no window)")
     try:
         get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype],
-                   softcap=c.softcap > 0)
+                   softcap=c.softcap > 0, mask=c.window != (-1, -1))
     except ValueError as e:
         return str(e)
     return None
@@ -173,7 +191,7 @@ _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device t
                 "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
                 "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)",
                 "softcap": "softcap", "documents": "cu_seqlens (given or not, and how many documents)",
-                "cu_hash": "cu_seqlens (document boundaries)"}
+                "cu_hash": "cu_seqlens (document boundaries)", "window": "window_size"}
 
 
 def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
@@ -209,9 +227,9 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
 
 
 def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int, sinks=None,
-                  softcap: float = 0.0, cu_seqlens=None) -> None:
+                  softcap: float = 0.0, cu_seqlens=None, window_size=None) -> None:
     """Validate a ring_attention call across the whole group; raise the same error on every rank."""
-    sig = encode(q, k, v, layout, causal, scale, kernel, sinks, softcap, cu_seqlens)
+    sig = encode(q, k, v, layout, causal, scale, kernel, sinks, softcap, cu_seqlens, window_size)
     resolved = layout if isinstance(layout, Layout) else None
     if world_size == 1:
         check_table([sig], resolved)

@@ -16,11 +16,12 @@ from typing import Sequence
 
 import torch
 
-from .doc_schedule import DocBlock, doc_plan, split_doc_block
+from .doc_schedule import DocBlock, split_doc_block
 from .layout import Layout
 from .schedule import BlockTask
+from .window_schedule import Window, plan_blocks, window_plan
 
-__all__ = ["DocBatch", "packed_steps", "SMALL_BLOCK"]
+__all__ = ["DocBatch", "packed_steps", "window_steps", "SMALL_BLOCK"]
 
 # A block whose longer side is at most this joins a padded batch; longer ones run alone, where
 # per-call overhead is small against their work and gathering and padding would cost more than they
@@ -40,7 +41,7 @@ def _bucket(block: DocBlock) -> tuple[int, int, bool]:
     """(padded query rows, padded keys, causal square?) of a small block. A causal square (the
     diagonal of a document) needs no mask: padded keys come after every real query, so the top-left
     triangle hides them."""
-    square = block.diag == 0 and block.q_len == block.kv_len
+    square = block.diag == 0 and block.lo is None and block.q_len == block.kv_len
     return _size(block.q_len), _size(block.kv_len), square
 
 
@@ -63,7 +64,9 @@ def _make_bucket(blocks: Sequence[DocBlock], lq: int, lk: int, square: bool) -> 
     mask = None
     if not square:
         diag = torch.tensor([lk if b.diag is None else b.diag for b in blocks])[:, None, None]
-        mask = kv_valid[:, None, :] & (ak[None, None, :] <= aq[None, :, None] + diag)
+        lo = torch.tensor([-lq if b.lo is None else b.lo for b in blocks])[:, None, None]
+        offset = ak[None, None, :] - aq[None, :, None]
+        mask = kv_valid[:, None, :] & (offset <= diag) & (offset >= lo)
         mask[..., 0] |= ~q_valid  # padding rows see a key, so no kernel meets an empty row
     # Backward gives padding rows an LSE of +inf: their probabilities are exactly 0, whatever they see.
     no_lse = torch.zeros(q_valid.shape, dtype=torch.float64).masked_fill_(~q_valid, float("inf"))[:, None, :]
@@ -80,8 +83,8 @@ class DocBatch:
     """Small document blocks of one ring step, run as one padded kernel call per size bucket (masked,
     or causal without a mask for documents' diagonal blocks).
 
-    The blocks' query rows are disjoint (one block per document per step), and so are their key rows,
-    so results scatter back without conflicts.
+    The blocks' query rows must be disjoint (:func:`packed_steps` groups them so), so results merge
+    back without conflicts; key rows may repeat (their gradients are summed).
     """
 
     def __init__(self, blocks: Sequence[DocBlock], device: torch.device) -> None:
@@ -124,21 +127,48 @@ class DocBatch:
 
 @functools.lru_cache(maxsize=32)
 def packed_steps(layout: Layout, causal: bool, rank: int, world_size: int, cu_seqlens: tuple[int, ...],
-                 batched: bool, device: torch.device) -> tuple[tuple["BlockTask | DocBatch", ...], ...]:
-    """The engine's tasks for every ring step of packed documents. With ``batched`` (a kernel that
-    takes a mask) small blocks join one :class:`DocBatch` per step; the rest run as plain tasks.
-    Cached, so the layers of one model forward build it once."""
+                 batched: bool, device: torch.device, window: "Window | None" = None
+                 ) -> tuple[tuple["BlockTask | DocBatch", ...], ...]:
+    """The engine's tasks for every ring step of packed documents (under a sliding ``window`` if
+    given). With ``batched`` (a kernel that takes a mask) small blocks join one :class:`DocBatch` per
+    step; the rest run as plain tasks. Cached, so the layers of one model forward build it once."""
     steps = []
-    for blocks in doc_plan(layout, causal, rank, world_size, cu_seqlens):
+    plan = plan_blocks(layout, causal, rank, world_size, cu_seqlens[-1], cu_seqlens, window)
+    for blocks in plan:
         small, tasks = [], ()
         for b in blocks:
             if batched and max(b.q_len, b.kv_len) <= SMALL_BLOCK:
                 small.append(b)
             else:
                 tasks += split_doc_block(b)
-        steps.append(((DocBatch(small, device),) if small else ()) + tasks)
-    _check_first_step(doc_plan(layout, causal, rank, world_size, cu_seqlens)[0], cu_seqlens[-1] // world_size)
+        steps.append(tuple(DocBatch(group, device) for group in _disjoint_rows(small)) + tasks)
+    if window is None:
+        _check_first_step(plan[0], cu_seqlens[-1] // world_size)
     return tuple(steps)
+
+
+def _disjoint_rows(blocks: Sequence[DocBlock]) -> list[list[DocBlock]]:
+    """The blocks in as few groups as possible whose query rows do not overlap within a group (a
+    batch's results merge by row without conflicts). Without a window every document has one block per
+    step, so this is one group; a window can give a document's rows several blocks."""
+    groups: list[list[DocBlock]] = []
+    ends: list[int] = []
+    for b in sorted(blocks, key=lambda b: b.q_start):
+        g = next((i for i, end in enumerate(ends) if end <= b.q_start), len(ends))
+        if g == len(ends):
+            groups.append([])
+            ends.append(0)
+        groups[g].append(b)
+        ends[g] = b.q_stop
+    return groups
+
+
+def window_steps(layout: Layout, causal: bool, rank: int, world_size: int, total: int, window: Window
+                 ) -> tuple[tuple[BlockTask, ...], ...]:
+    """The engine's tasks for every ring step of unpacked sequences of ``total`` tokens under a sliding
+    ``window``: banded, full or causal blocks, one call each."""
+    return tuple(tuple(t for b in blocks for t in split_doc_block(b))
+                 for blocks in window_plan(layout, causal, rank, world_size, total, window))
 
 
 def _check_first_step(blocks: Sequence[DocBlock], local_len: int) -> None:

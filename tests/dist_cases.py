@@ -36,7 +36,7 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
                      heads: int = 4, kv_heads: int = 4, head_dim: int = 16, v_dim: int | None = None,
                      batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
                      rtol: float, seed: int = 0, sinks: bool = False, lse_grad: bool = False,
-                     softcap: float = 0.0) -> dict:
+                     softcap: float = 0.0, window: tuple = (-1, -1)) -> dict:
     """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard.
 
     With ``sinks``, learned per-head sink logits join every softmax, and ``dsinks`` is the error of
@@ -53,7 +53,7 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
     qr, kr, vr = (t.double().clone().requires_grad_() for t in (q, k, v))
     sink = (torch.randn(heads, generator=torch.Generator().manual_seed(seed + 99)) + 1.0).to(dt) if sinks else None
     sink_ref = sink.double().clone().requires_grad_() if sinks else None
-    out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_, sinks=sink_ref, softcap=softcap)
+    out_ref, lse_ref = reference_attention(qr, kr, vr, causal, scale_, sinks=sink_ref, softcap=softcap, window=window)
     dlse = torch.randn(lse_ref.shape, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
     loss_ref = (out_ref * dout.double()).sum() + ((lse_ref * dlse).sum() if lse_grad else 0.0)
     loss_ref.backward()
@@ -63,7 +63,8 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     sink_l = sink.clone().requires_grad_() if sinks else None
     out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, softmax_scale=scale,
-                                  kernel=kernel, return_lse=True, sinks=sink_l, softcap=softcap)
+                                  kernel=kernel, return_lse=True, sinks=sink_l, softcap=softcap,
+                                  window_size=tuple(window))
     loss = (out * shard(dout)).sum() + ((lse * lay.shard(dlse, 2, rank, world_size).to(lse.dtype)).sum()
                                         if lse_grad else 0.0)
     loss.backward()
@@ -171,7 +172,7 @@ def reduced_gradients(rank: int, world_size: int) -> dict:
 def packed_attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, lengths: list[int],
                             kernel: str = "math", heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
                             dtype: str = "float64", atol: float = 1e-10, rtol: float = 0.0, seed: int = 0,
-                            sinks: bool = False, lse_grad: bool = False) -> dict:
+                            sinks: bool = False, lse_grad: bool = False, window: tuple = (-1, -1)) -> dict:
     """Packed documents (``cu_seqlens`` from ``lengths``) against each document's own fp64 attention:
     excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard."""
     dt = dtype_from_name(dtype)
@@ -182,7 +183,7 @@ def packed_attention_errors(rank: int, world_size: int, *, layout: str, causal: 
     sink = (torch.randn(heads, generator=torch.Generator().manual_seed(seed + 99)) + 1.0).to(dt) if sinks else None
     sink_ref = sink.double().clone().requires_grad_() if sinks else None
     # The reference never sees the packing: one independent attention per document.
-    parts = [reference_attention(qr[:, a:b], kr[:, a:b], vr[:, a:b], causal, scale, sinks=sink_ref)
+    parts = [reference_attention(qr[:, a:b], kr[:, a:b], vr[:, a:b], causal, scale, sinks=sink_ref, window=window)
              for a, b in zip(cu, cu[1:])]
     out_ref = torch.cat([o for o, _ in parts], 1)
     lse_ref = torch.cat([lse for _, lse in parts], 2)
@@ -194,7 +195,7 @@ def packed_attention_errors(rank: int, world_size: int, *, layout: str, causal: 
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     sink_l = sink.clone().requires_grad_() if sinks else None
     out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, kernel=kernel, return_lse=True,
-                                  sinks=sink_l, cu_seqlens=torch.tensor(cu))
+                                  sinks=sink_l, cu_seqlens=torch.tensor(cu), window_size=tuple(window))
     loss = (out * shard(dout)).sum() + ((lse * shard(dlse, 2).to(lse.dtype)).sum() if lse_grad else 0.0)
     loss.backward()
     extra = {}
@@ -232,3 +233,52 @@ def packed_refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
         result = ("", "")
     dist.barrier()  # the group is still usable: nobody is stuck in a half-finished exchange
     return result
+
+
+def window_exchanges(rank: int, world_size: int) -> dict:
+    """Count the ring's exchanges (forward, backward) for a contiguous causal call whose window reaches
+    only the previous shard, and for the same call without a window; check the windowed one's result."""
+    from cp_attention.comm import RingComm as _Comm
+
+    counts = []
+    original = _Comm.exchange
+
+    def counting(self, send, recv, hop=1):
+        counts.append(hop)
+        return original(self, send, recv, hop)
+
+    local, window = 8, (5, -1)
+    q, k, v, dout = make_inputs(3, 1, local * world_size, 2, 1, 8, 8, torch.float64)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out_ref, _ = reference_attention(qr, kr, vr, True, 8 ** -0.5, window=window)
+    (out_ref * dout).sum().backward()
+    lay = cpa.get_layout("contiguous")
+    shard = lambda t: lay.shard(t, 1, rank, world_size)  # noqa: E731
+    result = {}
+    _Comm.exchange = counting
+    try:
+        for name, win in (("windowed", window), ("full", (-1, -1))):
+            ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+            counts.clear()
+            out = cpa.ring_attention(ql, kl, vl, layout=lay, window_size=win)
+            fwd = len(counts)
+            (out * shard(dout)).sum().backward()
+            result[name] = (fwd, len(counts) - fwd - fwd)  # backward re-sends K/V as often as forward
+            if name == "windowed":
+                result["err"] = max((a - b).abs().max().item() for a, b in
+                                    ((out, shard(out_ref)), (ql.grad, shard(qr.grad)), (kl.grad, shard(kr.grad)),
+                                     (vl.grad, shard(vr.grad))))
+    finally:
+        _Comm.exchange = original
+    return result
+
+
+def window_refusal(rank: int, world_size: int) -> tuple[str, str]:
+    """A window_size that is bad on the last rank only; return what ring_attention raised here."""
+    q = torch.randn(1, 4, 2, 8)
+    window = (-3, 0) if rank == world_size - 1 else (2, -1)
+    try:
+        cpa.ring_attention(q, q, q, window_size=window)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return type(e).__name__, str(e)
+    return "none", ""

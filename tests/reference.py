@@ -23,9 +23,10 @@ def tolerance(dtype: torch.dtype, gqa: bool) -> dict:
     return TOLERANCES[dtype]
 
 
-def reference_attention(q, k, v, causal: bool, scale: float, sinks=None, softcap: float = 0.0):
+def reference_attention(q, k, v, causal: bool, scale: float, sinks=None, softcap: float = 0.0, window=(-1, -1)):
     """Full attention in fp64. q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> (out, lse).
 
+    ``window = (left, right)``: query i sees key j only if i - left <= j <= i + right (-1: unbounded).
     ``sinks [H]``: one extra logit per head, a score column with a zero value (as GPT-OSS's eager code).
     ``softcap``: scaled scores become softcap * tanh(scores / softcap) (Gemma2's eager code).
     """
@@ -36,10 +37,16 @@ def reference_attention(q, k, v, causal: bool, scale: float, sinks=None, softcap
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(q.shape[1])[:, None]
+    j = torch.arange(k.shape[1])[None, :]
+    allowed = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool)
     if causal:
-        s = q.shape[1]
-        allowed = torch.arange(s)[None, :] <= torch.arange(s)[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        allowed &= j <= i
+    if window[0] >= 0:
+        allowed &= j >= i - window[0]
+    if window[1] >= 0:
+        allowed &= j <= i + window[1]
+    scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink_col = sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, sink_col], dim=-1)

@@ -24,25 +24,26 @@ def check_kernel_name(name: str) -> str:
     return name
 
 
-def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, softcap: bool = False
-               ) -> AttentionKernel:
+def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, softcap: bool = False,
+               mask: bool = False) -> AttentionKernel:
     """The kernel called ``name`` ("auto" = the fastest that supports ``device``, ``dtype`` and, with
-    ``softcap``, logit softcapping).
+    ``softcap``, logit softcapping, with ``mask``, masked blocks (sliding windows)).
 
-    Raises ``ValueError`` for an unknown name, or a kernel that does not support the device, dtype
-    or softcapping (the message names one that does).
+    Raises ``ValueError`` for an unknown name, or a kernel that does not support the device, dtype,
+    softcapping or masks (the message names one that does).
     """
     device = torch.device(device)
 
     def fits(kernel: AttentionKernel) -> bool:
-        return kernel.supports(device, dtype) and (not softcap or getattr(kernel, "supports_softcap", False))
+        return (kernel.supports(device, dtype) and (not softcap or getattr(kernel, "supports_softcap", False))
+                and (not mask or getattr(kernel, "supports_mask", False)))
 
     if name == "auto":
         for n in _AUTO_ORDER:
             if fits(_KERNELS[n]):
                 return _KERNELS[n]
         raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}"
-                         + (" and softcap" if softcap else ""))
+                         + (" and softcap" if softcap else "") + (" and sliding windows" if mask else ""))
     kernel = _KERNELS[check_kernel_name(name)]
     if not kernel.supports(device, dtype):
         raise ValueError(
@@ -51,5 +52,6 @@ def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, soft
         )
     if not fits(kernel):
         able = next((n for n in _AUTO_ORDER if fits(_KERNELS[n])), "auto")
-        raise ValueError(f"kernel {name!r} cannot apply softcap; use kernel={able!r} (or kernel='auto')")
+        what = "softcap" if softcap and not getattr(kernel, "supports_softcap", False) else "sliding windows (masks)"
+        raise ValueError(f"kernel {name!r} cannot apply {what}; use kernel={able!r} (or kernel='auto')")
     return kernel
