@@ -143,10 +143,10 @@ def doc_block_pairs(block: DocBlock) -> int:
 
 def split_doc_block(block: DocBlock) -> tuple[BlockTask, ...]:
     """The same pairs as at most two plain :class:`BlockTask` (a full block and a top-left causal one),
-    for kernels that run blocks one by one; a sliding-window block is one banded task."""
+    for kernels that run blocks one by one; a sliding-window block as tiles along its band."""
     qa, qb, ka, kb, d = block.q_start, block.q_stop, block.kv_start, block.kv_stop, block.diag
     if block.lo is not None:
-        return (BlockTask(qa, qb, ka, kb, False, (block.lo, block.kv_len if d is None else d)),)
+        return _band_tiles(block)
     if d is None:
         return (BlockTask(qa, qb, ka, kb, False),)
     # Row i sees key b iff b <= i + d: the first d keys are seen by every row, and past them row i
@@ -154,3 +154,29 @@ def split_doc_block(block: DocBlock) -> tuple[BlockTask, ...]:
     split = ka + d
     tasks = (BlockTask(qa, qb, ka, split, False),) if d > 0 else ()
     return tasks + (BlockTask(qa, qb, split, kb, True),)
+
+
+# Rows per tile along a sliding-window band, at least: a kernel call must amortise its overhead.
+BAND_TILE = 64
+
+
+def _band_tiles(block: DocBlock) -> tuple[BlockTask, ...]:
+    """A sliding-window block as row tiles, each against only the keys its rows can see, so the work
+    follows the band (about rows x (tile + width) pairs) instead of the whole rectangle. A tile is a
+    full, causal or banded task."""
+    rows, cols, lo, hi = block.q_len, block.kv_len, block.lo, block.diag
+    top = cols - 1 if hi is None else hi
+    step = max(BAND_TILE, top - lo + 1)
+    tasks = []
+    for i0 in range(0, rows, step):
+        i1 = min(rows, i0 + step)
+        k0, k1 = max(0, i0 + lo), min(cols, i1 + top)
+        r, c = i1 - i0, k1 - k0
+        t_lo, t_hi = lo + i0 - k0, top + i0 - k0
+        no_lo, no_hi = t_lo <= -(r - 1), t_hi >= c - 1
+        q0, kv0 = block.q_start + i0, block.kv_start + k0
+        if no_lo and (no_hi or t_hi == 0):
+            tasks.append(BlockTask(q0, q0 + r, kv0, kv0 + c, not no_hi))
+        else:
+            tasks.append(BlockTask(q0, q0 + r, kv0, kv0 + c, False, (t_lo, t_hi)))
+    return tuple(tasks)

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import cp_attention as cpa
+from cp_attention import doc_schedule
 from cp_attention.doc_schedule import DocBlock, doc_block_pairs, split_doc_block
 from cp_attention.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
 from cp_attention.schedule import BlockTask, source_rank, task_pairs
@@ -91,10 +92,19 @@ def _coverage(layout: str, causal: bool, n: int, total: int, cu, window):
 WINDOWS = st.tuples(st.integers(-1, 40), st.integers(-1, 40))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(layout=st.sampled_from(cpa.LAYOUT_NAMES), n=st.integers(1, 5), causal=st.booleans(), window=WINDOWS,
-       local=st.integers(1, 8), lengths=st.one_of(st.none(), st.lists(st.integers(1, 17), min_size=1, max_size=6)))
-def test_every_pair_in_the_window_is_computed_exactly_once(layout, n, causal, window, local, lengths):
+       local=st.integers(1, 8), lengths=st.one_of(st.none(), st.lists(st.integers(1, 17), min_size=1, max_size=6)),
+       tile=st.sampled_from((1, 3, 64)))
+def test_every_pair_in_the_window_is_computed_exactly_once(layout, n, causal, window, local, lengths, tile):
+    saved, doc_schedule.BAND_TILE = doc_schedule.BAND_TILE, tile  # small tiles split the bands
+    try:
+        _check_window_plan(layout, n, causal, window, local, lengths)
+    finally:
+        doc_schedule.BAND_TILE = saved
+
+
+def _check_window_plan(layout, n, causal, window, local, lengths):
     lay = cpa.get_layout(layout)
     cu = None
     if lengths is None:
@@ -167,6 +177,18 @@ def test_windowed_ring_matches_reference(pools, world_size, layout):
                 heads=4, kv_heads=2, local_len=8, window=window, seed=world_size, timeout=120,
                 **tolerance(torch.float64, True))
             _assert_within(errors, f"{layout} N={world_size} window={window} causal={causal} {kernel}")
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_long_bands_run_as_tiles(pools, world_size):
+    """Shards longer than a band tile (64 rows): each block's band runs as several tiles."""
+    for layout in cpa.LAYOUT_NAMES:
+        for window, causal in (((20, -1), True), ((10, 30), False)):
+            errors = pools(world_size).run(
+                dist_cases.attention_errors, layout=layout, causal=causal, dtype="float64", kernel="sdpa",
+                heads=2, kv_heads=1, batch=1, local_len=160, window=window, timeout=120,
+                **tolerance(torch.float64, True))
+            _assert_within(errors, f"{layout} N={world_size} window={window} causal={causal} tiles")
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
