@@ -13,6 +13,17 @@ without TransformerEngine:
 The CP group is megatron's (``parallel_state`` or ``pg_collection.cp``). Attention sinks
 (``softmax_type="off-by-one"`` or ``"learnable"``) are honoured.
 
+Sliding windows: ``config.window_size = (left, right)`` is honoured exactly on the layers where
+megatron's ``is_layer_window_attention(window_size, window_attn_skip_freq, layer_number)`` says so
+(the others attend globally), packed or not, sinks included. The convention is TransformerEngine's
+and flash-attn's, which megatron passes through: a query at global position i sees key j iff
+``i - left <= j <= i + right`` (within its document when packed), -1 is unbounded, and causal layers
+also keep ``j <= i`` (TransformerEngine forces ``right = 0`` there). megatron's local
+``DotProductAttention`` agrees for ``left, right >= 0`` with ``right = 0`` when causal, and differs
+beyond that: its window mask replaces the causal mask (so it sees ``right`` keys ahead), and it does
+not read -1 as unbounded. An ``attention_mask`` given to a windowed layer must still be the causal
+(or empty) one; the window applies on top of it.
+
 Packed sequences: megatron's THD ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens_q`` and,
 where given, ``cu_seqlens_q_padded``, over the FULL packed stream) are honoured exactly, causal or
 not. The sharding is this package's layout applied to the documents (:func:`packed_documents`;
@@ -24,7 +35,7 @@ token's position within its document (see ``_megatron_rope``). Padding between d
 (``cu_seqlens_q_padded``) is attended by no real token.
 
 Features the ring cannot honour exactly are refused with an error that names them: attention bias,
-attention dropout, masks other than the causal or empty one, sliding windows, ``cp_comm_type``
+attention dropout, masks other than the causal or empty one, ``cp_comm_type``
 other than ``"p2p"``, YaRN/mRoPE, multi-token prediction under a non-zigzag layout, and for packed
 sequences: ``qkv_format`` other than ``"thd"``, ``cu_seqlens_kv`` (or its padded form) different
 from ``cu_seqlens_q``'s (cross-document attention), an ``attention_mask`` alongside them, a dynamic
@@ -100,6 +111,21 @@ def _resolve_cp_group(pg_collection):
                        "with a .cp group")
 
 
+def _layer_window(config, layer_number: int) -> tuple[int, int]:
+    """``config.window_size`` as ``(left, right)`` on the layers megatron makes sliding-window layers
+    (``is_layer_window_attention``, with megatron's 1-based ``layer_number``), else ``(-1, -1)``."""
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return (-1, -1)
+    window = config.window_size
+    try:
+        ok = len(window) == 2 and all(int(x) == x and not isinstance(x, bool) and x >= -1 for x in window)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"config.window_size={window!r} must be (left, right), two ints >= -1 (-1 = unbounded)")
+    return (int(window[0]), int(window[1]))
+
+
 _AGREED_ERRORS = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}
 
 
@@ -114,14 +140,17 @@ class RingDotProductAttention(MegatronModule):
     within their documents, and RoPE, which megatron's attention then skips (see
     ``LayoutRotaryEmbedding``), is applied here at positions within documents. The CP group is
     ``pg_collection.cp``, else megatron's ``parallel_state``. The layout is the ``layout`` argument
-    (set by :func:`ring_core_attention`), else ``config.cp_layout``, else ``"zigzag"``.
+    (set by :func:`ring_core_attention`), else ``config.cp_layout``, else ``"zigzag"``. On layers where
+    megatron's ``is_layer_window_attention`` holds, ``window_size`` is ``config.window_size`` (see the
+    module docstring), else ``(-1, -1)``.
 
     Raises:
         ValueError: an unknown layout or kernel, a CP group whose size is not
-            ``config.context_parallel_size``, or an unsupported ``cp_comm_type``; in ``forward``
+            ``config.context_parallel_size``, an unsupported ``cp_comm_type``, or a ``config.window_size``
+            that is not two ints >= -1 on a windowed layer; in ``forward``
             malformed packed_seq_params (see :func:`packed_documents`) or a packed stream that does
             not match the local tokens.
-        NotImplementedError: cross attention or sliding windows (here), and in
+        NotImplementedError: cross attention (here), and in
             ``forward`` attention bias, dropout while training, a mask that is not the causal (or
             empty) mask of this rank's queries, or an unsupported packed feature (see the module
             docstring). Every ``forward`` error is raised on every CP rank alike, before the ring.
@@ -148,9 +177,7 @@ class RingDotProductAttention(MegatronModule):
         if attention_type != "self":
             raise NotImplementedError(f"RingDotProductAttention supports self attention only, got "
                                       f"attention_type={attention_type!r}")
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise NotImplementedError(f"sliding-window attention (config.window_size={config.window_size}) is "
-                                      "not supported by ring attention yet; set window_size=None")
+        self.window_size = _layer_window(config, layer_number)
         self._init_softmax_offset(config)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
         # Megatron divides the scale by the layer number under apply_query_key_layer_scaling and
@@ -185,7 +212,8 @@ class RingDotProductAttention(MegatronModule):
             self.register_buffer("softmax_offset", offset, persistent=False)
 
     def extra_repr(self) -> str:
-        return f"layout={self.layout.name}, cp_size={self.cp_size}, kernel={self.kernel}"
+        window = "" if self.window_size == (-1, -1) else f", window_size={self.window_size}"
+        return f"layout={self.layout.name}, cp_size={self.cp_size}, kernel={self.kernel}{window}"
 
     def _causal(self, attn_mask_type) -> bool:
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -241,7 +269,8 @@ class RingDotProductAttention(MegatronModule):
         self._check_mask(attention_mask, causal, query.shape[0])
         out = cpa.ring_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                                  group=self.cp_group, layout=self.layout, causal=causal,
-                                 softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset)
+                                 softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
+                                 window_size=self.window_size)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     def _agree(self, check: Callable[..., Any], device: torch.device, *args) -> Any:
@@ -281,7 +310,7 @@ class RingDotProductAttention(MegatronModule):
                                          cp_group=self.cp_group).squeeze(1) for t in (q, k))
         out = cpa.ring_attention(q[None], k[None], v[None], group=self.cp_group, layout=self.layout, causal=causal,
                                  softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
-                                 cu_seqlens=documents)
+                                 cu_seqlens=documents, window_size=self.window_size)
         out = out[0].reshape(q.shape[0], -1)
         return out[:, None] if four_d else out
 

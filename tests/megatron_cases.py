@@ -30,6 +30,8 @@ def megatron_cuda_hardcodes_on_cpu() -> Iterator[None]:
     - ``torch.cuda.current_device``: RoPE's ``get_emb`` moves ``inv_freq`` there, and the global
       memory buffer the local ``DotProductAttention`` uses allocates there. It returns ``"cpu"``.
     - ``fused_softmax.get_default_causal_mask``: builds its mask with ``device="cuda"``.
+    - ``fused_softmax.get_sliding_window_causal_mask``: likewise; megatron's own function runs, with
+      its ``device="cuda"`` factory calls made on the CPU (:class:`_CudaFactoriesOnCpu`).
     - ``tensor_parallel.get_cuda_rng_tracker`` (as the local ``DotProductAttention`` sees it): its
       ``fork()`` needs CUDA RNG state; with dropout 0 a no-op fork is exact.
     """
@@ -44,15 +46,32 @@ def megatron_cuda_hardcodes_on_cpu() -> Iterator[None]:
             return False
 
     saved = (torch.cuda.current_device, fused_softmax.get_default_causal_mask,
-             dpa.tensor_parallel.get_cuda_rng_tracker)
+             fused_softmax.get_sliding_window_causal_mask, dpa.tensor_parallel.get_cuda_rng_tracker)
+    megatron_window_mask = saved[2]
+
+    def window_mask_on_cpu(sq, skv, window_size):
+        with _CudaFactoriesOnCpu():
+            return megatron_window_mask(sq, skv, window_size)
+
     torch.cuda.current_device = lambda: "cpu"
     fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    fused_softmax.get_sliding_window_causal_mask = window_mask_on_cpu
     dpa.tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: _NoCudaRngTracker()
     try:
         yield
     finally:
         (torch.cuda.current_device, fused_softmax.get_default_causal_mask,
-         dpa.tensor_parallel.get_cuda_rng_tracker) = saved
+         fused_softmax.get_sliding_window_causal_mask, dpa.tensor_parallel.get_cuda_rng_tracker) = saved
+
+
+class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
+    """Torch calls with ``device="cuda"`` run on the CPU instead (megatron's mask builders hard-code it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device")) == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
 
 
 def cuda_hardcodes_unpatched() -> bool:
@@ -62,6 +81,7 @@ def cuda_hardcodes_unpatched() -> bool:
 
     return (torch.cuda.current_device.__module__ == "torch.cuda"
             and fused_softmax.get_default_causal_mask.__module__ == "megatron.core.transformer.utils"
+            and fused_softmax.get_sliding_window_causal_mask.__module__ == "megatron.core.transformer.utils"
             and dpa.tensor_parallel.get_cuda_rng_tracker.__module__ == "megatron.core.tensor_parallel.random")
 
 
@@ -132,7 +152,8 @@ def reference(rank: int, world_size: int, model_kw: dict, with_mask: bool = Fals
             "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layout: "str | None" = None):
+def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layout: "str | None" = None,
+              ring_windows: "list | None" = None):
     from cp_attention.integrations import megatron as cpm
 
     model = build(world_size, spec=cpm.get_gpt_layer_ring_spec(layout, normalization="RMSNorm"), **model_kw)
@@ -141,17 +162,21 @@ def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layo
     if rope_layout is not None:  # a deliberately wrong RoPE, to show the test can see it
         model.rotary_pos_emb = cpm.LayoutRotaryEmbedding(model.rotary_pos_emb.rope, rope_layout,
                                                          model.rotary_pos_emb.group)
+    rings = [m for m in model.modules() if isinstance(m, cpm.RingDotProductAttention)]
+    for m, window in zip(rings, ring_windows or ()):  # wrong per-layer windows on purpose, to show tests see them
+        m.window_size = tuple(window)
     return model
 
 
 def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: dict, with_mask: bool = False,
-                rope_layout: "str | None" = None) -> dict:
-    """CP=world_size vs the reference: max abs differences of gathered logits, losses and summed grads."""
+                rope_layout: "str | None" = None, ring_windows: "list | None" = None) -> dict:
+    """CP=world_size vs the reference: max abs differences of gathered logits, losses and summed grads.
+    ``ring_windows``: per-layer windows forced onto the ring attentions (wrong on purpose)."""
     from cp_attention.integrations import megatron as cpm
 
     ps = parallel_state(world_size)
     group = ps.get_context_parallel_group()
-    model = _cp_model(world_size, layout, ref, model_kw, rope_layout)
+    model = _cp_model(world_size, layout, ref, model_kw, rope_layout, ring_windows)
     local = cpm.get_batch_on_this_cp_rank(full_batch(with_mask=with_mask), layout=layout)
     logits, num, den, mcore = _losses(model, local)
     stats = torch.stack([num.detach(), den, (mcore.double() * local["loss_mask"]).sum().detach()])
@@ -171,6 +196,7 @@ def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: di
         "finite": bool(torch.isfinite(logits).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values()),
         "unpatched": cuda_hardcodes_unpatched(),
         "attention": sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__}),
+        "windows": [m.window_size for m in model.modules() if isinstance(m, cpm.RingDotProductAttention)],
     }
 
 
@@ -240,7 +266,7 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     out["mask_sliced_for_another_layout"] = _error(lambda: interleaved(q, k, v, zigzag_sliced))
     out["unsharded_mask"] = _error(lambda: ring(q, k, v, full_mask))
     out["cp_comm_type"] = _error(lambda: _ring(world_size, cp_comm_type="a2a"))
-    out["window"] = _error(lambda: _ring(world_size, cfg=config(world_size, window_size=(4, 0))))
+    out["window"] = _error(lambda: _ring(world_size, cfg=config(world_size, window_size=(4, -2))))
     out["softmax_type"] = _error(lambda: _ring(world_size, cfg=config(world_size, softmax_type="sigmoid")))
     out["cross_attention"] = _error(lambda: _ring(world_size, attention_type="cross"))
     out["cp_size_mismatch"] = _error(lambda: _ring(world_size, cfg=config(1)))

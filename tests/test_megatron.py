@@ -101,7 +101,7 @@ REFUSED = {
     "mask_sliced_for_another_layout": ("NotImplementedError", "layout='interleaved'"),
     "unsharded_mask": ("NotImplementedError", "[b, 1, 12, 24]"),
     "cp_comm_type": ("ValueError", "cp_comm_type='a2a'"),
-    "window": ("NotImplementedError", "window_size"),
+    "window": ("ValueError", "config.window_size=(4, -2) must be (left, right)"),
     "softmax_type": ("ValueError", "softmax_type='sigmoid' is not known"),
     "cross_attention": ("NotImplementedError", "self attention only"),
     "cp_size_mismatch": ("ValueError", "context_parallel_size=1"),
