@@ -162,21 +162,29 @@ BAND_TILE = 64
 
 def _band_tiles(block: DocBlock) -> tuple[BlockTask, ...]:
     """A sliding-window block as row tiles, each against only the keys its rows can see, so the work
-    follows the band (about rows x (tile + width) pairs) instead of the whole rectangle. A tile is a
-    full, causal or banded task."""
+    follows the band instead of the whole rectangle. A tile's keys split into the part bounded below
+    (masked), the part every row sees (full) and the part bounded above (causal), so only a small
+    corner needs a mask; a tile taller than the band is one masked task."""
     rows, cols, lo, hi = block.q_len, block.kv_len, block.lo, block.diag
     top = cols - 1 if hi is None else hi
-    step = max(BAND_TILE, top - lo + 1)
+    step = max(BAND_TILE, (top - lo + 1) // 4)
     tasks = []
     for i0 in range(0, rows, step):
         i1 = min(rows, i0 + step)
         k0, k1 = max(0, i0 + lo), min(cols, i1 + top)
         r, c = i1 - i0, k1 - k0
-        t_lo, t_hi = lo + i0 - k0, top + i0 - k0
-        no_lo, no_hi = t_lo <= -(r - 1), t_hi >= c - 1
+        t_lo, t_hi = lo + i0 - k0, top + i0 - k0  # row i of the tile sees key b iff t_lo <= b - i <= t_hi
         q0, kv0 = block.q_start + i0, block.kv_start + k0
-        if no_lo and (no_hi or t_hi == 0):
-            tasks.append(BlockTask(q0, q0 + r, kv0, kv0 + c, not no_hi))
-        else:
+        m0 = min(c, max(0, r - 1 + t_lo))  # keys before m0: some rows are past them
+        m1 = min(c, t_hi) if hi is not None else c  # keys from m1: some rows have not reached them
+        if m0 > m1:
             tasks.append(BlockTask(q0, q0 + r, kv0, kv0 + c, False, (t_lo, t_hi)))
+            continue
+        if m0 > 0:  # seen only by its first rows (row i sees key b < m0 iff b >= i + t_lo)
+            tasks.append(BlockTask(q0, q0 + min(r, m0 - t_lo), kv0, kv0 + m0, False, (t_lo, t_hi)))
+        if m1 > m0:
+            tasks.append(BlockTask(q0, q0 + r, kv0 + m0, kv0 + m1, False))
+        if c > m1:
+            # Row i sees key m1 + b iff b <= i + t_hi - m1 = i (m1 == t_hi here): top-left causal.
+            tasks.append(BlockTask(q0, q0 + r, kv0 + m1, kv0 + c, True))
     return tuple(tasks)
