@@ -5,14 +5,23 @@ and ``transformers.masking_utils.AttentionMaskInterface`` for the mask, so that 
 silently drops a padding mask for an unknown implementation. The CP configuration lives on the
 patched model's modules, so models with different groups or layouts coexist in one process.
 
-Logit softcapping (Gemma2) and learned attention sinks (GPT-OSS) are honoured. Packed batches
-(``position_ids`` restarting at 0, or the ``cu_seq_lens_q/k`` of HF's flattening collator) and padded
-batches (``attention_mask`` with zeros, left or right) are exact: :func:`shard_batch` turns both into
-one packed stream of documents, and the document boundaries reach the attention as transformers'
-``cu_seq_lens_q/k`` attention kwargs. Features the ring cannot honour exactly are refused with an
-error naming them: padding masks given to the model itself, custom 4D masks, sliding windows shorter
-than a document, attention dropout, KV-cache generation, position ids that are not the layout's
-positions, and any attention argument it does not implement.
+Logit softcapping (Gemma2), learned attention sinks (GPT-OSS) and sliding windows (Mistral, Qwen2/3,
+Gemma2/3, GPT-OSS, per layer) are honoured. A window of size W is transformers' own: a query sees
+itself and the W - 1 keys before it (``i - W < j <= i``), i.e. ``window_size=(W - 1, -1)`` for ring
+attention, and ``(W - 1, W - 1)`` in a non-causal layer (as transformers' flash-attention path does).
+It reaches the ring from the ``sliding_window`` attention argument or, for models that pass it only
+through their mask (Qwen2-MoE, PhiMoE), from the sliding mask the model asks the mask interface for.
+Packed batches (``position_ids`` restarting at 0, or the ``cu_seq_lens_q/k`` of HF's flattening
+collator) and padded batches (``attention_mask`` with zeros, left or right) are exact: :func:`shard_batch`
+turns both into one packed stream of documents, and the document boundaries reach the attention as
+transformers' ``cu_seq_lens_q/k`` attention kwargs (a window then counts within documents).
+``config.is_causal=False`` (bidirectional masks and non-causal attention calls) is honoured too.
+Features the ring cannot honour exactly are refused with an error naming them: padding masks given to
+the model itself, custom 4D masks, masks the model overlays with its own mask functions, chunked
+attention, and wherever transformers' own backends disagree: a mask whose causality differs from its
+layer's, a bidirectional sliding window, a sliding mask and ``sliding_window`` argument that differ;
+also attention dropout, KV-cache generation, position ids that are not the layout's positions, and
+any attention argument it does not implement.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ _OUTPUT_FLAGS = frozenset({"use_cache", "output_hidden_states", "output_router_l
 
 
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                            attention_mask: "Optional[_RingMask]", dropout: float = 0.0,
                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                             softcap: Optional[float] = None, position_ids: Optional[torch.Tensor] = None,
                             is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
@@ -73,9 +82,13 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             **others: Any) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``.
 
+    ``attention_mask`` is what :func:`_ring_mask` returned for this layer (None: plain causal).
+    ``sliding_window`` W (transformers' size: query i sees keys ``i - W < j <= i``) becomes the ring's
+    ``window_size=(W - 1, -1)``, or ``(W - 1, W - 1)`` in a non-causal layer; see :func:`_window`.
     ``s_aux`` (GPT-OSS's learned attention sinks, ``[H]``) joins every softmax denominator.
     ``cu_seq_lens_q/k`` (equal; GLOBAL document boundaries of the packed stream, as
-    :func:`shard_batch` returns them) keep attention within documents; ``max_length_q/k`` must agree.
+    :func:`shard_batch` returns them) keep attention within documents (windows count within them);
+    ``max_length_q/k`` must agree.
     Takes only what it implements. Any other argument that is not None (anything a future model
     adds) raises ``NotImplementedError``
     naming it, on every rank alike (they run the same model) and before any communication, instead of
@@ -99,15 +112,8 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise NotImplementedError(
             f"context-parallel attention got {local} queries but {key.shape[2]} keys: generation with a KV "
             "cache is not supported on a CP-patched model; generate with an unpatched copy of the model")
-    if attention_mask is not None:
-        raise NotImplementedError("context-parallel attention does not support custom 4D attention masks; "
-                                  "pass no attention_mask (padding is not supported either)")
-    longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
-    if sliding_window is not None and sliding_window < longest:
-        what = "global sequence" if cu is None else "longest packed document"
-        raise NotImplementedError(
-            f"sliding-window attention (window {sliding_window} < {what} {longest}) is not supported "
-            "by ring attention yet; use sequences no longer than the window or config.sliding_window=None")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = _window(attention_mask, sliding_window, causal)
     if dropout:
         raise NotImplementedError(f"attention dropout ({dropout}) is not supported by ring attention; "
                                   "set config.attention_dropout=0.0")
@@ -120,11 +126,59 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                 f"(expected {expected[:4].tolist()}..., got {position_ids[0, :4].tolist()}...), or RoPE is wrong; "
                 "pass position_ids (and, for packed or padded batches, cu_seq_lens_q/k) from "
                 "cp_attention.integrations.huggingface.shard_batch")
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
+    # A window covering every sequence (or document) is no window: the call stays the plain one.
+    extra = {} if window is None or window >= longest else {
+        "window_size": (window - 1, -1 if causal else window - 1)}
     out = cpa.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
-                             kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0, cu_seqlens=cu)
+                             kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0, cu_seqlens=cu, **extra)
     return out, None
+
+
+@dataclass(frozen=True)
+class _RingMask:
+    """What a patched model asked the mask interface for, handed to its attention calls in place of a
+    mask (the ring builds none): ``causal`` False for transformers' bidirectional masks, ``window`` the
+    sliding window (transformers' size W: keys ``i - W < j <= i``) or None."""
+
+    causal: bool
+    window: Optional[int]
+
+
+def _window(mask, sliding_window: Optional[int], causal: bool) -> Optional[int]:
+    """The layer's sliding window (transformers' size), from its ``sliding_window`` argument and the
+    mask its model built for it (a :class:`_RingMask`, or None for the plain causal mask); None if none.
+
+    The argument is what transformers' flash-attention path honours, the mask what its sdpa and eager
+    paths honour. Models pass both (Mistral, Qwen2/3, Gemma2/3, GPT-OSS) or only the mask (Qwen2-MoE,
+    PhiMoE). Where they disagree transformers' own backends disagree, so that is refused.
+    """
+    if mask is not None and not isinstance(mask, _RingMask):
+        raise NotImplementedError("context-parallel attention does not support custom 4D attention masks; "
+                                  "pass no attention_mask (padding is not supported either)")
+    if mask is not None and mask.causal != causal:
+        raise NotImplementedError(
+            f"the model built a {'causal' if mask.causal else 'bidirectional'} mask for a "
+            f"{'causal' if causal else 'non-causal'} attention layer (e.g. Gemma2's use_bidirectional_attention, "
+            "whose masks stay causal); transformers' sdpa/eager paths follow the mask, flash attention the "
+            "layer, so context-parallel attention refuses it")
+    if mask is not None and not mask.causal and mask.window is not None:
+        raise NotImplementedError(
+            "bidirectional sliding-window masks (config.is_causal=False with a sliding window) are not "
+            "supported: transformers' sdpa/eager masks (|i - j| <= W) and flash attention (|i - j| < W) disagree")
+    window = sliding_window
+    if mask is not None and mask.window is not None:
+        if window is not None and window != mask.window:
+            raise NotImplementedError(
+                f"the layer's sliding_window argument ({window}) and its sliding mask (window {mask.window}) "
+                "disagree; transformers' attention backends would disagree too, so context-parallel "
+                "attention refuses it")
+        window = mask.window
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"sliding_window must be a positive int (the number of keys a query sees, itself "
+                         f"included), got {window!r}")
+    return None if window is None else int(window)
 
 
 def _documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
@@ -156,13 +210,31 @@ def _expected_positions(layout: cpa.Layout, total: int, rank: int, world_size: i
 
 
 def _ring_mask(batch_size: int, q_length: int, kv_length: int, *args,
-               attention_mask: Optional[torch.Tensor] = None, **kwargs) -> None:
-    """``AttentionMaskInterface`` entry: the ring applies the causal mask itself, so no mask is built.
-    A padding mask with zeros cannot be honoured and is refused rather than dropped."""
+               attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
+               config: Any = None, use_vmap: bool = False, **kwargs) -> Optional[_RingMask]:
+    """``AttentionMaskInterface`` entry: the ring applies its masks itself, so no mask is built.
+
+    Returns None for transformers' plain causal mask, and a :class:`_RingMask` naming a sliding window
+    (``create_sliding_window_causal_mask``, ``local_size`` = the window) or a bidirectional mask (its
+    creators pass ``allow_is_bidirectional_skip``), which the model hands to the attention calls of
+    the layers it is meant for, and which :func:`_ring_attention_forward` honours or refuses. What cannot
+    be honoured is refused rather than dropped: padding (a mask with zeros), a model's own mask functions
+    laid over the standard ones (transformers sets ``use_vmap`` exactly then: image tokens,
+    bidirectional windows), and chunked attention (``local_size`` = ``config.attention_chunk_size``).
+    """
     if attention_mask is not None and not bool(attention_mask.all()):
         raise NotImplementedError("padding (attention_mask with zeros) is not supported by context-parallel "
                                   "attention yet; pack or trim the batch so that every token is real")
-    return None
+    if use_vmap:
+        raise NotImplementedError("the model lays its own mask functions over transformers' standard masks "
+                                  "(or_mask_function/and_mask_function: image tokens, bidirectional windows); "
+                                  "context-parallel attention does not support them")
+    if local_size is not None and local_size == getattr(config, "attention_chunk_size", None):
+        raise NotImplementedError(f"chunked attention (attention_chunk_size={local_size}) is not supported by "
+                                  "context-parallel attention")
+    if "allow_is_bidirectional_skip" in kwargs:
+        return _RingMask(causal=False, window=local_size)
+    return None if local_size is None else _RingMask(causal=True, window=local_size)
 
 
 def _register() -> None:

@@ -34,6 +34,9 @@ def _config(family: str, **overrides):
                   num_attention_heads=4, num_key_value_heads=2)
     if family == "llama":
         cfg = tf.LlamaConfig(**common)
+    elif family == "llama_bidirectional":  # transformers' is_causal=False: bidirectional masks and attention
+        cfg = tf.LlamaConfig(**common)
+        cfg.is_causal = False
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**common)
     elif family == "mistral":
@@ -45,11 +48,49 @@ def _config(family: str, **overrides):
     elif family == "gpt_oss":  # learned attention sinks (s_aux); eager experts: grouped_mm has no fp64
         cfg = tf.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                               experts_implementation="eager")
+    elif family.endswith("_window"):
+        cfg = _window_config(tf, family[:-len("_window")], common)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+# Sliding windows (transformers' size W: query i sees keys i - W < j <= i) smaller than a CP chunk at
+# WINDOW_SEQ tokens (8 on 4 ranks, 4 per zigzag half-chunk) and larger, on some layers of each model.
+WINDOW_SEQ = 32
+NO_WINDOW = 10**6  # a window wider than any sequence: the same model without its windows
+
+
+def _window_config(tf, base: str, common: dict):
+    three = {**common, "num_hidden_layers": 3}
+    if base == "mistral":  # every layer
+        return tf.MistralConfig(**common, sliding_window=5)
+    if base == "qwen2":  # layers >= max_window_layers slide: layer 1
+        return tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    if base == "qwen3":  # layers 1 and 2
+        return tf.Qwen3Config(**three, head_dim=8, use_sliding_window=True, sliding_window=3, max_window_layers=1)
+    if base == "qwen2_moe":  # the window reaches the attention only through the mask; layer 0 slides
+        return tf.Qwen2MoeConfig(**common, use_sliding_window=True, sliding_window=6, max_window_layers=2,
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=32, experts_implementation="eager")
+    if base == "gemma2":  # alternating local (layer 0) and global layers, with logit softcapping
+        return tf.Gemma2Config(**common, head_dim=8, sliding_window=7, attn_logit_softcapping=0.5)
+    if base == "gemma3":  # local and global layers (Gemma3ForCausalLM)
+        return tf.Gemma3TextConfig(**three, head_dim=8, sliding_window=4,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if base == "gpt_oss":  # alternating, with sinks
+        return tf.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                               experts_implementation="eager", sliding_window=6)
+    raise ValueError(base)
+
+
+def window_effect(family: str, ids: torch.Tensor, logits: torch.Tensor) -> float:
+    """How far ``logits`` (of ``build(family)`` on ``ids``) are from the same model without its windows:
+    a test that ignored the windows would be off by this much."""
+    with torch.no_grad():
+        return (build(family, sliding_window=NO_WINDOW)(input_ids=ids).logits - logits).abs().max().item()
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -95,8 +136,10 @@ def _summed_grads(model, group):
     return grads
 
 
-def equivalence(rank: int, world_size: int, *, family: str, layout: str, from_checkpoint: bool = False) -> dict:
-    """Max abs differences of gathered logits, loss and CP-summed gradients against the model without CP."""
+def equivalence(rank: int, world_size: int, *, family: str, layout: str, from_checkpoint: bool = False,
+                seq: int = SEQ) -> dict:
+    """Max abs differences of gathered logits, loss and CP-summed gradients against the model without CP
+    (and, for windowed families, the :func:`window_effect` that shows the windows mattered)."""
     from cp_attention.integrations import huggingface as cphf
 
     ref = build(family)
@@ -115,7 +158,7 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, from_ch
         if family.startswith("gemma2"):
             ref.set_attn_implementation(REFERENCE_IMPL)
     model = copy.deepcopy(ref)
-    ids = batch()
+    ids = batch(seq=seq)
     ref_loss, ref_logits = _reference_loss(ref, ids, with_logits=True)
     ref_loss.backward()
     with torch.no_grad():
@@ -132,6 +175,7 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, from_ch
         "grads": max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())),
         "finite": bool(torch.isfinite(out.logits).all()),
         "impl": model.config._attn_implementation,
+        "window_effect": window_effect(family, ids, ref_logits) if family.endswith("_window") else None,
     }
 
 
@@ -201,7 +245,11 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
     """Run one unsupported feature on a patched model; return the exception type and message."""
     from cp_attention.integrations import huggingface as cphf
 
-    family, overrides = {"sliding_window": ("mistral", dict(sliding_window=8)),
+    family, overrides = {"window_zero": ("mistral", dict(sliding_window=0)),
+                         "window_disagrees": ("qwen2_window", {}),
+                         "bidirectional_window": ("mistral_window", dict(is_causal=False)),
+                         "mask_disagrees_with_layer": ("gemma2_window", dict(use_bidirectional_attention=True)),
+                         "mask_overlay": ("gemma3_window", dict(use_bidirectional_attention=True)),
                          "softcap": ("gemma2_softcap", {}),
                          "dropout": ("llama", dict(attention_dropout=0.1))}.get(case, ("llama", {}))
     ids = batch()
@@ -236,6 +284,9 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
                   past_key_values=out.past_key_values)
         elif case == "dropout":
             model.train()
+            model(**kwargs)
+        elif case == "window_disagrees":  # its mask says 12, its attention argument 3
+            model.model.layers[1].self_attn.sliding_window = 3
             model(**kwargs)
         elif case == "output_attentions":  # the ring never holds the weights; None must not pass for them
             model(**kwargs, output_attentions=True)
@@ -287,10 +338,12 @@ def documents_equivalence(rank: int, world_size: int, *, family: str, layout: st
     ref = build(family)
     model = copy.deepcopy(ref)
     full, docs = _documents_batch(mode)
-    ref_logits, total, count = [], 0.0, 0
+    ref_logits, total, count, effect = [], 0.0, 0, 0.0
     for doc in docs:
         logits = ref(input_ids=doc[None]).logits[0]
         ref_logits.append(logits.detach())
+        if family.endswith("_window"):
+            effect = max(effect, window_effect(family, doc[None], logits[None]))
         if doc.numel() > 1:
             total = total + torch.nn.functional.cross_entropy(logits[:-1], doc[1:], reduction="sum")
             count += doc.numel() - 1
@@ -315,4 +368,5 @@ def documents_equivalence(rank: int, world_size: int, *, family: str, layout: st
         "shape": tuple(local["input_ids"].shape),
         # every document (and at most one padding document) is in the packed row
         "documents": len(cu) - 1 - len(docs),
+        "window_effect": effect,
     }
