@@ -153,10 +153,17 @@ def plan_blocks(layout: "str | Layout", causal: bool, rank: int, world_size: int
     return doc_plan(layout, causal, rank, world_size, cu_seqlens)
 
 
-def ring_length(layout: "str | Layout", causal: bool, total: int, world_size: int, window: Optional[Window],
+def ring_length(layout: "str | Layout", causal: bool, total: int, world_size: int, window_size=None,
                 cu_seqlens: "CuSeqlens | None" = None) -> int:
-    """How many ring steps run (each rank receives one fewer K/V shards): ``world_size``
-    without a window, fewer when no rank's window reaches the farther shards."""
+    """How many ring steps run for ``total`` tokens (packed as ``cu_seqlens`` if given) under
+    ``window_size`` (flash-attn's ``(left, right)``, or None): ``world_size`` without a window, fewer
+    when no rank's window reaches the farther shards. Each rank receives one K/V shard fewer than that.
+
+    Raises what :func:`normalize_window` and :func:`window_plan` raise.
+    """
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, total=total)
+    longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
+    window = normalize_window(window_size, causal, longest)
     if window is None:
         return world_size
-    return len(window_plan(layout, causal, 0, world_size, total, window, cu_seqlens))
+    return len(window_plan(layout, causal, 0, world_size, total, window, cu))

@@ -41,6 +41,8 @@ from cp_attention.documents import (check_cu_seqlens, cu_seqlens_from_position_i
                                     document_position_ids, pad_cu_seqlens)
 from cp_attention.kernels import check_kernel_name
 
+from ._hf_masks import RingMask, layer_window, ring_mask
+
 __all__ = ["apply_context_parallel", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
            "ATTN_IMPLEMENTATION"]
 
@@ -73,7 +75,7 @@ _OUTPUT_FLAGS = frozenset({"use_cache", "output_hidden_states", "output_router_l
 
 
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: "Optional[_RingMask]", dropout: float = 0.0,
+                            attention_mask: "Optional[RingMask]", dropout: float = 0.0,
                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                             softcap: Optional[float] = None, position_ids: Optional[torch.Tensor] = None,
                             is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
@@ -82,9 +84,9 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             **others: Any) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``.
 
-    ``attention_mask`` is what :func:`_ring_mask` returned for this layer (None: plain causal).
+    ``attention_mask`` is what :func:`._hf_masks.ring_mask` returned for this layer (None: plain causal).
     ``sliding_window`` W (transformers' size: query i sees keys ``i - W < j <= i``) becomes the ring's
-    ``window_size=(W - 1, -1)``, or ``(W - 1, W - 1)`` in a non-causal layer; see :func:`_window`.
+    ``window_size=(W - 1, -1)``, or ``(W - 1, W - 1)`` in a non-causal layer; see :func:`._hf_masks.layer_window`.
     ``s_aux`` (GPT-OSS's learned attention sinks, ``[H]``) joins every softmax denominator.
     ``cu_seq_lens_q/k`` (equal; GLOBAL document boundaries of the packed stream, as
     :func:`shard_batch` returns them) keep attention within documents (windows count within them);
@@ -113,7 +115,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"context-parallel attention got {local} queries but {key.shape[2]} keys: generation with a KV "
             "cache is not supported on a CP-patched model; generate with an unpatched copy of the model")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    window = _window(attention_mask, sliding_window, causal)
+    window = layer_window(attention_mask, sliding_window, causal)
     if dropout:
         raise NotImplementedError(f"attention dropout ({dropout}) is not supported by ring attention; "
                                   "set config.attention_dropout=0.0")
@@ -134,51 +136,6 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
                              kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0, cu_seqlens=cu, **extra)
     return out, None
-
-
-@dataclass(frozen=True)
-class _RingMask:
-    """What a patched model asked the mask interface for, handed to its attention calls in place of a
-    mask (the ring builds none): ``causal`` False for transformers' bidirectional masks, ``window`` the
-    sliding window (transformers' size W: keys ``i - W < j <= i``) or None."""
-
-    causal: bool
-    window: Optional[int]
-
-
-def _window(mask, sliding_window: Optional[int], causal: bool) -> Optional[int]:
-    """The layer's sliding window (transformers' size), from its ``sliding_window`` argument and the
-    mask its model built for it (a :class:`_RingMask`, or None for the plain causal mask); None if none.
-
-    The argument is what transformers' flash-attention path honours, the mask what its sdpa and eager
-    paths honour. Models pass both (Mistral, Qwen2/3, Gemma2/3, GPT-OSS) or only the mask (Qwen2-MoE,
-    PhiMoE). Where they disagree transformers' own backends disagree, so that is refused.
-    """
-    if mask is not None and not isinstance(mask, _RingMask):
-        raise NotImplementedError("context-parallel attention does not support custom 4D attention masks; "
-                                  "pass no attention_mask (padding is not supported either)")
-    if mask is not None and mask.causal != causal:
-        raise NotImplementedError(
-            f"the model built a {'causal' if mask.causal else 'bidirectional'} mask for a "
-            f"{'causal' if causal else 'non-causal'} attention layer (e.g. Gemma2's use_bidirectional_attention, "
-            "whose masks stay causal); transformers' sdpa/eager paths follow the mask, flash attention the "
-            "layer, so context-parallel attention refuses it")
-    if mask is not None and not mask.causal and mask.window is not None:
-        raise NotImplementedError(
-            "bidirectional sliding-window masks (config.is_causal=False with a sliding window) are not "
-            "supported: transformers' sdpa/eager masks (|i - j| <= W) and flash attention (|i - j| < W) disagree")
-    window = sliding_window
-    if mask is not None and mask.window is not None:
-        if window is not None and window != mask.window:
-            raise NotImplementedError(
-                f"the layer's sliding_window argument ({window}) and its sliding mask (window {mask.window}) "
-                "disagree; transformers' attention backends would disagree too, so context-parallel "
-                "attention refuses it")
-        window = mask.window
-    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
-        raise ValueError(f"sliding_window must be a positive int (the number of keys a query sees, itself "
-                         f"included), got {window!r}")
-    return None if window is None else int(window)
 
 
 def _documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
@@ -209,40 +166,12 @@ def _expected_positions(layout: cpa.Layout, total: int, rank: int, world_size: i
     return positions if cu is None else document_position_ids(positions, cu)
 
 
-def _ring_mask(batch_size: int, q_length: int, kv_length: int, *args,
-               attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
-               config: Any = None, use_vmap: bool = False, **kwargs) -> Optional[_RingMask]:
-    """``AttentionMaskInterface`` entry: the ring applies its masks itself, so no mask is built.
-
-    Returns None for transformers' plain causal mask, and a :class:`_RingMask` naming a sliding window
-    (``create_sliding_window_causal_mask``, ``local_size`` = the window) or a bidirectional mask (its
-    creators pass ``allow_is_bidirectional_skip``), which the model hands to the attention calls of
-    the layers it is meant for, and which :func:`_ring_attention_forward` honours or refuses. What cannot
-    be honoured is refused rather than dropped: padding (a mask with zeros), a model's own mask functions
-    laid over the standard ones (transformers sets ``use_vmap`` exactly then: image tokens,
-    bidirectional windows), and chunked attention (``local_size`` = ``config.attention_chunk_size``).
-    """
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError("padding (attention_mask with zeros) is not supported by context-parallel "
-                                  "attention yet; pack or trim the batch so that every token is real")
-    if use_vmap:
-        raise NotImplementedError("the model lays its own mask functions over transformers' standard masks "
-                                  "(or_mask_function/and_mask_function: image tokens, bidirectional windows); "
-                                  "context-parallel attention does not support them")
-    if local_size is not None and local_size == getattr(config, "attention_chunk_size", None):
-        raise NotImplementedError(f"chunked attention (attention_chunk_size={local_size}) is not supported by "
-                                  "context-parallel attention")
-    if "allow_is_bidirectional_skip" in kwargs:
-        return _RingMask(causal=False, window=local_size)
-    return None if local_size is None else _RingMask(causal=True, window=local_size)
-
-
 def _register() -> None:
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, _ring_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _ring_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ring_mask)
 
 
 def _refuse_generate(*args, **kwargs):

@@ -87,25 +87,25 @@ def test_mask_interface_hands_windows_on_and_refuses_what_it_cannot_honour():
     import torch
     from transformers import masking_utils as mu
 
-    from cp_attention.integrations import huggingface as cphf
+    from cp_attention.integrations import _hf_masks as hf_masks, huggingface as cphf
 
     cphf._register()
     embeds = torch.zeros(1, 6, 8)
     kwargs = dict(inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=None)
     assert mu.create_causal_mask(config=_tiny_config(), **kwargs) is None
     assert mu.create_sliding_window_causal_mask(config=_tiny_config(sliding_window=3), **kwargs) == \
-        cphf._RingMask(causal=True, window=3)
+        hf_masks.RingMask(causal=True, window=3)
     assert mu.create_causal_mask(config=_tiny_config(is_causal=False), **kwargs) == \
-        cphf._RingMask(causal=False, window=None)
+        hf_masks.RingMask(causal=False, window=None)
     with pytest.raises(NotImplementedError, match="chunked attention"):
         mu.create_chunked_causal_mask(config=_tiny_config(attention_chunk_size=4), **kwargs)
     with pytest.raises(NotImplementedError, match="lays its own mask functions"):
         mu.create_sliding_window_causal_mask(config=_tiny_config(sliding_window=3), **kwargs,
                                              or_mask_function=lambda *a: torch.tensor(True))
     # the attention side: a mask-only window is honoured, a disagreeing pair refused
-    assert cphf._window(cphf._RingMask(True, 4), None, True) == 4
-    assert cphf._window(None, 4, False) == 4
+    assert hf_masks.layer_window(hf_masks.RingMask(True, 4), None, True) == 4
+    assert hf_masks.layer_window(None, 4, False) == 4
     with pytest.raises(NotImplementedError, match="disagree"):
-        cphf._window(cphf._RingMask(True, 4), 5, True)
+        hf_masks.layer_window(hf_masks.RingMask(True, 4), 5, True)
     with pytest.raises(NotImplementedError, match="bidirectional sliding-window"):
-        cphf._window(cphf._RingMask(False, 4), 4, False)
+        hf_masks.layer_window(hf_masks.RingMask(False, 4), 4, False)
