@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import RingComm
+from .fault import RingFault
 from .kernels import AttentionKernel, accumulation_dtype
 from .merge import merge_block, merge_at
 from .schedule import BlockTask
@@ -200,20 +201,26 @@ class RingAttentionFunction(torch.autograd.Function):
         out = lse = None
         last = len(plan.steps) - 1
         ring = _KVRing(plan.comm, (k, v), last, head_major=plan.kernel_head_major)
+        fault = RingFault(plan.comm)
         for s, tasks in enumerate(plan.steps):
             if s < last:
                 ring.start()
-            kc, vc = ring.views()
-            for t in tasks:
-                for rows, o_blk, lse_blk in _task_forward(plan, t, q, kc, vc):
-                    if plan.first_step_tiles and s == 0:
-                        out = _set_rows(out, rows, o_blk, n, acc)
-                        lse = _set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
-                                        lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
-                    else:
-                        out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
+            if fault.ok:
+                try:
+                    kc, vc = ring.views()
+                    for t in tasks:
+                        for rows, o_blk, lse_blk in _task_forward(plan, t, q, kc, vc):
+                            if plan.first_step_tiles and s == 0:
+                                out = _set_rows(out, rows, o_blk, n, acc)
+                                lse = _set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
+                                                lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
+                            else:
+                                out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
+                except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
+                    fault.fail(e, s)
             if s < last:
                 ring.finish()
+        fault.raise_if_failed("forward")
         if out is None:  # no task at all: every row attends to nothing
             out = q.new_zeros(b, n, h, v.shape[-1], dtype=acc)
             lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
@@ -262,11 +269,17 @@ class RingAttentionFunction(torch.autograd.Function):
         # holder's contribution and reaches the owner after N-1 hops, as many as K/V travel: one hop
         # less than circulating the owner's part too.
         own, dkv = (None, None), None
+        fault = RingFault(plan.comm)
         for s, tasks in enumerate(plan.steps):
             if s < last:
                 kv.start()
-            kc, vc = kv.views()
-            grads = [g for t in tasks for g in _task_backward(plan, t, dout, q, kc, vc, out, lse)]
+            grads = []
+            if fault.ok:
+                try:
+                    kc, vc = kv.views()
+                    grads = [g for t in tasks for g in _task_backward(plan, t, dout, q, kc, vc, out, lse)]
+                except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
+                    fault.fail(e, s)
             if s > 1:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = own if s == 0 else (dkv.current if s > 1 else (None, None))
@@ -286,9 +299,11 @@ class RingAttentionFunction(torch.autograd.Function):
                 dkv.start(1 if s < last else plan.comm.world_size - last)
             if s < last:
                 kv.finish()
-        dk, dv = own
         if dkv is not None:
             dkv.finish()  # the last hop: the other ranks' contributions to our shard come home
+        fault.raise_if_failed("backward")
+        dk, dv = own
+        if dkv is not None:
             dk = dkv.current[0] if dk is None else dk.add_(dkv.current[0])
             dv = dkv.current[1] if dv is None else dv.add_(dkv.current[1])
         dk = torch.zeros_like(k, dtype=acc) if dk is None else dk

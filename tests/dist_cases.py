@@ -282,3 +282,45 @@ def window_refusal(rank: int, world_size: int) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return type(e).__name__, str(e)
     return "none", ""
+
+
+def injected_failure(rank: int, world_size: int, *, fail_rank: int, fail_step: int, phase: str) -> dict:
+    """Make the kernel raise on ``fail_rank`` at ring step ``fail_step`` of the ``phase`` pass (forward
+    or backward) of one call, then call again. Returns, per call, what was raised (type, message) or
+    ("", "") and how long the call took, and the second call's error against the reference."""
+    import time
+
+    from cp_attention.kernels import MathKernel as _Math
+
+    q, k, v, dout = make_inputs(5, 1, 4 * world_size, 2, 1, 8, 8, torch.float64)
+    out_ref, _ = reference_attention(*(t.clone().requires_grad_() for t in (q, k, v)), False, 8 ** -0.5)
+    lay = cpa.get_layout("interleaved")  # non-causal: one kernel call per ring step
+    shard = lambda t: lay.shard(t, 1, rank, world_size)  # noqa: E731
+    calls = {"n": 0}
+    original = getattr(_Math, phase)
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if rank == fail_rank and calls["n"] == fail_step + 1:
+            raise RuntimeError("injected kernel failure")
+        return original(self, *args, **kwargs)
+
+    results = []
+    for attempt in range(2):
+        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        calls["n"] = 0
+        if attempt == 0:
+            setattr(_Math, phase, failing)
+        t0 = time.perf_counter()
+        try:
+            out = cpa.ring_attention(ql, kl, vl, layout=lay, causal=False, kernel="math")
+            (out * shard(dout)).sum().backward()
+            outcome = ("", "")
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            outcome = (type(e).__name__, str(e))
+        finally:
+            setattr(_Math, phase, original)
+        results.append({"raised": outcome, "seconds": time.perf_counter() - t0})
+    results[1]["err"] = (out - shard(out_ref)).abs().max().item()
+    dist.barrier()
+    return {"calls": results}

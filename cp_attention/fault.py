@@ -1,0 +1,64 @@
+"""Containing a failure inside the ring (a kernel error, an out-of-memory) so that no rank hangs and
+the group stays usable.
+
+A rank whose compute raises at some ring step does not leave: it completes every exchange the ring
+still posts (passing on what it holds, adding nothing), so no message is left half-sent. At the end
+of the pass the ranks agree on a status in ceil(log2 N) rounds of tiny P2P exchanges (recursive
+doubling: after round k each rank knows the status of the 2^k ranks before it), and every rank
+raises: the failed one its own error, the others one naming it. The next call on the group is exact.
+
+The agreement reads the status on the host, so it runs where that costs no device sync (gloo). On
+NCCL a failure is contained on the failing rank only; its peers' next collective times out after the
+process group's timeout (``trainer.dist_timeout_s``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RingFault"]
+
+
+class RingFault:
+    """The failure state of one ring pass (forward or backward) on one rank."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.error: Optional[BaseException] = None
+        self.step = -1
+        self._agree = comm.world_size > 1 and dist.get_backend(comm.group) == "gloo"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def fail(self, error: BaseException, step: int) -> None:
+        """This rank's compute raised at ring ``step``: stop computing, keep exchanging."""
+        if self.ok:
+            self.error, self.step = error, step
+
+    def _failed_rank(self) -> int:
+        """-1 if no rank of the group failed this pass, else the lowest group rank that did."""
+        code = torch.tensor([self.comm.rank + 1 if self.error is not None else 0], dtype=torch.int64)
+        hop = 1
+        while hop < self.comm.world_size:
+            got = torch.zeros_like(code)
+            self.comm.exchange((code,), (got,), hop).wait()
+            # 0 means no failure; otherwise keep the lowest failed rank seen, so all ranks name the same.
+            code = torch.where((code == 0) | ((got > 0) & (got < code)), got, code)
+            hop *= 2
+        return int(code[0]) - 1
+
+    def raise_if_failed(self, what: str) -> None:
+        """After the pass's last exchange: raise this rank's error, or one saying which peer failed.
+        Every rank of the group raises when any did (on gloo)."""
+        failed = self._failed_rank() if self._agree else (self.comm.rank if self.error is not None else -1)
+        if self.error is not None:
+            raise self.error
+        if failed >= 0:
+            raise RuntimeError(
+                f"ring attention {what} failed on rank {failed} of the group (see that rank's error); this rank "
+                "finished its exchanges and raises too, so no rank goes on alone; the group is still usable")
