@@ -48,8 +48,10 @@ def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_si
             raise ValueError(f"process_group(rank={rank}) also needs world_size and port, "
                              f"got world_size={world_size}, port={port}")
         kwargs.update(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    elif backend == "nccl" and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        kwargs.update(_torchrun_attempt_store(kwargs.get("timeout")))
     dist.init_process_group(backend, **kwargs)
     try:
         yield
@@ -65,6 +67,25 @@ def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_si
                            f"(see that rank's error): {str(e).splitlines()[0]}") from e
     finally:
         dist.destroy_process_group()
+
+
+def _torchrun_attempt_store(timeout: Optional[datetime.timedelta]) -> dict[str, Any]:
+    """Under torchrun with restarts: the agent's store, keyed by restart attempt.
+
+    torchrun's agent keeps one store across worker restarts (``TORCHELASTIC_USE_AGENT_STORE``) and
+    torch adds no per-attempt prefix, so a restarted rank can read the address a rank of the previous,
+    dead attempt published and fail to connect ("Connection refused"), which spends a restart. A
+    prefix per attempt keeps the attempts apart. Elsewhere: ``{}`` (torch's ``env://``).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout or default_pg_timeout)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return {"store": dist.PrefixStore(f"cp_attention/attempt_{attempt}/", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s: Optional[float],

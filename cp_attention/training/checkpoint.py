@@ -1,30 +1,73 @@
-"""Checkpoints that a crash mid-save cannot corrupt: write to a temporary file, then rename."""
+"""Checkpoints that a crash mid-save cannot corrupt, and that a resume can verify.
+
+A checkpoints directory holds, per saved step::
+
+    step_0000006.pt        the payload (torch.save): written to a temporary file, then renamed
+    step_0000006.pt.json   its manifest: step, payload size and SHA-256, world size, resolved config
+    latest                 the name of the newest checkpoint, written last
+
+Each file is written to a temporary name, flushed to disk and renamed (atomic on POSIX), in the
+order payload, manifest, ``latest``: a reader sees a checkpoint whole or not at all. A checkpoint is
+*complete* when its payload matches its manifest (size and SHA-256); one that does not (truncated,
+overwritten, copied in part) is refused with :class:`CorruptCheckpointError` naming the file, and
+:func:`find_complete_checkpoint` (``trainer.resume_from=auto``) skips it for the newest one that is
+complete. A checkpoint without a manifest (older versions) is checked by loading it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_info",
+           "find_complete_checkpoint", "check_resume_compatible", "CorruptCheckpointError", "RESUMABLE_CHANGES"]
 
 _LATEST = "latest"
+_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
 
-def _atomic_write(path: Path, write) -> None:
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, or differs from its manifest; the message names it."""
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())  # on disk before the rename makes it visible
     os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
 
 
+def _manifest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def save_checkpoint(directory: "str | Path", step: int, state: dict[str, Any]) -> Path:
-    """Write ``state`` as ``directory/step_XXXXXXX.pt`` and point ``directory/latest`` at it."""
+    """Write ``state`` as ``directory/step_XXXXXXX.pt`` with its manifest, and point ``directory/latest``
+    at it. ``state["config"]`` and ``state["world_size"]``, when present, are copied into the manifest,
+    so a resume can check compatibility without loading the payload."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:07d}.pt"
-    _atomic_write(path, lambda tmp: torch.save(state, tmp))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getbuffer()
+    _atomic_write(path, lambda tmp: tmp.write_bytes(payload))
+    manifest = {"format": 1, "step": step, "file": path.name, "bytes": len(payload), "sha256": _sha256(payload),
+                "world_size": state.get("world_size"), "config": state.get("config")}
+    text = json.dumps(manifest, indent=1, default=str)
+    _atomic_write(_manifest_path(path), lambda tmp: tmp.write_text(text))
     _atomic_write(directory / _LATEST, lambda tmp: tmp.write_text(path.name))
     return path
 
@@ -45,6 +88,114 @@ def latest_checkpoint(path: "str | Path") -> Path:
                             "with a 'latest' file, or a run directory containing one")
 
 
+def _read_verified(path: Path) -> "tuple[bytes, Optional[dict]]":
+    """The payload's bytes and its manifest (None for a checkpoint written without one), verified."""
+    if not path.is_file():
+        raise CorruptCheckpointError(f"checkpoint {str(path)!r} is missing (its directory's 'latest' names it)")
+    manifest = None
+    if _manifest_path(path).is_file():
+        try:
+            manifest = json.loads(_manifest_path(path).read_text())
+        except ValueError as e:
+            raise CorruptCheckpointError(f"checkpoint manifest {str(_manifest_path(path))!r} is unreadable: {e}") from e
+    data = path.read_bytes()
+    if manifest is not None:
+        if len(data) != manifest["bytes"]:
+            raise CorruptCheckpointError(
+                f"checkpoint {str(path)!r} is truncated or incomplete: {len(data)} bytes, its manifest records "
+                f"{manifest['bytes']}")
+        if _sha256(data) != manifest["sha256"]:
+            raise CorruptCheckpointError(f"checkpoint {str(path)!r} is corrupt: its SHA-256 differs from the "
+                                         "one its manifest records")
+    return data, manifest
+
+
+def _load_bytes(path: Path, data: bytes) -> dict[str, Any]:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
+        raise CorruptCheckpointError(f"checkpoint {str(path)!r} cannot be loaded (truncated or corrupt?): "
+                                     f"{type(e).__name__}: {e}") from e
+
+
 def load_checkpoint(path: "str | Path") -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (file or directory)."""
-    return torch.load(latest_checkpoint(path), map_location="cpu", weights_only=False)
+    """Load a checkpoint written by :func:`save_checkpoint` (file or directory), verified against its
+    manifest. Raises ``FileNotFoundError`` (nothing there) or :class:`CorruptCheckpointError`."""
+    path = latest_checkpoint(path)
+    data, _ = _read_verified(path)
+    return _load_bytes(path, data)
+
+
+def checkpoint_info(path: "str | Path") -> dict[str, Any]:
+    """Verify one checkpoint file and return its manifest: ``step``, ``world_size`` and ``config``
+    (None where the checkpoint did not record them). Raises :class:`CorruptCheckpointError`."""
+    path = Path(path)
+    data, manifest = _read_verified(path)
+    if manifest is None:  # written before manifests existed: loading it is the only check
+        state = _load_bytes(path, data)
+        manifest = {"step": state["step"], "world_size": state.get("world_size"), "config": state.get("config")}
+    return manifest
+
+
+def find_complete_checkpoint(directory: "str | Path") -> "tuple[Optional[Path], Optional[dict], list[str]]":
+    """The newest complete checkpoint in ``directory`` and its :func:`checkpoint_info` (None, None if
+    there is none, or no directory), and why each newer one was skipped (one line per file)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None, None, []
+    steps = sorted(((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))),
+                   reverse=True)
+    skipped = []
+    for _, path in steps:
+        try:
+            info = checkpoint_info(path)
+        except CorruptCheckpointError as e:
+            skipped.append(str(e))
+            continue
+        return path, info, skipped
+    return None, None, skipped
+
+
+# What may differ between a checkpoint's config and the run that resumes from it. Everything else
+# must be equal, because it changes what a step computes or which data it sees.
+RESUMABLE_CHANGES = ("nproc", "trainer.steps", "trainer.log_every", "trainer.ckpt_every", "trainer.resume_from",
+                     "trainer.stop_after", "trainer.dist_timeout_s", "kernel")
+
+
+def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(cfg, dict):
+        return {prefix: cfg}
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
+def check_resume_compatible(info: dict, cfg: dict, world_size: int, path: "str | Path") -> None:
+    """Refuse to resume from checkpoint ``path`` (its :func:`checkpoint_info`) with an incompatible config.
+
+    Must match: ``cp_size``, dp (world size / cp_size), and every config field except those in
+    :data:`RESUMABLE_CHANGES`: ``trainer.seq_len``, ``micro_batch``, ``grad_accum``, ``seed`` and
+    ``grad_clip``, the whole ``model``, ``layout``, ``data`` (source, path, packing) and ``optim``
+    groups. May change: ``trainer.steps`` (the cosine schedule then follows the new total),
+    ``log_every``, ``ckpt_every``, ``resume_from``, ``stop_after``, ``dist_timeout_s``, ``nproc`` (only
+    through dp and cp_size, which must match) and ``kernel`` (exact kernels agree up to rounding, not
+    bit for bit). A field that only one of the two configs has (a config from another version) is not
+    compared. Raises ``ValueError`` naming every differing field with both values.
+    """
+    saved = info.get("config")
+    if saved is None:
+        return
+    old, new = _flatten(saved), _flatten(cfg)
+    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)  # noqa: E731
+    diffs = [f"{key} (checkpoint: {old[key]!r}, this run: {new[key]!r})"
+             for key in old if key in new and not allowed(key) and old[key] != new[key]]
+    saved_world = info.get("world_size")
+    if saved_world and "cp_size" in saved and saved_world // saved["cp_size"] != world_size // cfg["cp_size"]:
+        diffs.append(f"dp = world size / cp_size (checkpoint: {saved_world} / {saved['cp_size']} = "
+                     f"{saved_world // saved['cp_size']}, this run: {world_size} / {cfg['cp_size']} = "
+                     f"{world_size // cfg['cp_size']})")
+    if diffs:
+        raise ValueError(f"cannot resume from {str(path)!r}: the config differs from the checkpoint's in "
+                         f"{', '.join(diffs)}. Only {', '.join(RESUMABLE_CHANGES)} may change on resume; restore "
+                         "these values, or train in a new run directory (hydra.run.dir) without resume_from")

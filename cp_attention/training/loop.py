@@ -3,6 +3,16 @@
 Each data-parallel replica takes its rows of the global micro-batch; inside a replica the CP ranks
 hold 1/cp of every sequence. The CP loss is the replica's mean over all its tokens, so summing
 gradients over the whole world and dividing by dp gives exactly the gradient of a dp-only run.
+
+Failures: a rank that dies makes every other rank's next collective fail (gloo: at once, "Connection
+closed by peer"; a rank that hangs: after ``trainer.dist_timeout_s``); each survivor then raises
+:class:`PeerRankError` naming the step, and exits non-zero. ``trainer.resume_from=auto`` continues
+from the newest complete checkpoint of the run directory (or starts fresh), so
+``torchrun --max-restarts=N ... hydra.run.dir=DIR trainer.resume_from=auto`` survives a lost rank
+with the same result as an uninterrupted run. Resume rules: :func:`checkpoint.check_resume_compatible`.
+
+Test hook: ``CP_ATTENTION_TEST_SIGKILL=RANK:STEP`` makes rank RANK SIGKILL itself as it starts step
+STEP, on torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0).
 """
 
 from __future__ import annotations
@@ -11,6 +21,8 @@ import json
 import math
 import os
 import random
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,16 +34,95 @@ import cp_attention as cpa
 
 from ..kernels import check_kernel_name
 from ..launch import run_on_ranks
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (CorruptCheckpointError, check_resume_compatible, checkpoint_info, find_complete_checkpoint,
+                         latest_checkpoint, load_checkpoint, save_checkpoint)
 from .data import VOCAB_SIZE, ByteBatches, PackedBatches, load_bytes, load_documents
 from .steps import train_step
 
-__all__ = ["validate_config", "launch", "train"]
+__all__ = ["validate_config", "launch", "train", "resume_point", "PeerRankError"]
+
+
+class PeerRankError(RuntimeError):
+    """A collective failed on this rank because another rank died, failed or stopped answering."""
+
+
+# what gloo says when a peer's socket goes away or stays silent (NCCL raises dist.DistError subclasses)
+_COMM_FAILURE = ("connection closed by peer", "connection reset by peer", "connection refused", "broken pipe",
+                 "timed out")
+
+
+def _as_peer_error(e: BaseException, rank: int, where: str, timeout_s) -> Optional[PeerRankError]:
+    """``e`` restated as a :class:`PeerRankError` if it is a communication failure, else None."""
+    text = " ".join(str(x) for x in (e, e.__cause__) if x is not None)
+    if isinstance(e, PeerRankError) or not (isinstance(e, dist.DistError) or
+                                            any(s in text.lower() for s in _COMM_FAILURE)):
+        return None
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    cause = ("a peer rank died or failed" if "timed out" not in text.lower() else
+             f"a peer rank did not answer within trainer.dist_timeout_s={timeout_s} s (died, hung or far slower)")
+    return PeerRankError(f"rank {rank}: {cause} {where}; this rank stops too. Cause: {first}. Restart with "
+                         "trainer.resume_from=auto and the same hydra.run.dir (or run under torchrun "
+                         "--max-restarts=N) to continue from the newest complete checkpoint")
+
+
+def _maybe_kill_self(rank: int, step: int) -> None:
+    """The test hook of the module docstring."""
+    spec = os.environ.get("CP_ATTENTION_TEST_SIGKILL")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
+            tuple(map(int, spec.split(":"))) == (rank, step):
+        print(f"CP_ATTENTION_TEST_SIGKILL: rank {rank} SIGKILLs itself at step {step} (t={time.time():.3f})",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume_point(cfg: dict, world_size: int, run_dir: "str | Path | None") -> Optional[Path]:
+    """The checkpoint this run resumes from, checked: None for a fresh start.
+
+    ``trainer.resume_from`` is null (fresh), a checkpoint file, checkpoints directory or run directory
+    (its latest checkpoint, which must be complete), or ``auto``: the newest complete checkpoint in
+    ``run_dir/checkpoints``, skipping incomplete or corrupt ones with a note on stderr, and a fresh
+    start if there is none. Raises ``FileNotFoundError``, :class:`CorruptCheckpointError` (naming the
+    file) or ``ValueError`` (an incompatible config, naming the fields).
+    """
+    spec = cfg["trainer"].get("resume_from")
+    if not spec:
+        return None
+    if spec == "auto":
+        directory = Path(run_dir) / "checkpoints"
+        path, info, skipped = find_complete_checkpoint(directory)
+        for why in skipped:
+            print(f"resume_from=auto: skipping {why}", file=sys.stderr, flush=True)
+        if path is None:
+            print(f"resume_from=auto: no complete checkpoint in {directory}; starting fresh", file=sys.stderr,
+                  flush=True)
+            return None
+    else:
+        path = latest_checkpoint(spec)  # raises FileNotFoundError naming the path
+        info = checkpoint_info(path)
+    check_resume_compatible(info, cfg, world_size, path)
+    return path
+
+
+def _keep_metrics_up_to(path: Path, step: int) -> None:
+    """Rewrite ``metrics.jsonl`` (atomically) without the lines of steps after ``step``: on resume they
+    will be logged again. Lines a crash left half-written are dropped too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def validate_config(cfg: dict, world_size: int) -> None:
-    """Fail fast, before any process starts, on a config that cannot run. Raises ``ValueError`` or
-    ``FileNotFoundError`` saying what to change."""
+    """Fail fast, before any process starts, on a config that cannot run. Raises ``ValueError``,
+    ``FileNotFoundError`` or :class:`CorruptCheckpointError` saying what to change."""
     cp = cfg["cp_size"]
     if cp < 1 or world_size % cp != 0:
         raise ValueError(f"cp_size={cp} must divide the world size {world_size} (dp = world / cp); "
@@ -42,8 +133,8 @@ def validate_config(cfg: dict, world_size: int) -> None:
         raise ValueError(f"trainer.seq_len={seq} cannot be split by the {layout.name} layout over cp_size={cp}: "
                          f"it needs a multiple of {layout.divisor(cp)}; change trainer.seq_len or layout")
     check_kernel_name(cfg["kernel"]["name"])
-    if cfg["trainer"].get("resume_from"):
-        latest_checkpoint(cfg["trainer"]["resume_from"])  # raises FileNotFoundError naming the path
+    if cfg["trainer"].get("resume_from") not in (None, "", "auto"):  # auto: after the ranks know the run dir
+        resume_point(cfg, world_size, None)  # a missing, corrupt or incompatible checkpoint
     data = cfg["data"]
     if data["source"] in ("text", "jsonl") and not (data.get("path") and Path(data["path"]).is_file()):
         raise FileNotFoundError(f"data.source={data['source']} needs data.path to name an existing file, "
@@ -104,8 +195,10 @@ def _optimizer(params, optim_cfg: dict, steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def train(cfg: dict, run_dir: str) -> Optional[dict]:
-    """Train on this rank (the process group is initialised). Returns the final metrics on rank 0."""
+def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Optional[dict]:
+    """Train on this rank (the process group is initialised), from checkpoint ``resume`` if given (see
+    :func:`resume_point`). Returns the final metrics on rank 0. Raises :class:`PeerRankError` when
+    another rank dies or fails."""
     from cp_attention.integrations import huggingface as cphf
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -132,15 +225,20 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
         batches = ByteBatches(load_bytes(d["source"], d.get("path"), d.get("text_key", "text"), seed=t["seed"]),
                               t["seq_len"], t["seed"])
     start = 0
-    if t.get("resume_from"):
-        state = load_checkpoint(t["resume_from"])
+    if resume is not None:
+        state = load_checkpoint(resume)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if device == "cuda" and state["rng"].get("cuda") is not None:
+            for i, s in enumerate(state["rng"]["cuda"][: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
         start = state["step"]
+        if is_main:
+            print(f"resuming from {resume} (step {start})", file=sys.stderr, flush=True)
 
     ckpt_dir = Path(run_dir) / "checkpoints"
     metrics_path = Path(run_dir) / "metrics.jsonl"
@@ -171,47 +269,95 @@ def train(cfg: dict, run_dir: str) -> Optional[dict]:
     model.train()
     # stop_after ends this launch early (a time-limited job) with a checkpoint to resume from
     end = t["steps"] if not t.get("stop_after") else min(t["steps"], start + t["stop_after"])
-    for step in range(start, end):
-        micro = [replica_rows(batches.next(dp * t["micro_batch"])) for _ in range(t["grad_accum"])]
-        stat = train_step(model, opt, micro, loss_fn, cp_group=cp_group, dp_group=dp_group, scheduler=sched,
-                          grad_clip=t.get("grad_clip"))
-        dist.all_reduce(stat)
-        loss_value = stat.item() / world  # equal on the CP ranks of a replica: the mean over replicas
-        done = step + 1
-        if is_main:
-            elapsed = time.perf_counter() - t0
-            last = {"step": done, "loss": loss_value, "lr": sched.get_last_lr()[0],
-                    "tokens": done * tokens_per_step, "tokens_per_s": (done - start) * tokens_per_step / elapsed,
-                    "elapsed_s": elapsed}
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{last['tokens_per_s']:,.0f}")
-            if done % t["log_every"] == 0 or done == t["steps"]:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(last) + "\n")
-        if is_main and ((t["ckpt_every"] and done % t["ckpt_every"] == 0) or done == end):
-            save_checkpoint(ckpt_dir, done, {
-                "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "data": batches.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "config": cfg})
-    if bar is not None:
-        bar.close()
-    dist.barrier()
+    if is_main and Path(metrics_path).is_file():
+        _keep_metrics_up_to(metrics_path, start)  # a crashed attempt may have logged steps after `start`
+    where = f"before step {start + 1}"
+    try:
+        for step in range(start, end):
+            where = f"during step {step + 1} of {t['steps']}"
+            _maybe_kill_self(rank, step + 1)
+            micro = [replica_rows(batches.next(dp * t["micro_batch"])) for _ in range(t["grad_accum"])]
+            stat = train_step(model, opt, micro, loss_fn, cp_group=cp_group, dp_group=dp_group, scheduler=sched,
+                              grad_clip=t.get("grad_clip"))
+            dist.all_reduce(stat)
+            loss_value = stat.item() / world  # equal on the CP ranks of a replica: the mean over replicas
+            done = step + 1
+            if is_main:
+                elapsed = time.perf_counter() - t0
+                last = {"step": done, "loss": loss_value, "lr": sched.get_last_lr()[0],
+                        "tokens": done * tokens_per_step,
+                        "tokens_per_s": (done - start) * tokens_per_step / elapsed, "elapsed_s": elapsed}
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{last['tokens_per_s']:,.0f}")
+                if done % t["log_every"] == 0 or done == t["steps"]:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(last) + "\n")
+            if is_main and ((t["ckpt_every"] and done % t["ckpt_every"] == 0) or done == end):
+                rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+                if device == "cuda":
+                    rng["cuda"] = torch.cuda.get_rng_state_all()
+                save_checkpoint(ckpt_dir, done, {
+                    "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(), "data": batches.state_dict(), "rng": rng, "config": cfg,
+                    "world_size": world})
+        where = f"after its last step ({end})"
+        if bar is not None:
+            bar.close()
+        dist.barrier()
+    except Exception as e:
+        peer = _as_peer_error(e, rank, where, t.get("dist_timeout_s"))
+        if peer is None:
+            raise
+        raise peer from e
     return last if is_main else None
 
 
 def _train_in_shared_dir(cfg: dict, run_dir: str) -> Optional[dict]:
-    shared = [run_dir]
-    dist.broadcast_object_list(shared, src=0)  # under torchrun, rank 0's Hydra directory is everyone's
-    return train(cfg, shared[0])
+    rank = dist.get_rank()
+    try:
+        shared = [run_dir]
+        dist.broadcast_object_list(shared, src=0)  # under torchrun, rank 0's Hydra directory is everyone's
+        run_dir = shared[0]
+        found: list = [None, None]  # rank 0 picks the checkpoint and every rank takes it, or raises the same error
+        if rank == 0:
+            try:
+                found[0] = resume_point(cfg, dist.get_world_size(), run_dir)
+            except (ValueError, FileNotFoundError, CorruptCheckpointError) as e:
+                found[1] = (type(e), str(e))
+        dist.broadcast_object_list(found, src=0)
+    except Exception as e:
+        peer = _as_peer_error(e, rank, "while the ranks started", cfg["trainer"].get("dist_timeout_s"))
+        if peer is None:
+            raise
+        raise peer from e
+    if found[1] is not None:
+        raise found[1][0](found[1][1])
+    return train(cfg, run_dir, found[0])
+
+
+def _died_message(e: BaseException, run_dir: str) -> str:
+    logged = Path(run_dir) / "metrics.jsonl"
+    steps = logged.read_text().splitlines() if logged.is_file() else []
+    after = f" after step {json.loads(steps[-1])['step']} (the last one logged)" if steps else ""
+    return (f"rank {e.error_index} died ({e.signal_name}){after}; the other ranks were stopped. Run again with "
+            f"trainer.resume_from=auto hydra.run.dir={run_dir} to continue from the newest complete checkpoint")
 
 
 def launch(cfg: dict, run_dir: str) -> None:
     """Run training: under ``torchrun`` on the ranks it started (NCCL on GPU, gloo on CPU), otherwise
     on ``cfg['nproc']`` gloo ranks spawned here. All ranks write to rank 0's ``run_dir``.
 
-    Raises what :func:`validate_config` raises, before any rank starts.
+    Raises what :func:`validate_config` raises, before any rank starts; :class:`PeerRankError` on a
+    rank whose peer died or failed (under torchrun), and ``RuntimeError`` naming the rank when a
+    spawned rank is killed.
     """
+    from torch.multiprocessing import ProcessExitedException
+
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else cfg["nproc"]
     validate_config(cfg, world)
-    run_on_ranks(_train_in_shared_dir, world, cfg, run_dir, backend="nccl" if torch.cuda.is_available() else "gloo",
-                 timeout_s=cfg["trainer"].get("dist_timeout_s"))
+    try:
+        run_on_ranks(_train_in_shared_dir, world, cfg, run_dir,
+                     backend="nccl" if torch.cuda.is_available() else "gloo",
+                     timeout_s=cfg["trainer"].get("dist_timeout_s"))
+    except ProcessExitedException as e:  # a spawned rank was killed (a signal): it could say nothing itself
+        raise RuntimeError(_died_message(e, run_dir)) from e
