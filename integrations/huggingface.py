@@ -26,7 +26,6 @@ any attention argument it does not implement.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -37,10 +36,10 @@ import torch.nn.functional as F
 import cp_attention as cpa
 from cp_attention._extras import require_extra
 from cp_attention.comm import group_rank_and_size
-from cp_attention.documents import (check_cu_seqlens, cu_seqlens_from_position_ids, cu_seqlens_tuple,
-                                    document_position_ids, pad_cu_seqlens)
+from cp_attention.documents import cu_seqlens_from_position_ids, document_position_ids, pad_cu_seqlens
 from cp_attention.kernels import check_kernel_name
 
+from ._hf_checks import ForwardChecks, check_positions, documents
 from ._hf_masks import RingMask, layer_window, ring_mask
 
 __all__ = ["apply_context_parallel", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
@@ -66,6 +65,7 @@ class _CPState:
     kernel: str
     rank: int
     world_size: int
+    checks: ForwardChecks  # the model's once-per-forward data checks, and what they accepted
 
 
 # Model-level switches that transformers forwards to every attention function and that cannot change
@@ -109,7 +109,11 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                            "call cp_attention.integrations.huggingface.apply_context_parallel(model, group=...)")
     local = query.shape[2]
     total = local * state.world_size
-    cu = _documents(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, total)
+    # The model's forward pre-hook checked this forward's data once, agreed over the group; the tensors
+    # it accepted are recognised by identity. Anything else (a layer called on its own) is checked here.
+    cu, checked = state.checks.accepted_documents(cu_seq_lens_q)
+    if not checked:
+        cu = documents(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, total)
     if key.shape[2] != local:
         raise NotImplementedError(
             f"context-parallel attention got {local} queries but {key.shape[2]} keys: generation with a KV "
@@ -119,15 +123,8 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if dropout:
         raise NotImplementedError(f"attention dropout ({dropout}) is not supported by ring attention; "
                                   "set config.attention_dropout=0.0")
-    if position_ids is not None:
-        expected = _expected_positions(state.layout, total, state.rank, state.world_size, cu).to(position_ids.device)
-        if not torch.equal(position_ids, expected.expand_as(position_ids)):
-            what = "GLOBAL positions" if cu is None else "positions within their documents"
-            raise ValueError(
-                f"position_ids must be this rank's {what} under the {state.layout.name} layout "
-                f"(expected {expected[:4].tolist()}..., got {position_ids[0, :4].tolist()}...), or RoPE is wrong; "
-                "pass position_ids (and, for packed or padded batches, cu_seq_lens_q/k) from "
-                "cp_attention.integrations.huggingface.shard_batch")
+    if position_ids is not None and not state.checks.accepted_positions(position_ids):
+        check_positions(position_ids, state.layout, total, state.rank, state.world_size, cu)
     longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
     # A window covering every sequence (or document) is no window: the call stays the plain one.
     extra = {} if window is None or window >= longest else {
@@ -136,34 +133,6 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
                              kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0, cu_seqlens=cu, **extra)
     return out, None
-
-
-def _documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
-    """The packed-document boundaries from transformers' attention kwargs, checked; None if unpacked."""
-    if cu_q is None and cu_k is None:
-        if max_q is not None or max_k is not None:
-            raise ValueError("max_length_q/k were given without cu_seq_lens_q/k; pass the batch from shard_batch")
-        return None
-    if cu_q is None or cu_k is None:
-        raise ValueError("packed documents need both cu_seq_lens_q and cu_seq_lens_k (equal: self-attention); "
-                         "pass the batch from shard_batch")
-    cu = check_cu_seqlens(cu_q, total=total)
-    if cu_seqlens_tuple(cu_k) != cu:
-        raise NotImplementedError("cu_seq_lens_k differs from cu_seq_lens_q: context-parallel attention is "
-                                  "self-attention over one packed stream; pass equal boundaries")
-    longest = max(b - a for a, b in zip(cu, cu[1:]))
-    for name, val in (("max_length_q", max_q), ("max_length_k", max_k)):
-        if val is not None and int(val) != longest:
-            raise ValueError(f"{name}={int(val)} disagrees with cu_seq_lens (longest document {longest}); "
-                             "pass the batch from shard_batch")
-    return cu
-
-
-@functools.lru_cache(maxsize=16)
-def _expected_positions(layout: cpa.Layout, total: int, rank: int, world_size: int,
-                        cu: "tuple[int, ...] | None") -> torch.Tensor:
-    positions = layout.positions(total, rank, world_size, cu)
-    return positions if cu is None else document_position_ids(positions, cu)
 
 
 def _register() -> None:
@@ -187,7 +156,9 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     With a group of world size 1 the model is returned untouched (an exact no-op).
 
     Raises ``ValueError`` for an unknown layout or kernel. A feature the ring cannot honour is
-    refused by name when the model first runs (see the module docstring).
+    refused by name when the model first runs (see the module docstring). What depends on a rank's own
+    data (its position ids, padding, document boundaries) is checked once per forward, before any layer,
+    and agreed across the group in one small collective: every rank raises the same error.
     """
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
@@ -195,9 +166,14 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     if world_size == 1:
         return model
     _register()
-    state = _CPState(group, lay, kernel, rank, world_size)
+    checks = ForwardChecks(group, lay, rank, world_size)
+    state = _CPState(group, lay, kernel, rank, world_size, checks)
     for m in model.modules():
         m._cp_attention = state
+    previous = getattr(model, "_cp_checks_hook", None)
+    if previous is not None:  # patched again: the new configuration's checks replace the old ones
+        previous.remove()
+    model._cp_checks_hook = model.register_forward_pre_hook(checks, with_kwargs=True)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.generate = _refuse_generate
     return model
@@ -220,16 +196,22 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
     and ``cu_seq_lens_q/k`` (the stream's document boundaries; pass them to the model, which hands them
     to the attention) and ``max_length_q/k`` are added; ``attention_mask`` is dropped.
 
-    Raises ``ValueError`` if the layout cannot split the sequence, for non-contiguous padding, for
-    packed ``position_ids`` that do not count 0, 1, 2, ... within each document, or for bad
-    ``cu_seq_lens_q/k``; ``NotImplementedError`` for padding combined with packed position ids.
+    Raises ``ValueError`` if the layout cannot split the sequence, for ``input_ids`` that are not
+    ``[batch, seq]``, ``labels``, ``attention_mask`` (0/1 values) or ``position_ids`` that do not fit
+    them, for non-contiguous padding, for packed ``position_ids`` that do not count 0, 1, 2, ... within
+    each document, or for bad ``cu_seq_lens_q/k``; ``NotImplementedError`` for padding combined with
+    packed position ids.
     """
     lay = cpa.get_layout(layout)
     rank, world_size = group_rank_and_size(group)
+    batch = {key: val for key, val in batch.items() if val is not None}  # None entries: as if absent
     if "input_ids" not in batch:
         raise ValueError(f"shard_batch needs 'input_ids' in the batch, got keys {sorted(batch)}")
     ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, seq] tensor of the full sequences, got {_describe(ids)}")
     b, s = ids.shape
+    _check_entries(batch, b, s)
     rows = _document_rows(batch, b, s)
     if rows is not None:
         return _shard_packed(batch, rows, lay, rank, world_size)
@@ -242,6 +224,43 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
     out["position_ids"] = lay.shard(positions, 1, rank, world_size)
     out["shift_labels"] = lay.shard(shifted, 1, rank, world_size)
     return out
+
+
+def _describe(x: Any) -> str:
+    return f"a tensor of shape {tuple(x.shape)} ({x.dtype})" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _is_int(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_entries(batch: Mapping[str, Any], b: int, s: int) -> None:
+    """Refuse entries :func:`shard_batch` reads that do not fit ``input_ids [b, s]`` (``ValueError``), so
+    they can neither fail obscurely nor be sharded into silently wrong tokens."""
+    labels = batch.get("labels")
+    if labels is not None and (not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (b, s)):
+        raise ValueError(f"labels must be a [batch, seq] tensor of input_ids' shape {(b, s)}, got {_describe(labels)}")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (b, s):
+            raise ValueError(f"attention_mask must be a [batch, seq] padding mask of input_ids' shape {(b, s)} (1: real "
+                             f"token, 0: padding), got {_describe(mask)}; a 4-D mask cannot be sharded by rows of tokens")
+        if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must hold 1 (real token) and 0 (padding) only, got other values; an "
+                             "additive mask (0 and -inf) is not a padding mask")
+    pos = batch.get("position_ids")
+    if pos is not None:
+        if not (isinstance(pos, torch.Tensor) and pos.dim() in (1, 2) and pos.shape[-1] == s
+                and (pos.dim() == 1 or pos.shape[0] in (1, b))):
+            raise ValueError(f"position_ids must be [seq], [1, seq] or [batch, seq] for input_ids of shape {(b, s)}, "
+                             f"got {_describe(pos)}")
+        if pos.is_complex() or pos.dtype == torch.bool or (pos.is_floating_point() and not torch.equal(pos, pos.round())):
+            raise ValueError(f"position_ids must hold integers, got {pos.dtype} values that are not")
+    for name in ("max_length_q", "max_length_k"):
+        if batch.get(name) is not None and not _is_int(batch[name]):
+            raise ValueError(f"{name} must be an int (the longest document), got {_describe(batch[name])}")
 
 
 def model_inputs(local: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,7 +281,7 @@ def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
     arange = torch.arange(s, device=batch["input_ids"].device)
     restarting = given is not None and not torch.equal(given, arange.expand_as(given))
     if cu_q is not None or cu_k is not None:
-        cu = _documents(cu_q, cu_k, batch.get("max_length_q"), batch.get("max_length_k"), s)
+        cu = documents(cu_q, cu_k, batch.get("max_length_q"), batch.get("max_length_k"), s)
         if b != 1 or padded:
             raise ValueError(f"cu_seq_lens_q/k describe one packed row without padding, got {b} rows"
                              + (" and an attention_mask with zeros" if padded else ""))

@@ -255,8 +255,9 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
     ids = batch()
     try:
         kernel = "sdpa" if case == "softcap" else "auto"  # softcap needs a kernel that can cap
-        model = cphf.apply_context_parallel(build(family, **overrides), layout="zigzag", kernel=kernel)
-        local = cphf.shard_batch({"input_ids": ids}, layout="zigzag")
+        layout = "contiguous" if case == "contiguous_missing_position_ids" else "zigzag"
+        model = cphf.apply_context_parallel(build(family, **overrides), layout=layout, kernel=kernel)
+        local = cphf.shard_batch({"input_ids": ids}, layout=layout)
         kwargs = dict(input_ids=local["input_ids"], position_ids=local["position_ids"])
         if case == "padding_hole":  # left and right padding are exact; a hole between real tokens is not
             mask = torch.ones_like(ids)
@@ -274,8 +275,16 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
             mask = torch.ones_like(local["input_ids"])
             mask[0, 0] = 0
             model(**kwargs, attention_mask=mask)
-        elif case == "missing_position_ids":
+        elif case in ("missing_position_ids", "contiguous_missing_position_ids"):
+            # contiguous: HF's default positions are right on rank 0 only, which once let it go on alone
             model(input_ids=local["input_ids"])
+        elif case == "padding_on_one_rank":  # right padding lives in the last rank's shard only
+            mask = torch.ones_like(local["input_ids"])
+            if rank == world_size - 1:
+                mask[0, -1] = 0
+            model(**kwargs, attention_mask=mask)
+        elif case == "positions_wrong_on_one_rank":
+            model(input_ids=local["input_ids"], position_ids=local["position_ids"] + (rank == 1))
         elif case == "generate":
             model.generate(local["input_ids"], max_new_tokens=2)
         elif case == "kv_cache_decode":

@@ -21,6 +21,7 @@ def noncausal_window(rank: int, world_size: int, *, layout: str, window: int, se
     output and of dq/dk/dv against fp64 attention with that mask, on this rank's shard."""
     import cp_attention as cpa
     from cp_attention.integrations import huggingface as cphf
+    from cp_attention.integrations._hf_checks import ForwardChecks
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
@@ -33,7 +34,8 @@ def noncausal_window(rank: int, world_size: int, *, layout: str, window: int, se
     lay = cpa.get_layout(layout)
     module = torch.nn.Module()
     module.is_causal = False
-    module._cp_attention = cphf._CPState(None, lay, "auto", rank, world_size)
+    checks = ForwardChecks(None, lay, rank, world_size)  # never run: the layer checks its own inputs
+    module._cp_attention = cphf._CPState(None, lay, "auto", rank, world_size, checks)
     local = [lay.shard(t.detach(), 2, rank, world_size).requires_grad_() for t in (q, k, v)]
     out, _ = cphf._ring_attention_forward(module, *local, None, scaling=8 ** -0.5, sliding_window=window)
     out.backward(lay.shard(grad_out, 1, rank, world_size))

@@ -80,10 +80,18 @@ REFUSALS = {
     "dropout": "dropout",
     "generate": r"generate\(\) is not supported",
     "kv_cache_decode": "KV cache",
-    "missing_position_ids": "position_ids must be this rank's GLOBAL positions",
+    "missing_position_ids": "position_ids were not given",
+    "contiguous_missing_position_ids": "position_ids were not given",
+    "padding_on_one_rank": r"padding \(attention_mask with zeros\).*\(on rank 1; ranks refused: \[1\]\)",
+    "positions_wrong_on_one_rank": r"position_ids must be this rank's GLOBAL positions.*\(on rank 1; ranks refused",
     "output_attentions": "got argument\\(s\\) it does not implement: output_attentions",
     "packed_kwargs": "position_ids must be this rank's positions within their documents",
 }
+
+
+# Refusals that depend on a rank's own data: agreed once per forward, the same error on every rank.
+AGREED = ("padding_forward", "missing_position_ids", "contiguous_missing_position_ids", "padding_on_one_rank",
+          "positions_wrong_on_one_rank", "packed_kwargs", "packed_kv_differs", "kv_cache_decode")
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -94,6 +102,8 @@ def test_unsupported_features_are_refused_not_dropped(pools, case):
     for kind, message in results:
         assert kind in ("NotImplementedError", "ValueError"), (case, kind, message)
         assert re.search(REFUSALS[case], message), message
+    if case in AGREED:
+        assert len(set(results)) == 1, f"every rank raises the same error: {results}"
 
 
 def test_supported_features_do_not_trip_the_refusals(pools):

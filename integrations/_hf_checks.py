@@ -1,0 +1,150 @@
+"""The HuggingFace adapter's data checks, once per model forward and agreed across the CP group.
+
+What depends on a rank's own data (its position ids, padding in its mask, the document boundaries it
+was given) is checked in a forward pre-hook on the patched model, and the verdict is all-gathered in
+one small collective, so every rank raises the same error before any layer runs, instead of one rank
+raising while the others wait in the ring. The attention layers then recognise the checked tensors
+by identity and skip their own per-layer checks (no ``torch.equal`` or ``.tolist()`` per layer).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import cp_attention as cpa
+from cp_attention.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
+
+__all__ = ["ForwardChecks", "documents", "expected_positions", "check_positions"]
+
+_MESSAGE_BYTES = 1024
+_KINDS = (ValueError, NotImplementedError)
+
+
+def documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
+    """The packed-document boundaries from transformers' attention kwargs, checked; None if unpacked.
+
+    Raises ``ValueError`` (or ``NotImplementedError`` for differing query and key boundaries).
+    """
+    if cu_q is None and cu_k is None:
+        if max_q is not None or max_k is not None:
+            raise ValueError("max_length_q/k were given without cu_seq_lens_q/k; pass the batch from shard_batch")
+        return None
+    if cu_q is None or cu_k is None:
+        raise ValueError("packed documents need both cu_seq_lens_q and cu_seq_lens_k (equal: self-attention); "
+                         "pass the batch from shard_batch")
+    cu = check_cu_seqlens(cu_q, total=total)
+    if cu_seqlens_tuple(cu_k) != cu:
+        raise NotImplementedError("cu_seq_lens_k differs from cu_seq_lens_q: context-parallel attention is "
+                                  "self-attention over one packed stream; pass equal boundaries")
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    for name, val in (("max_length_q", max_q), ("max_length_k", max_k)):
+        if val is not None and int(val) != longest:
+            raise ValueError(f"{name}={int(val)} disagrees with cu_seq_lens (longest document {longest}); "
+                             "pass the batch from shard_batch")
+    return cu
+
+
+@functools.lru_cache(maxsize=16)
+def expected_positions(layout: cpa.Layout, total: int, rank: int, world_size: int,
+                       cu: "tuple[int, ...] | None") -> torch.Tensor:
+    """This rank's position ids under ``layout``: global positions, or positions within documents."""
+    positions = layout.positions(total, rank, world_size, cu)
+    return positions if cu is None else document_position_ids(positions, cu)
+
+
+def check_positions(position_ids: torch.Tensor, layout: cpa.Layout, total: int, rank: int, world_size: int,
+                    cu: "tuple[int, ...] | None") -> None:
+    """Raise ``ValueError`` unless ``position_ids`` are this rank's positions (see :func:`expected_positions`)."""
+    expected = expected_positions(layout, total, rank, world_size, cu).to(position_ids.device)
+    if position_ids.shape[-1] != expected.numel() or not torch.equal(position_ids, expected.expand_as(position_ids)):
+        what = "GLOBAL positions" if cu is None else "positions within their documents"
+        raise ValueError(
+            f"position_ids must be this rank's {what} under the {layout.name} layout "
+            f"(expected {expected[:4].tolist()}..., got {position_ids.flatten()[:4].tolist()}...), or RoPE is "
+            "wrong; pass position_ids (and, for packed or padded batches, cu_seq_lens_q/k) from "
+            "cp_attention.integrations.huggingface.shard_batch")
+
+
+class ForwardChecks:
+    """A patched model's forward pre-hook: checks the data of each forward once, agreed over the group,
+    and remembers what it accepted so the layers can skip their own checks."""
+
+    def __init__(self, group, layout: cpa.Layout, rank: int, world_size: int) -> None:
+        self.group, self.layout, self.rank, self.world_size = group, layout, rank, world_size
+        self._positions: Optional[weakref.ref] = None
+        self._cu_q: Optional[weakref.ref] = None
+        self.cu: "tuple[int, ...] | None" = None
+
+    def accepted_positions(self, position_ids: torch.Tensor) -> bool:
+        """Whether ``position_ids`` is the tensor this forward's check accepted."""
+        return self._positions is not None and self._positions() is position_ids
+
+    def accepted_documents(self, cu_q) -> "tuple[tuple[int, ...] | None, bool]":
+        """(the boundaries, True) if ``cu_q`` is the tensor this forward's check accepted, else (None, False)."""
+        if cu_q is not None and self._cu_q is not None and self._cu_q() is cu_q:
+            return self.cu, True
+        return None, False
+
+    def _problem(self, kwargs: dict[str, Any], local: int) -> "tuple[int, str] | None":
+        total = local * self.world_size
+        try:
+            cache = kwargs.get("past_key_values")
+            if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
+                raise NotImplementedError(
+                    "generation with a KV cache is not supported on a CP-patched model (the cache would hold only "
+                    "this rank's shard); generate with an unpatched copy of the model")
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+                raise NotImplementedError(
+                    "padding (attention_mask with zeros) cannot be given to a context-parallel model; pass "
+                    "the padded batch to shard_batch, which packs its rows into documents")
+            cu = documents(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q"),
+                           kwargs.get("max_length_k"), total)
+            positions = kwargs.get("position_ids")
+            if positions is None:
+                raise ValueError(
+                    "position_ids were not given to the context-parallel model, so it would use 0..n-1 on every "
+                    "rank (right for the first rank of the contiguous layout only, and RoPE would be wrong "
+                    "elsewhere); pass the position_ids from shard_batch: model(**model_inputs(local))")
+            check_positions(positions, self.layout, total, self.rank, self.world_size, cu)
+        except _KINDS as e:
+            return _KINDS.index(type(e)), str(e)
+        self.cu = cu
+        self._positions = weakref.ref(positions)
+        cu_q = kwargs.get("cu_seq_lens_q")
+        self._cu_q = weakref.ref(cu_q) if isinstance(cu_q, torch.Tensor) else None
+        return None
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook (``with_kwargs=True``). Raises the same ``ValueError`` or
+        ``NotImplementedError`` on every rank if any rank's data is refused."""
+        self._positions = self._cu_q = None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        problem = None
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:  # else the layers check what they get
+            problem = self._problem(kwargs, ids.shape[1])
+        # Every rank takes part in the all-gather, whatever it found, so none is left waiting.
+        code = torch.zeros(_MESSAGE_BYTES + 1, dtype=torch.uint8)
+        if problem is not None:
+            kind, message = problem
+            data = message.encode()[:_MESSAGE_BYTES]
+            code[0] = kind + 1
+            code[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        nccl = dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        parts = [torch.empty_like(code, device=device) for _ in range(self.world_size)]
+        dist.all_gather(parts, code.to(device), group=self.group)
+        rows = [p.cpu() for p in parts]
+        bad = [r for r, row in enumerate(rows) if row[0]]
+        if bad:
+            self._positions = self._cu_q = None
+            row = rows[bad[0]]
+            message = bytes(row[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+            raise _KINDS[int(row[0]) - 1](f"{message} (on rank {bad[0]}; ranks refused: {bad})")
