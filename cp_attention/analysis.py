@@ -5,7 +5,7 @@ for world sizes far beyond one machine. A work matrix is what :func:`cp_attentio
 returns: ``work[rank][step]`` = score pairs that rank computes at that ring step.
 
 The projection is a deliberately small model (see :func:`project`); its assumptions are listed in
-``scripts/layout_report.py``'s report and in the docstrings here.
+``cp_attention/experiments/layout_report.py``'s report and in the docstrings here.
 """
 
 from __future__ import annotations
@@ -195,17 +195,23 @@ def kv_bytes_per_hop(seq_len: int, world_size: int, shape: AttentionShape, elem_
     return shape.batch * (seq_len // world_size) * shape.kv_heads * (shape.head_dim + shape.dv) * elem
 
 
-def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape) -> tuple[int, int]:
+def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape, ring_steps: Optional[int] = None
+                        ) -> tuple[int, int]:
     """Bytes each rank sends: ``(forward, backward)``, the same for every layout.
 
-    Mirrors the engine (``cp_attention/ring.py``): forward sends K/V N-1 times; backward sends
-    K/V N-1 times again plus the dK/dV accumulators (fp32) N times, the last hop bringing them home.
+    Mirrors the engine (``cp_attention/ring.py``) for a ring of ``ring_steps`` steps (default
+    ``world_size``; fewer under a sliding window, see :func:`cp_attention.ring_length`): forward sends
+    K/V ``ring_steps - 1`` times; backward sends K/V ``ring_steps - 1`` times again plus the dK/dV
+    accumulators (fp32) ``ring_steps - 1`` times: a rank's own contribution stays home, the others'
+    accumulator reaches the owner after as many hops as K/V travel (the last one straight home when
+    the ring is cut short).
     """
-    if world_size == 1:
+    steps = world_size if ring_steps is None else ring_steps
+    if world_size == 1 or steps <= 1:
         return 0, 0
     kv = kv_bytes_per_hop(seq_len, world_size, shape)
     dkv = kv_bytes_per_hop(seq_len, world_size, shape, shape.acc_bytes)
-    return (world_size - 1) * kv, (world_size - 1) * kv + world_size * dkv
+    return (steps - 1) * kv, (steps - 1) * (kv + dkv)
 
 
 def pair_owners(layout: "str | Layout", causal: bool, seq_len: int, world_size: int
@@ -280,22 +286,29 @@ class Projection:
         return (self.ideal_fwd_s + self.ideal_bwd_s) / (self.fwd_serial_s + self.bwd_serial_s)
 
 
-def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, cluster: ClusterSpec
-            ) -> Projection:
+def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, cluster: ClusterSpec,
+            ring_steps: Optional[int] = None) -> Projection:
     """Project one attention call on ``cluster`` from a modelled work matrix ``work[rank][step]``.
 
-    Model, per ring step s of N (the engine's order):
+    Model, per ring step s of the L = ``ring_steps`` steps that run (default N; fewer under a sliding
+    window, whose later steps do not run at all), in the engine's order:
       compute_s = max_r work[r][s] * B * H * flops_per_pair / throughput   (a step waits for its slowest rank)
-      forward   comm_s = K/V bytes / bandwidth + latency for s < N-1 (no hop after the last step)
-      backward  comm_s = (K/V bytes [s < N-1] + dK/dV bytes [s >= 1]) / bandwidth + latency: the
-                accumulators of step s-1 share the link with the next K/V; the last dK/dV hop
-                home is never hidden, so it is added after the last step
+      forward   comm_s = K/V bytes / bandwidth + latency for s < L-1 (no hop after the last step)
+      backward  comm_s = (K/V bytes [s < L-1] + dK/dV bytes [s >= 2]) / bandwidth + latency: a rank's
+                own contribution stays home, and the accumulator filled at step s-1 >= 1 shares step
+                s's link with the next K/V; the last dK/dV hop home (one hop, also when a cut-short
+                ring sends it straight to the owner) is never hidden, so it is added after the last step
       step_s    = max(compute_s, comm_s) with overlap, compute_s + comm_s without.
     Throughput is the same for every block size; links are full duplex and every hop runs at once.
-    Raises ``ValueError`` for an empty or ragged matrix.
+    Raises ``ValueError`` for an empty or ragged matrix or ``ring_steps`` outside ``1..N``.
     """
     _check_work(work)
     n = len(work)
+    steps = n if ring_steps is None else ring_steps
+    if not 1 <= steps <= len(work[0]):
+        raise ValueError(f"ring_steps must be in 1..{len(work[0])}, got {ring_steps}")
+    if any(row[s] for row in work for s in range(steps, len(row))):
+        raise ValueError(f"work after ring step {steps} must be 0: those steps do not run")
     bh = shape.batch * shape.heads
     tput = cluster.attention_tflops * 1e12
     bw = cluster.link_gbytes_per_s * 1e9
@@ -303,7 +316,7 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
     kv = kv_bytes_per_hop(seq_len, n, shape) if n > 1 else 0
     dkv = kv_bytes_per_hop(seq_len, n, shape, shape.acc_bytes) if n > 1 else 0
     fwd_pair, bwd_pair = flops_per_pair(shape, False) * bh / tput, flops_per_pair(shape, True) * bh / tput
-    slowest = [max(row[s] for row in work) for s in range(len(work[0]))]
+    slowest = [max(row[s] for row in work) for s in range(steps)]
     total = sum(map(sum, work))
 
     def hop(nbytes: int) -> float:
@@ -312,15 +325,15 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
     fwd_o = fwd_s = bwd_o = bwd_s = worst = 0.0
     comm_bound = 0
     for s, pairs in enumerate(slowest):
-        last = s == len(slowest) - 1
+        last = s == steps - 1
         c, m = pairs * fwd_pair, hop(0 if last else kv)
         fwd_o += max(c, m)
         fwd_s += c + m
         worst = max(worst, max(c, m))
         comm_bound += m > c
-        c, m = pairs * bwd_pair, hop((0 if last else kv) + (dkv if s else 0))
+        c, m = pairs * bwd_pair, hop((0 if last else kv) + (dkv if s >= 2 else 0))
         bwd_o += max(c, m)
         bwd_s += c + m
-    home = hop(dkv)
+    home = hop(dkv) if steps > 1 else 0.0
     return Projection(fwd_o, fwd_s, bwd_o + home, bwd_s + home, total * fwd_pair / n, total * bwd_pair / n,
                       worst, comm_bound)

@@ -19,6 +19,8 @@ from cp_attention.analysis import (
 from cp_attention.experiments.layout_packed import (
     check_packed, lognormal_lengths, one_thread, packed_stream, packed_tables, stream_divisor,
 )
+from cp_attention.experiments.layout_window import check_window, window_tables
+from cp_attention.experiments.window_bench import window_size
 
 ROOT = Path(__file__).resolve().parents[1]
 PICTURES = ("mask_atlas", "work_bars", "efficiency_vs_world", "efficiency_vs_seq", "measured_steps",
@@ -27,12 +29,13 @@ TABLES = ("modelled", "work_per_rank_step", "measured_wall", "measured_step_time
           "projection", "skipped")
 PACKED_TABLES = ("packed", "packed_work_per_rank_step", "packed_te_padding", "packed_documents", "packed_measured")
 PACKED_PICTURES = ("packed_work_bars", "packed_doc_lengths")
+WINDOW_TABLES = ("window", "window_winners", "window_work_per_rank_step", "window_measured")
 
 
-def packed_config(name: str = "lognormal") -> dict:
-    """A ``configs/packed/`` option as the script sees it (its ``defaults`` resolved by hand)."""
-    raw = OmegaConf.load(ROOT / "configs" / "packed" / f"{name}.yaml")
-    base = [packed_config(d) for d in raw.pop("defaults", [])]
+def packed_config(name: str = "lognormal", group: str = "packed") -> dict:
+    """A ``configs/<group>/`` option as the script sees it (its ``defaults`` resolved by hand)."""
+    raw = OmegaConf.load(ROOT / "configs" / group / f"{name}.yaml")
+    base = [packed_config(d, group) for d in raw.pop("defaults", [])]
     return OmegaConf.to_container(OmegaConf.merge(*base, raw))
 
 
@@ -116,8 +119,12 @@ def test_comm_bytes_follow_the_engine():
     shape = AttentionShape(batch=2, heads=8, kv_heads=2, head_dim=64, v_head_dim=32, elem_bytes=2)
     hop = 2 * 256 * 2 * (64 + 32) * 2
     assert kv_bytes_per_hop(1024, 4, shape) == hop
-    assert comm_bytes_per_rank(1024, 4, shape) == (3 * hop, 3 * hop + 4 * 2 * hop)  # dK/dV in fp32
+    # dK/dV in fp32, N-1 hops: a rank's own contribution stays home.
+    assert comm_bytes_per_rank(1024, 4, shape) == (3 * hop, 3 * hop + 3 * 2 * hop)
     assert comm_bytes_per_rank(1024, 1, shape) == (0, 0)
+    # A ring cut short by a window (L of N steps): L-1 hops of each.
+    assert comm_bytes_per_rank(1024, 4, shape, ring_steps=2) == (hop, hop + 2 * hop)
+    assert comm_bytes_per_rank(1024, 4, shape, ring_steps=1) == (0, 0)
     d128 = AttentionShape(head_dim=128)
     assert flops_per_pair(d128, True) == 2.5 * flops_per_pair(d128, False)
 
@@ -131,7 +138,8 @@ def test_projection_by_hand():
     assert work == [[3, 0], [3, 4]]
     p = project(work, 4, shape, cluster)
     assert (p.fwd_overlap_s, p.fwd_serial_s) == pytest.approx((3 + 4, 3 + 1 + 4))
-    assert (p.bwd_overlap_s, p.bwd_serial_s) == pytest.approx((7.5 + 10 + 1, 8.5 + 11 + 1))  # + the hop home
+    # Step 0's dK/dV stay home; step 1's accumulator goes home after the last step (never hidden).
+    assert (p.bwd_overlap_s, p.bwd_serial_s) == pytest.approx((7.5 + 10 + 1, 8.5 + 10 + 1))
     assert (p.ideal_fwd_s, p.ideal_bwd_s) == pytest.approx((5, 12.5))
     assert p.slowest_fwd_step_s == pytest.approx(4) and p.comm_bound_steps == 0
     assert p.efficiency_overlap == pytest.approx(17.5 / 25.5)
@@ -150,6 +158,75 @@ def test_projection_regimes():
     assert short.comm_bound_steps == n - 1  # short sequence: every hop outlasts its step's compute
     with pytest.raises(ValueError, match="positive bandwidth"):
         ClusterSpec(link_gbytes_per_s=0)
+
+
+def test_projection_counts_only_the_ring_steps_that_run():
+    # S=8 over N=4, contiguous, W=2 (HF's sliding_window=2: left=1): rank r needs only rank r-1's last key.
+    shape = AttentionShape(batch=1, heads=1, kv_heads=1, head_dim=1, elem_bytes=4)
+    cluster = ClusterSpec("toy", link_gbytes_per_s=16e-9, link_latency_us=0.0, attention_tflops=4e-12)
+    work = cpa.work_model("contiguous", True, 8, 4, window_size=(1, 0))
+    steps = cpa.ring_length("contiguous", True, 8, 4, (1, 0))
+    assert steps == 2 and work == [[3, 0, 0, 0], [3, 1, 0, 0], [3, 1, 0, 0], [3, 1, 0, 0]]
+    p = project(work, 8, shape, cluster, ring_steps=steps)  # 16-byte hops over 16 B/s: 1 s each
+    assert (p.fwd_overlap_s, p.fwd_serial_s) == pytest.approx((3 + 1, 3 + 1 + 1))  # one K/V hop, not three
+    assert (p.bwd_overlap_s, p.bwd_serial_s) == pytest.approx((7.5 + 2.5 + 1, 8.5 + 2.5 + 1))  # + the hop home
+    with pytest.raises(ValueError, match="do not run"):
+        project(work, 8, shape, cluster, ring_steps=1)
+    full = project(cpa.work_model("contiguous", True, 8, 4), 8, shape, cluster)
+    assert full.fwd_serial_s == pytest.approx(3 + 4 + 4 + 4 + 3)  # every step runs: N-1 hops
+
+
+# ---------------------------------------------------------------- sliding windows
+
+def test_window_tables_match_the_work_model():
+    w = {**packed_config("smoke", "window"), "seq_len": 1024, "world_sizes": [2, 8], "bars_world_size": 8}
+    shape = AttentionShape(batch=1, heads=2, kv_heads=1, head_dim=4)
+    proj = AttentionShape(heads=32, kv_heads=8, head_dim=128, elem_bytes=2)
+    skipped: list = []
+    res = window_tables(w, list(cpa.LAYOUT_NAMES), True, shape, proj, ClusterSpec(), skipped)
+    assert not skipped and len(res["window"]) == 2 * 3 * len(cpa.LAYOUT_NAMES)  # N x (none, S/64, S/8) x layouts
+    none = {(r["layout"], r["world_size"]): r for r in res["window"] if r["window"] == "none"}
+    for r in res["window"]:
+        lay, n, seq = r["layout"], r["world_size"], r["seq_len"]
+        ws = window_size(seq, r["fraction"], True, "hf")
+        hf = (seq // r["fraction"] - 1, 0) if r["fraction"] else (-1, -1)  # W keys: left = W - 1
+        assert (r["window_left"], r["window_right"]) == ws == hf
+        work = cpa.work_model(lay, True, seq, n, window_size=ws)
+        steps = cpa.ring_length(lay, True, seq, n, ws)
+        assert r["ring_steps"] == steps and r["ring_steps_saved"] == n - steps
+        assert r["rank_pairs"] == " ".join(str(sum(row)) for row in work)
+        assert r["imbalance"] == imbalance(work) and r["step_sync_efficiency"] == step_sync_efficiency(work)
+        fwd, bwd = comm_bytes_per_rank(seq, n, shape, steps)
+        assert (r["fwd_bytes_per_rank"], r["bwd_bytes_per_rank"]) == (fwd, bwd)
+        base = none[lay, n]
+        assert r["bytes_saved_per_rank"] == base["fwd_bytes_per_rank"] + base["bwd_bytes_per_rank"] - fwd - bwd
+        p = project(work, seq, proj, ClusterSpec(), steps)
+        assert r["projected_fwdbwd_ms"] == pytest.approx((p.fwd_overlap_s + p.bwd_overlap_s) * 1e3)
+    at8 = {(r["layout"], r["window"]): r for r in res["window"] if r["world_size"] == 8}
+    # The issue's example: contiguous under a causal window of S/8 at N=8 runs 2 ring steps and sends 1/7
+    # of the bytes; zigzag and interleaved hold pieces everywhere, so their ring runs fully.
+    assert at8["contiguous", "S/8"]["ring_steps"] == 2 and at8["contiguous", "S/8"]["bytes_saved_pct"] == \
+        pytest.approx(100 * 6 / 7)
+    assert at8["zigzag", "S/8"]["ring_steps"] == at8["interleaved", "S/8"]["ring_steps"] == 8
+    assert at8["contiguous", "none"]["imbalance"] > 1.8 > 1.1 > at8["contiguous", "S/8"]["imbalance"]
+    wins = {(x["world_size"], x["window"]): x for x in res["window_winners"]}
+    assert wins[8, "S/8"]["winner_projected"] == wins[8, "S/8"]["fewest_ring_steps"] == "contiguous"
+    assert "contiguous" not in wins[8, "none"]["best_step_sync_efficiency"]
+    assert {(r["layout"], r["window"]) for r in res["window_work_per_rank_step"]} == \
+        {(lay, x) for lay in cpa.LAYOUT_NAMES for x in ("none", "S/64", "S/8")}
+
+
+def test_check_window_names_the_key():
+    w = packed_config("sliding", "window")
+    check_window(w)
+    for key, bad in (("fractions", [0]), ("fractions", "8"), ("convention", "mistral"), ("seq_len", 0),
+                     ("world_sizes", [0])):
+        with pytest.raises(ValueError, match=f"window.{key}="):
+            check_window({**w, key: bad})
+    with pytest.raises(ValueError, match="window.seq_len=32: expected at least the largest fraction 64"):
+        check_window({**w, "seq_len": 32})
+    with pytest.raises(ValueError, match="window.measure.seq_lens="):
+        check_window({**w, "measure": {**w["measure"], "seq_lens": [16]}})
 
 
 # ---------------------------------------------------------------- packed documents
@@ -307,10 +384,41 @@ def test_smoke_end_to_end(tmp_path):
                                        *(f"ring/{lay}" for lay in cpa.LAYOUT_NAMES)}
     assert all(float(r["fwdbwd_ms"]) > 0 and not r["error"] for r in pm)
 
+    # Sliding windows (experiment=smoke picks window=smoke): modelled, a winner named, measured at N = 2.
+    for name in WINDOW_TABLES:
+        assert (tmp_path / f"{name}.csv").exists(), name
+    assert (tmp_path / "window_work_bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Sliding windows (window_size)" in report and "### Which layout wins" in report
+    assert "left = W − 1" in report and "(window_work_bars.png)" in report
+    assert "**W = S/8**: projected winner" in report and "contiguous at N = 4, 8" in report
+    win = _csv(tmp_path / "window.csv")
+    assert {(r["layout"], r["world_size"], r["window"]) for r in win} == \
+        {(lay, n, x) for lay in cpa.LAYOUT_NAMES for n in "248" for x in ("none", "S/64", "S/8")}
+    for r in win:
+        seq, n, left = int(r["seq_len"]), int(r["world_size"]), int(r["window_left"])
+        ws = (left, int(r["window_right"]))
+        steps = cpa.ring_length(r["layout"], True, seq, n, ws)
+        assert int(r["ring_steps"]) == steps and int(r["ring_steps_saved"]) == n - steps
+        work = cpa.work_model(r["layout"], True, seq, n, window_size=ws)
+        assert r["rank_pairs"] == " ".join(str(sum(row)) for row in work)
+        assert float(r["imbalance"]) == pytest.approx(imbalance(work), rel=1e-12)
+        if r["layout"] == "contiguous" and r["window"] != "none" and n > 2:
+            assert steps == 2 and int(r["bytes_saved_per_rank"]) > 0 and float(r["bytes_saved_pct"]) > 60
+    winners = _csv(tmp_path / "window_winners.csv")
+    assert {r["winner_projected"] for r in winners if r["window"] != "none" and r["world_size"] != "2"} == \
+        {"contiguous"}
+    wm = _csv(tmp_path / "window_measured.csv")
+    assert {(r["layout"], r["window"]) for r in wm} == \
+        {(lay, x) for lay in cpa.LAYOUT_NAMES for x in ("none", "S/64", "S/8")}
+    assert all(float(r["fwdbwd_ms"]) > 0 for r in wm)
+    assert all(float(r["time_x_none"]) == 1.0 for r in wm if r["window"] == "none")
+    assert "Fastest measured forward+backward" in report
+
 
 def test_skips_what_a_layout_cannot_split_and_models_non_causal(tmp_path):
     proc = _run(tmp_path, "experiment=smoke", "packed=none", "measure.world_sizes=[]", "causal=false",
-                "model.world_sizes=[2,3]", "model.seq_lens=[1024]")
+                "model.world_sizes=[2,3]", "model.seq_lens=[1024]", "window.measure.world_sizes=[]",
+                "window.world_sizes=[2,3]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     skipped = _csv(tmp_path / "skipped.csv")
     assert {(r["layout"], r["world_size"]) for r in skipped if r["part"] == "modelled"} == \
@@ -318,6 +426,11 @@ def test_skips_what_a_layout_cannot_split_and_models_non_causal(tmp_path):
     assert all("divisible by" in r["reason"] for r in skipped)
     for r in _csv(tmp_path / "modelled.csv"):
         assert float(r["imbalance"]) == 1.0 and float(r["step_sync_efficiency"]) == 1.0
+    win = _csv(tmp_path / "window.csv")  # non-causal windows are symmetric bands
+    assert {r["world_size"] for r in win} == {"2", "4"}  # 4: the per-rank picture's N (window.bars_world_size)
+    assert all(r["window_left"] == r["window_right"] for r in win)
+    assert {(r["layout"], r["world_size"]) for r in skipped if r["part"] == "window"} == \
+        {(lay, "3") for lay in cpa.LAYOUT_NAMES}
     report = (tmp_path / "report.md").read_text()
     assert "## Skipped" in report and "Not measured" in report
     assert all((tmp_path / f"{name}.png").exists() for name in PICTURES)
@@ -330,4 +443,7 @@ def test_bad_config_fails_fast_with_the_key(tmp_path):
     assert not (tmp_path / "report.md").exists()
     proc = _run(tmp_path, "experiment=smoke", "packed=smoke", "packed.fit=cut")
     assert proc.returncode != 0 and "config packed.fit='cut': expected trim or pad" in proc.stderr
+    assert not (tmp_path / "report.md").exists()
+    proc = _run(tmp_path, "experiment=smoke", "window.fractions=[0]")
+    assert proc.returncode != 0 and "config window.fractions=[0]: expected a list of integers >= 1" in proc.stderr
     assert not (tmp_path / "report.md").exists()

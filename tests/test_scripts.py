@@ -1,4 +1,4 @@
-"""Scripts run end to end at tiny sizes: the benchmark (every row, torch's ring included) and the HF example."""
+"""Scripts run end to end at tiny sizes: the benchmarks (every row, torch's ring included) and the examples."""
 
 from __future__ import annotations
 
@@ -26,6 +26,30 @@ def test_benchmark_smoke(tmp_path):
         # torch's ring may disappear in a future torch; then its row must say why instead of timing.
         assert (r["fwdbwd_ms"] or 0) > 0 or (r["impl"].startswith("torch_ring") and r["error"]), r
     assert "fwd+bwd x" in proc.stdout
+
+
+def test_benchmark_window_smoke(tmp_path):
+    import cp_attention as cpa
+    
+    out = tmp_path / "window.json"
+    proc = subprocess.run([sys.executable, "scripts/benchmark_window.py", "--quick", "--layouts", "contiguous",
+                           "zigzag", "--windows", "8", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layout"], r["window"]) for r in rows] == [  # the no-window reference is always measured
+        ("contiguous", "none"), ("contiguous", "S/8"), ("zigzag", "none"), ("zigzag", "S/8")]
+    for r in rows:
+        seq, n, ws = r["seq_len"], r["world_size"], (r["window_left"], r["window_right"])
+        assert r["fwdbwd_ms"] > 0 and (r["window"] != "none" or r["time_x_none"] == 1.0)
+        assert ws == ((-1, -1) if r["window"] == "none" else (seq // 8 - 1, 0))  # hf: W = S/8 keys
+        busiest = max(map(sum, cpa.work_model(r["layout"], True, seq, n, window_size=ws)))
+        assert r["model_busiest_x_none"] == busiest / max(map(sum, cpa.work_model(r["layout"], True, seq, n)))
+        assert r["ring_steps"] == cpa.ring_length(r["layout"], True, seq, n, ws) == 2
+    assert "time x none" in proc.stdout and "model x none" in proc.stdout
+    bad = subprocess.run([sys.executable, "scripts/benchmark_window.py", "--windows", "-1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--windows" in bad.stderr
 
 
 @pytest.mark.parametrize("script,needs", [("finetune_hf.py", "transformers"), ("pretrain_megatron.py", "megatron.core")])

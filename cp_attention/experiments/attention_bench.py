@@ -42,19 +42,20 @@ def make_inputs(args, seq: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=g).to(dt) for s in shapes)
 
 
-def ours(q, k, v, dout, group, layout: "str | Layout", kernel: str, causal: bool = True, cu_seqlens=None
-         ) -> tuple[Callable, Callable]:
+def ours(q, k, v, dout, group, layout: "str | Layout", kernel: str, causal: bool = True, cu_seqlens=None,
+         window_size: "tuple[int, int]" = (-1, -1)) -> tuple[Callable, Callable]:
     """Forward-only and forward+backward closures for cp_attention.ring_attention (packed documents
-    with ``cu_seqlens``)."""
-    cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens)
+    with ``cu_seqlens``, a sliding window with ``window_size``)."""
+    kw = dict(layout=layout, causal=causal, kernel=kernel, window_size=window_size,
+              cu_seqlens=None if cu_seqlens is None else torch.as_tensor(cu_seqlens))
 
     def fwd():
         with torch.no_grad():
-            return ring_attention(q, k, v, group, layout=layout, causal=causal, kernel=kernel, cu_seqlens=cu)
+            return ring_attention(q, k, v, group, **kw)
 
     def fwdbwd():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # fresh leaves: no grad accumulation
-        ring_attention(*leaves, group, layout=layout, causal=causal, kernel=kernel, cu_seqlens=cu).backward(dout)
+        ring_attention(*leaves, group, **kw).backward(dout)
         return leaves
     return fwd, fwdbwd
 

@@ -4,7 +4,8 @@
 Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
 A (layout, world size, S) the layout cannot split is skipped and listed in the report. With a
 ``packed`` config section it also models (and measures, small) a packed-documents workload and sets it
-against TransformerEngine-style per-document padding (:mod:`.layout_packed`).
+against TransformerEngine-style per-document padding (:mod:`.layout_packed`); with a ``window`` section,
+sliding windows against no window (:mod:`.layout_window`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def check_config(cfg: dict) -> None:
         from .layout_packed import check_packed
 
         check_packed(cfg["packed"])
+    if cfg.get("window") is not None:
+        from .layout_window import check_window
+
+        check_window(cfg["window"])
 
 
 def run(cfg: dict, out: Path) -> Path:
@@ -134,6 +139,18 @@ def run(cfg: dict, out: Path) -> Path:
         res["packed"]["packed_measured"] = (
             measure_packed(pk, {**{k: cfg[k] for k in keys}, "timeout": cfg["measure"]["timeout"]}, lays, causal, log)
             if pk["measure"]["world_sizes"] else [])
+    res["window"] = None
+    if cfg.get("window") is not None:
+        from .layout_window import measure_window, window_tables
+
+        w = cfg["window"]
+        res["window"] = window_tables(w, lays, causal, shape, AttentionShape(**p["shape"]), ClusterSpec(**p["cluster"]),
+                                      skipped)
+        log(f"modelled sliding windows S/{w['fractions']} at S={w['seq_len']}, N in {w['world_sizes']}")
+        keys = ("batch", "heads", "kv_heads", "head_dim", "dtype", "kernel", "repeats")
+        res["window"]["window_measured"] = measure_window(
+            w, {**{k: cfg[k] for k in keys}, "kv_heads": cfg["kv_heads"] or cfg["heads"],
+                "timeout": cfg["measure"]["timeout"]}, lays, causal, log)
     res["skipped"] = skipped + measured["skipped"]
     path = write_results(out, cfg, res, measured["meta"], log)
     log(f"wrote {path}")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import layout_plots as plots
+from .layout_window import window_figures, window_section
 
 Records = list[dict]
 NOISY = 0.25  # a row whose repeats spread more than this is flagged in the report
@@ -23,8 +24,9 @@ ASSUMPTIONS = (
     "(no launch overhead, no small-tile penalty); merges and accumulations are free.",
     "Forward: each of the first N-1 steps sends one K/V shard (B x S/N x Hkv x (D+Dv) x element bytes) "
     "to the next rank; hop time = bytes / link bandwidth + latency. Links are full duplex and all hops run at once.",
-    "Backward (the engine's order): K/V ride the ring again, and the fp32 dK/dV accumulators of step s-1 "
-    "share step s's link; their last hop home comes after the last step and is never hidden.",
+    "Backward (the engine's order): K/V ride the ring again; a rank's own dK/dV contribution stays home, and the "
+    "fp32 accumulator filled at step s-1 >= 1 shares step s's link; its last hop home (N-1 hops in all) comes "
+    "after the last step and is never hidden. Under a sliding window only the ring steps that run are counted.",
     "With overlap a step takes max(compute, communication); without, their sum. Ideal = total work / N "
     "at full throughput with free communication; efficiency = ideal / projected forward+backward time.",
     "Not modelled: other layers, memory bandwidth, congestion between rings sharing a link, stragglers.",
@@ -90,7 +92,7 @@ def figure_data(cfg: dict, res: dict) -> dict[str, Records]:
         packed = {"packed_work_bars": _pick(res["packed"]["packed_work_per_rank_step"], world_size=bars),
                   "packed_doc_lengths": res["packed"]["packed_documents"]}
     return {
-        **packed,
+        **packed, **window_figures(cfg, res),
         "mask_atlas": res["mask_atlas"],
         "work_bars": _pick(res["work_per_rank_step"], world_size=cfg["bars"]["world_size"]),
         "efficiency_vs_world": [r for r in eff if r["seq_len"] == m["seq_len"]]
@@ -110,6 +112,7 @@ _DRAW: dict[str, Callable] = {
     "projection_efficiency": plots.projection,
     "packed_work_bars": plots.work_bars,
     "packed_doc_lengths": plots.doc_lengths,
+    "window_work_bars": plots.work_bars,
 }
 
 
@@ -143,7 +146,7 @@ def _modelled_section(cfg: dict, res: dict) -> str:
         f"Waste: **redundant** = (pairs computed − S(S+1)/2) / S(S+1)/2 (masked blocks are skipped, so 0 for every "
         "layout); **idle** = rank-time spent waiting at step barriers, over the minimum work. Communication per rank "
         f"(the same for every layout; B={cfg['batch']}, Hkv={kv}, D={cfg['head_dim']}, {cfg['dtype']}): forward "
-        "sends K/V N−1 times, backward K/V N−1 times plus fp32 dK/dV N times.",
+        "sends K/V N−1 times, backward K/V N−1 times plus fp32 dK/dV N−1 times (a rank's own contribution stays home).",
         md_table(["N"] + [f"{lay} redundant / idle" for lay in lays] + ["fwd MiB/rank", "bwd MiB/rank"], waste),
         "![mask atlas](mask_atlas.png)\n\n"
         "Every (query, key) pair in global positions, coloured by the rank that computes it, per ring step "
@@ -371,12 +374,14 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
     for name in ("modelled", "work_per_rank_step", "measured_wall", "measured_summary", "projection", "skipped"):
         write_csv(out / f"{name}.csv", res[name])
     write_csv(out / "measured_step_times.csv", res["measured_steps"])
-    for name, rows in (res.get("packed") or {}).items():
+    for name, rows in {**(res.get("packed") or {}), **(res.get("window") or {})}.items():
         write_csv(out / f"{name}.csv", rows)
     for name, rows in figure_data(cfg, res).items():
         write_csv(out / f"{name}.csv", rows)
         mask = "causal" if cfg["causal"] else "non-causal"
         mask += ", packed documents" if name.startswith("packed") else ""
+        if name.startswith("window"):
+            mask += f", sliding window S/{min(cfg['window']['fractions'])}"
         if rows:
             _DRAW[name](rows, out / f"{name}.png", mask=mask)
         else:
@@ -391,9 +396,10 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
         "rerun with `python scripts/compare_layouts.py` and the same overrides.",
     ]
     tail = ["## Files", ", ".join(f"`{f}`" for f in files)]
-    packed = [_packed_section(cfg, res)] if res.get("packed") else []
+    extra = ([_packed_section(cfg, res)] if res.get("packed") else []) + \
+        ([window_section(cfg, res)] if res.get("window") else [])
     text = "\n\n".join(head + [_modelled_section(cfg, res), _measured_section(cfg, res, meta),
-                               _projection_section(cfg, res)] + packed + [_skipped_section(res)] + tail) + "\n"
+                               _projection_section(cfg, res)] + extra + [_skipped_section(res)] + tail) + "\n"
     path = out / "report.md"
     path.write_text(text)
     return path
