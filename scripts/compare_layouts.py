@@ -6,6 +6,8 @@
     python scripts/compare_layouts.py measure.world_sizes=[1,2,4] heads=16 dtype=bfloat16 causal=false
     python scripts/compare_layouts.py out_dir=results/layouts          # default: outputs/compare_layouts/<time>
     python scripts/compare_layouts.py plugins=[my_layouts] layouts=[zigzag,my_layout]   # a registered layout
+    python scripts/compare_layouts.py window.fractions=[64,8,2] window.convention=flash  # sliding windows W = S/d
+    python scripts/compare_layouts.py packed=none window=none      # leave out the packed / windowed workloads
 
 Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
 A (layout, world size, S) the layout cannot split is skipped and listed in the report.
