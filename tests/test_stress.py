@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("stress", Path(__file__).parent.parent / "scripts" / "stress.py")
-stress = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(stress)
+from cp_attention.experiments import stress
+
+ROOT = Path(__file__).parent.parent
 
 
 def test_an_abort_is_told_from_a_failure():
@@ -19,6 +18,5 @@ def test_an_abort_is_told_from_a_failure():
 
 
 def test_every_target_is_a_command_that_exists():
-    root = Path(stress.__file__).parent.parent
     for name, cmd in stress.TARGETS.items():
-        assert all((root / part).exists() for part in cmd if part.endswith(".py")), name
+        assert all((ROOT / part).exists() for part in cmd if part.endswith(".py")), name
