@@ -26,6 +26,8 @@ __all__ = [
 
 CuSeqlens = Union[torch.Tensor, Sequence[int]]
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 
 def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
     """``cu_seqlens`` as a tuple of Python ints (a host copy; a CUDA tensor costs one sync).
@@ -33,10 +35,17 @@ def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
     Raises ``ValueError`` if it is not a 1-D sequence of integers.
     """
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        if (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex()
+                or cu_seqlens.dtype == torch.bool):
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T], got a "
                              f"{cu_seqlens.dim()}-D {cu_seqlens.dtype} tensor")
+        if cu_seqlens.device.type == "meta":
+            raise ValueError("cu_seqlens is a meta tensor, which holds no values; pass the boundaries "
+                             "[0, l1, l1+l2, ..., T] as a CPU (or CUDA) integer tensor or a list of ints")
         return tuple(int(x) for x in cu_seqlens.tolist())
+    if isinstance(cu_seqlens, (str, bytes)):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence [0, l1, l1+l2, ..., T], got "
+                         f"{type(cu_seqlens).__name__} {cu_seqlens!r}")
     try:
         values = tuple(cu_seqlens)
     except TypeError:
@@ -44,6 +53,9 @@ def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
                          ) from None
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
         raise ValueError("cu_seqlens must hold integers [0, l1, l1+l2, ..., T]")
+    if any(not _INT64_MIN <= x <= _INT64_MAX for x in values):
+        raise ValueError(f"cu_seqlens must hold 64-bit integers [0, l1, l1+l2, ..., T], got a value outside "
+                         f"[{_INT64_MIN}, {_INT64_MAX}]")
     return values
 
 

@@ -7,11 +7,13 @@ all-gather followed by :meth:`Layout.unshard`. Every operation derives from one 
 
 from __future__ import annotations
 
+import operator
+import zlib
 from typing import Sequence
 
 import torch
 
-from .documents import CuSeqlens, cached_zigzag_chunks, check_cu_seqlens
+from .documents import CuSeqlens, cached_zigzag_chunks, check_cu_seqlens, cu_seqlens_tuple
 
 __all__ = [
     "Layout",
@@ -50,6 +52,7 @@ class Layout:
 
     def check(self, seq_len: int, world_size: int) -> None:
         """Raise ``ValueError`` if this layout cannot split ``seq_len`` over ``world_size`` ranks."""
+        seq_len, world_size = _as_int("seq_len", seq_len), _as_int("world_size", world_size)
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         d = self.divisor(world_size)
@@ -61,6 +64,9 @@ class Layout:
             )
 
     def _check_rank(self, rank: int, world_size: int) -> None:
+        rank, world_size = _as_int("rank", rank), _as_int("world_size", world_size)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
 
@@ -78,6 +84,7 @@ class Layout:
         """
         self._check_rank(rank, world_size)
         self.check(seq_len, world_size)
+        seq_len, rank, world_size = int(seq_len), int(rank), int(world_size)
         if cu_seqlens is None:
             return self._positions(seq_len, rank, world_size)
         cu = check_cu_seqlens(cu_seqlens, total=seq_len)
@@ -86,39 +93,70 @@ class Layout:
     def shard(self, x: torch.Tensor, dim: int, rank: int, world_size: int,
               cu_seqlens: "CuSeqlens | None" = None) -> torch.Tensor:
         """This rank's tokens of a full tensor ``x`` along ``dim`` (a copy); see :meth:`positions`."""
-        dim = dim % x.dim()
+        dim = _check_dim(dim, x.dim(), "shard")
         idx = self.positions(x.shape[dim], rank, world_size, cu_seqlens).to(x.device)
         return x.index_select(dim, idx)
 
     def unshard(self, shards: Sequence[torch.Tensor], dim: int, cu_seqlens: "CuSeqlens | None" = None
                 ) -> torch.Tensor:
-        """Exact inverse of :meth:`shard`: the full tensor from the shards of ranks 0..N-1, in order."""
+        """Exact inverse of :meth:`shard`: the full tensor from the shards of ranks 0..N-1, in order.
+
+        Raises ``ValueError`` unless the shards are tensors of one dtype and device whose shapes agree
+        (along ``dim`` too), for a ``dim`` out of range, and as :meth:`positions` does.
+        """
+        shards = list(shards)
         world_size = len(shards)
         if world_size == 0:
             raise ValueError("unshard needs at least one shard, got an empty list")
-        dim = dim % shards[0].dim()
-        local = shards[0].shape[dim]
+        if not all(isinstance(s, torch.Tensor) for s in shards):
+            kinds = sorted({type(s).__name__ for s in shards if not isinstance(s, torch.Tensor)})
+            raise ValueError(f"unshard needs a list of tensors (one shard per rank), got {', '.join(kinds)}")
+        dim = _check_dim(dim, shards[0].dim(), "unshard")
+        first = shards[0]
+        for r, s in enumerate(shards):
+            if s.dim() != first.dim() or s.dtype != first.dtype or s.device != first.device:
+                raise ValueError(f"unshard needs shards of one shape, dtype and device: shard 0 is "
+                                 f"{tuple(first.shape)} {first.dtype} on {first.device}, shard {r} is "
+                                 f"{tuple(s.shape)} {s.dtype} on {s.device}")
+        local = first.shape[dim]
         if any(s.shape[dim] != local for s in shards):
             sizes = [s.shape[dim] for s in shards]
             raise ValueError(f"unshard needs equal shard lengths along dim {dim}, got {sizes}")
+        if any(s.shape != first.shape for s in shards):
+            sizes = [tuple(s.shape) for s in shards]
+            raise ValueError(f"unshard needs shards of one shape, got {sizes}")
         seq_len = local * world_size
         order = torch.cat([self.positions(seq_len, r, world_size, cu_seqlens) for r in range(world_size)])
-        inverse = torch.argsort(order).to(shards[0].device)
-        return torch.cat(list(shards), dim=dim).index_select(dim, inverse)
+        inverse = torch.argsort(order).to(first.device)
+        return torch.cat(shards, dim=dim).index_select(dim, inverse)
 
     def gather(self, x_local: torch.Tensor, dim: int, group=None, cu_seqlens: "CuSeqlens | None" = None
                ) -> torch.Tensor:
         """All-gather every rank's shard over ``group`` and unshard: the full tensor on each rank.
 
-        Not differentiable. With no initialised process group, or world size 1, returns ``x_local``.
+        Not differentiable. With no initialised process group, or world size 1, returns ``x_local``
+        (after the same checks). Raises ``ValueError`` on every rank alike, before the all-gather, if
+        any rank passes a ``dim`` out of range, bad ``cu_seqlens``, or a shard whose shape, dtype, device
+        type, ``dim`` or ``cu_seqlens`` differ from another rank's (an all-gather of mismatched shards
+        would abort or hang the processes).
         """
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
-            return x_local
-        world_size = dist.get_world_size(group)
+        if not isinstance(x_local, torch.Tensor):
+            raise ValueError(f"gather needs this rank's shard as a tensor, got {type(x_local).__name__}")
+        distributed = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size(group) if distributed else 1
         if world_size == 1:
+            dim = _check_dim(dim, x_local.dim(), "gather")
+            if cu_seqlens is not None:
+                self.positions(x_local.shape[dim], 0, 1, cu_seqlens)
             return x_local
+        sig = torch.tensor(_gather_signature(x_local, dim, cu_seqlens), dtype=torch.int64)
+        device = x_local.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        sigs = [torch.empty_like(sig, device=device) for _ in range(world_size)]
+        dist.all_gather(sigs, sig.to(device), group=group)
+        _check_gather([t.tolist() for t in sigs], self)
+        dim = _check_dim(dim, x_local.dim(), "gather")
         x_local = x_local.contiguous()
         parts = [torch.empty_like(x_local) for _ in range(world_size)]
         dist.all_gather(parts, x_local, group=group)
@@ -192,6 +230,81 @@ class InterleavedLayout(Layout):
     def _packed_positions(self, cu_seqlens: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
         # The packed stream is dealt round-robin, straight through documents.
         return self._positions(cu_seqlens[-1], rank, world_size)
+
+
+def _as_int(name: str, value) -> int:
+    """``value`` as an int (Python, numpy or 0-d integer tensor), else ``ValueError`` (bools too)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _check_dim(dim, ndim: int, what: str) -> int:
+    """``dim`` of an ``ndim``-D tensor, made non-negative; ``ValueError`` if there is no such dimension."""
+    if ndim == 0:
+        raise ValueError(f"{what} needs a tensor with a sequence dimension, got a 0-D tensor")
+    dim = _as_int("dim", dim)
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{what}: dim {dim} is out of range for a {ndim}-D tensor (expected {-ndim} <= dim < {ndim})")
+    return dim % ndim
+
+
+# The shard each rank passes to Layout.gather, as ints every rank can compare: a problem code, the
+# tensor's rank, the dim, the local length, a fingerprint of everything else about the shard, and the
+# packed documents' end and fingerprint.
+_GATHER_OK, _GATHER_BAD_DIM, _GATHER_BAD_CU = 0, 1, 2
+
+
+def _fingerprint(value) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
+def _gather_signature(x: torch.Tensor, dim, cu_seqlens) -> list[int]:
+    ndim = x.dim()
+    try:
+        d = _check_dim(dim, ndim, "gather")
+    except ValueError:
+        return [_GATHER_BAD_DIM, ndim, 0, 0, 0, 0, 0]
+    others = tuple(n for i, n in enumerate(x.shape) if i != d)
+    sig = [_GATHER_OK, ndim, d, x.shape[d], _fingerprint((others, str(x.dtype), x.device.type)), 0, 0]
+    if cu_seqlens is not None:
+        try:
+            cu = check_cu_seqlens(cu_seqlens_tuple(cu_seqlens))
+        except ValueError:
+            sig[0] = _GATHER_BAD_CU
+            return sig
+        sig[5:] = [min(cu[-1], 1 << 62), _fingerprint(cu)]
+    return sig
+
+
+def _check_gather(table: list[list[int]], layout: Layout) -> None:
+    """One verdict on every rank's :func:`_gather_signature`: ``ValueError`` if any is bad or they differ."""
+    world_size = len(table)
+    for code in (_GATHER_BAD_DIM, _GATHER_BAD_CU):
+        bad = [r for r, sig in enumerate(table) if sig[0] == code]
+        if bad:
+            ndim = table[bad[0]][1]
+            what = (f"dim is out of range for its {ndim}-D shard (expected {-ndim} <= dim < {ndim})"
+                    if code == _GATHER_BAD_DIM else
+                    "cu_seqlens are not document boundaries [0, l1, l1+l2, ..., T] (1-D integers, from 0, increasing)")
+            raise ValueError(f"Layout.gather: {what} on rank(s) {bad}")
+    for i, label in ((1, "number of dimensions"), (2, "dim to gather along"), (3, "length along dim"),
+                     (4, "shape (but along dim), dtype and device type"), (5, "cu_seqlens"), (6, "cu_seqlens")):
+        values = [sig[i] for sig in table]
+        if any(v != values[0] for v in values):
+            shown = (", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if i < 4 else
+                     f"rank(s) {[r for r, v in enumerate(values) if v != values[0]]} differ from rank 0")
+            raise ValueError(f"Layout.gather: every rank must pass a shard with the same {label}, got {shown}; "
+                             "gather the shards of one tensor, sharded by this layout")
+    ndim, dim, local, _, end, _ = table[0][1:]
+    total = local * world_size
+    layout.check(total, world_size)
+    if end and end != total:
+        raise ValueError(f"Layout.gather: cu_seqlens must end at the gathered length {local} x world_size "
+                         f"{world_size} = {total}, got {end}")
 
 
 # Every known layout, built-in first, then those added with register_layout, in that order.

@@ -25,6 +25,12 @@ __all__ = ["CallSpec", "encode", "check_table", "validate_call"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _UNKNOWN = -1
+_NOT_A_TENSOR = -1  # in place of a tensor's dim
+# The bits of a float argument that float() cannot convert (a quiet NaN with a payload of its own).
+_NOT_A_FLOAT = 0x7FF8_0000_DEAD_BEEF
+# Window sides beyond this are all "no bound" to any real sequence: clamped, so the int64 signature
+# holds them (two ranks that pass different such sides get the same result anyway).
+_HUGE = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -36,11 +42,11 @@ class CallSpec:
     device: int  # index into _DEVICE_TYPES, -1 other, -2 when q, k, v are on different devices
     layout: int  # index into the registered schedules, -1 unknown
     kernel: int  # index into KERNEL_NAMES, -1 unknown
-    causal: bool
-    scale: float
+    causal: "bool | int"  # -1 when bool(causal) raised
+    scale: "float | None"  # None: a value float() cannot convert
     needs_grad: bool
     sinks: int = 0  # 0: none; their length when a 1-D floating tensor on q's device; -1 otherwise
-    softcap: float = 0.0
+    softcap: "float | None" = 0.0  # None: a value float() cannot convert
     documents: int = 0  # packed documents: 0 without cu_seqlens, their count, -1 for bad cu_seqlens
     packed_len: int = 0  # cu_seqlens[-1]
     cu_hash: int = 0  # a fingerprint of cu_seqlens, so ranks that pass different boundaries are caught
@@ -51,15 +57,23 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def _bits_float(b: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", b))[0]
+def _bits_float(b: int) -> "float | None":
+    return None if b == _NOT_A_FLOAT else struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def _float_code(x) -> int:
+    """The bits of ``float(x)``, or :data:`_NOT_A_FLOAT` when it cannot be converted."""
+    try:
+        return _float_bits(float(x))
+    except Exception:  # noqa: BLE001 - TypeError, ValueError, OverflowError, a tensor of several values...
+        return _NOT_A_FLOAT
 
 
 def _sinks_code(q: torch.Tensor, sinks) -> int:
     if sinks is None:
         return 0
     ok = (isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.numel() > 0
-          and sinks.is_floating_point() and sinks.device == q.device)
+          and sinks.is_floating_point() and sinks.device == getattr(q, "device", None))
     return sinks.numel() if ok else _UNKNOWN
 
 
@@ -79,7 +93,7 @@ def _window_codes(window_size) -> list[int]:
     try:
         left, right = window_size
         if all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in (left, right)):
-            return [left, right]
+            return [min(left, _HUGE), min(right, _HUGE)]
     except (TypeError, ValueError):
         pass
     return [-2, -2]
@@ -88,49 +102,67 @@ def _window_codes(window_size) -> list[int]:
 def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",
            kernel: str, sinks: "torch.Tensor | None" = None, softcap: float = 0.0, cu_seqlens=None,
            window_size=None) -> list[int]:
-    """This rank's call as a fixed-length list of ints (see :class:`CallSpec`)."""
+    """This rank's call as a fixed-length list of ints (see :class:`CallSpec`).
+
+    Never raises: whatever is wrong with the arguments is encoded, so the rank still takes part in
+    the all-gather and every rank reaches the same verdict (a rank raising here would leave the
+    others waiting in the collective).
+    """
+    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
     sig: list[int] = []
     for t in (q, k, v):
+        if not isinstance(t, torch.Tensor):
+            sig += [_NOT_A_TENSOR, 0, 0, 0, 0]
+            continue
         shape = list(t.shape)[:4] if t.dim() == 4 else []
         sig += [t.dim(), *(shape + [0] * (4 - len(shape)))]
-    dts = {q.dtype, k.dtype, v.dtype}
-    dt = q.dtype
-    sig.append(FLOAT_DTYPES.index(dt) if len(dts) == 1 and dt in FLOAT_DTYPES else _UNKNOWN)
-    devs = {q.device, k.device, v.device}
-    sig.append(-2 if len(devs) > 1 else
-               (_DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _UNKNOWN))
+    if tensors:
+        dts = {q.dtype, k.dtype, v.dtype}
+        dt = q.dtype
+        sig.append(FLOAT_DTYPES.index(dt) if len(dts) == 1 and dt in FLOAT_DTYPES else _UNKNOWN)
+        devs = {q.device, k.device, v.device}
+        sig.append(-2 if len(devs) > 1 else
+                   (_DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _UNKNOWN))
+    else:
+        sig += [_UNKNOWN, _UNKNOWN]
     try:
         name = get_layout(layout).name
         names = schedule_names()
         sig.append(names.index(name) if name in names else _UNKNOWN)
     except (ValueError, TypeError):
         sig.append(_UNKNOWN)
-    sig.append(KERNEL_NAMES.index(kernel) if kernel in KERNEL_NAMES else _UNKNOWN)
-    sig.append(int(bool(causal)))
-    if scale is None:
-        scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else float("nan")
-    sig.append(_float_bits(float(scale)))
-    sig.append(int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
-    sig.append(_sinks_code(q, sinks))
+    sig.append(KERNEL_NAMES.index(kernel) if isinstance(kernel, str) and kernel in KERNEL_NAMES else _UNKNOWN)
     try:
-        sig.append(_float_bits(float(softcap)))
-    except (TypeError, ValueError):
-        sig.append(_float_bits(float("nan")))
+        sig.append(int(bool(causal)))
+    except Exception:  # noqa: BLE001 - e.g. a tensor of several values: judged by every rank alike
+        sig.append(_UNKNOWN)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if tensors and q.dim() == 4 and q.shape[-1] > 0 else float("nan")
+    sig.append(_float_code(scale))
+    sig.append(int(torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                   for t in (q, k, v))))
+    sig.append(_sinks_code(q, sinks))
+    sig.append(_float_code(softcap))
     sig += _cu_codes(cu_seqlens)
     sig += _window_codes(window_size)
     return sig
 
 
 def _decode(sig: list[int]) -> CallSpec:
-    shapes = tuple(tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
+    shapes = tuple(None if sig[i * 5] == _NOT_A_TENSOR else
+                   tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
                    for i in range(3))
     rest = sig[15:]
-    return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], bool(rest[4]), _bits_float(rest[5]), bool(rest[6]),
+    causal = rest[4] if rest[4] == _UNKNOWN else bool(rest[4])
+    return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], causal, _bits_float(rest[5]), bool(rest[6]),
                     rest[7], _bits_float(rest[8]), rest[9], rest[10], rest[11], (rest[12], rest[13]))
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     """What is wrong with one rank's call on its own, or None."""
+    if any(s is None for s in c.shapes):
+        names = ", ".join(n for n, s in zip("qkv", c.shapes) if s is None)
+        return f"q, k and v must be tensors [batch, seq, heads, head_dim], got something else for {names}"
     if any(len(s) != 4 for s in c.shapes):
         dims = ", ".join(f"{n}.dim()={len(s)}" for n, s in zip("qkv", c.shapes))
         return f"q, k and v must be 4-D [batch, seq, heads, head_dim], got {dims}"
@@ -140,8 +172,8 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     if not sq == sk == sv:
         return (f"q, k and v must have the same local sequence length (this rank's shard), "
                 f"got {sq}, {sk}, {sv}")
-    if sq == 0 or min(hq, hk, dq, dv) == 0:
-        return f"q, k and v must be non-empty, got shapes {c.shapes}"
+    if min(bq, sq, hq, hk, dq, dv) == 0:
+        return f"q, k and v must be non-empty (every dimension > 0), got shapes {c.shapes}"
     if hk != hv:
         return f"k and v must have the same number of heads, got {hk} and {hv}"
     if hq % hk != 0:
@@ -159,6 +191,11 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return f"unknown layout; expected one of {', '.join(schedule_names())} (or an alias)"
     if c.kernel == _UNKNOWN:
         return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
+    if c.causal == _UNKNOWN:
+        return "causal must be a bool (bool(causal) raised)"
+    if c.scale is None:
+        return ("softmax_scale must be a finite non-zero float or None (head_dim ** -0.5), got a value float() "
+                "cannot convert")
     if not math.isfinite(c.scale) or c.scale == 0.0:
         return f"softmax_scale must be a finite non-zero float, got {c.scale}"
     if c.sinks == _UNKNOWN:
@@ -174,6 +211,8 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     if c.documents and c.packed_len != sq * world_size:
         return (f"cu_seqlens must end at the packed length T = local length {sq} x world_size {world_size} = "
                 f"{sq * world_size}, got {c.packed_len}")
+    if c.softcap is None:
+        return "softcap must be a finite float >= 0 (0 disables it), got a value float() cannot convert"
     if not math.isfinite(c.softcap) or c.softcap < 0:
         return f"softcap must be a finite float >= 0 (0 disables it), got {c.softcap}"
     if c.window == (-2, -2):

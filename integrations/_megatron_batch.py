@@ -21,6 +21,9 @@ __all__ = ["get_batch_on_this_cp_rank", "DEFAULT_LAYOUT"]
 DEFAULT_LAYOUT = "zigzag"
 
 
+# Entries of one row that broadcast over the batch (megatron builds them so when they are shared).
+_BROADCAST = ("attention_mask", "position_ids")
+
 # megatron's THD batch entries (get_thd_batch_on_this_cp_rank): boundaries, not tokens; never sharded.
 _PACKED_ENTRIES = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
@@ -36,14 +39,32 @@ def _packed_seq_params_from_batch(batch: Mapping[str, Any]) -> PackedSeqParams:
     """THD ``PackedSeqParams`` from megatron's batch entries ``cu_seqlens`` [, ``cu_seqlens_padded``,
     ``max_seqlen``] (``max_seqlen`` defaults to the longest padded document)."""
     cu, padded = _batch_boundaries(batch, "cu_seqlens"), _batch_boundaries(batch, "cu_seqlens_padded")
+    bounds = cu_seqlens_tuple(cu if padded is None else padded)
+    needed = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
     longest = batch.get("max_seqlen")
     if longest is None:
-        bounds = cu_seqlens_tuple(cu if padded is None else padded)
-        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        longest = needed
     else:
-        longest = int(torch.as_tensor(longest).flatten()[0])
+        longest = _max_seqlen(longest, needed)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                            cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _max_seqlen(value: Any, needed: int) -> int:
+    """``batch['max_seqlen']`` as an int: one integer (a tensor of one element, or an int), at least the
+    longest (padded) document ``needed``. Raises ``ValueError`` otherwise."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if (t is None or t.numel() != 1 or t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"batch['max_seqlen'] must be one integer, the longest document of the packed stream "
+                         f"({needed} here), got {value!r}; leave it out to have it computed")
+    longest = int(t.item())
+    if longest < needed:
+        raise ValueError(f"batch['max_seqlen']={longest} is shorter than the longest document of the packed stream "
+                         f"({needed} tokens); leave it out to have it computed")
+    return longest
 
 
 def _shard_packed_batch(batch: Mapping[str, Any], lay: cpa.Layout, rank: int, world_size: int,
@@ -98,9 +119,11 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.L
     model, and ``position_ids``: sharded like the tokens when the batch has them, else made: each
     token's position within its document. Padding tokens need ``loss_mask`` 0 (or label -100).
 
-    Raises ``ValueError`` if a tensor's sequence length differs from the others' or the layout cannot
-    split it; for packed batches also for a batch larger than one row, an ``attention_mask``,
-    boundaries given twice (argument and batch entries) or malformed, and ``NotImplementedError``
+    Raises ``ValueError`` if a tensor's sequence length or batch differs from the others' (a mask or
+    ``position_ids`` of one row broadcast), an ``attention_mask`` is not ``[b, 1, s, s]``, or the layout
+    cannot split the sequence; for packed batches also for a batch larger than one row, an
+    ``attention_mask``, boundaries given twice (argument and batch entries) or malformed, a
+    ``max_seqlen`` that is not one integer covering the longest document, and ``NotImplementedError``
     for unsupported packed parameters (see :func:`packed_documents`).
     """
     lay = cpa.get_layout(layout)
@@ -117,13 +140,22 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.L
     out = dict(batch)
     if world_size == 1:
         return out
-    seq_len = None
+    seq_len = rows = None
     for key, val in batch.items():
         if not isinstance(val, torch.Tensor):
             continue
         dim = 2 if key == "attention_mask" else 1
+        if key == "attention_mask" and (val.dim() != 4 or val.shape[2] != val.shape[3]):
+            raise ValueError(f"batch['attention_mask'] has shape {tuple(val.shape)}; expected megatron's "
+                             "[b, 1, s, s] (queries x keys over the full sequence), or None")
         if val.dim() <= dim:
             raise ValueError(f"batch[{key!r}] has shape {tuple(val.shape)}; expected a sequence dimension {dim}")
+        # Every entry holds the same batch; a mask or position_ids of one row may broadcast.
+        if not (key in _BROADCAST and val.shape[0] == 1):
+            if rows is not None and val.shape[0] != rows[1]:
+                raise ValueError(f"batch[{key!r}] has {val.shape[0]} rows, but batch[{rows[0]!r}] has {rows[1]}; "
+                                 f"every entry must hold the same batch (or one row, for {' and '.join(_BROADCAST)})")
+            rows = (key, val.shape[0])
         if seq_len is None:
             seq_len = val.shape[dim]
             lay.check(seq_len, world_size)

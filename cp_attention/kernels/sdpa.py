@@ -54,6 +54,8 @@ class SdpaCpuKernel:
         return torch.device(device).type == "cpu" and dtype in FLOAT_DTYPES
 
     def forward(self, q, k, v, causal, scale, mask: "torch.Tensor | None" = None):
+        if scale < 0:  # the op returns NaN for a negative scale; (-q) . k * |scale| is the same score
+            q, scale = -q, -scale
         d = max(q.shape[-1], v.shape[-1])
         dv = v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -63,6 +65,9 @@ class SdpaCpuKernel:
         return out.transpose(1, 2)[..., :dv], lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask: "torch.Tensor | None" = None):
+        sign = 1.0
+        if scale < 0:  # as in forward; the chain rule flips dq back
+            q, scale, sign = -q, -scale, -1.0
         dqk, dvd = q.shape[-1], v.shape[-1]
         d = max(dqk, dvd)
         t = lambda x: _pad_last(x, d).transpose(1, 2)  # noqa: E731
@@ -70,4 +75,5 @@ class SdpaCpuKernel:
             t(dout.to(q.dtype)), t(q), t(k), t(v), t(out.to(q.dtype)), lse, 0.0, causal,
             attn_mask=_additive(mask, q.dtype), scale=scale,
         )
-        return dq.transpose(1, 2)[..., :dqk], dk.transpose(1, 2)[..., :dqk], dv.transpose(1, 2)[..., :dvd]
+        dq = dq.transpose(1, 2)[..., :dqk]
+        return (dq if sign > 0 else -dq), dk.transpose(1, 2)[..., :dqk], dv.transpose(1, 2)[..., :dvd]
