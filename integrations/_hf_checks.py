@@ -112,8 +112,8 @@ class ForwardChecks:
                     "rank (right for the first rank of the contiguous layout only, and RoPE would be wrong "
                     "elsewhere); pass the position_ids from shard_batch: model(**model_inputs(local))")
             check_positions(positions, self.layout, total, self.rank, self.world_size, cu)
-        except _KINDS as e:
-            return _KINDS.index(type(e)), str(e)
+        except (*_KINDS, TypeError) as e:  # a TypeError is bad input too (max_length_q=[5]): agree on it
+            return (_KINDS.index(type(e)) if type(e) in _KINDS else 0), str(e)
         self.cu = cu
         self._positions = weakref.ref(positions)
         cu_q = kwargs.get("cu_seq_lens_q")
