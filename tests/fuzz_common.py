@@ -28,6 +28,17 @@ def assert_same_refusal(results, what):
     assert kinds <= set(EXPECTED), f"{what}: expected ValueError or NotImplementedError on every rank, got {results}"
 
 
+def judge(target: str, kind: str, results, what: str) -> None:
+    """Count the case for ``target`` and check it: a "valid" case must succeed on every rank, any other
+    must raise the same refusal on every rank."""
+    if kind == "valid":
+        TRIED[f"{target} valid"] += 1
+        assert_all_ok(results, f"valid case {what}")
+    else:
+        TRIED[target] += 1
+        assert_same_refusal(results, what)
+
+
 def assert_all_ok(results, what):
     assert all(r == ("", "") for r in results), f"{what}: a valid call failed: {results}"
 

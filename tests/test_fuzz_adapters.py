@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from . import fuzz_cases
-from .fuzz_common import CASE_TIMEOUT, TRIED, _cu, _layout, _settings, assert_all_ok, assert_same_refusal
+from .fuzz_common import CASE_TIMEOUT, TRIED, _cu, _layout, _settings, assert_all_ok, assert_same_refusal, judge
 
 # ----------------------------------------------------------------------------------------------------
 # 3. Adapters: HuggingFace shard_batch, Megatron get_batch_on_this_cp_rank / packed params
@@ -164,12 +164,7 @@ def test_hf_shard_batch_bad_inputs(pools, world_size):
         kind, layout, batch = case
         results = pools(world_size).run(fuzz_cases.hf_shard_call, batches=[batch] * world_size, layout=layout,
                                         timeout=CASE_TIMEOUT)
-        if kind == "valid":
-            TRIED["HF shard_batch valid"] += 1
-            assert_all_ok(results, f"valid batch {batch}")
-        else:
-            TRIED["HF shard_batch"] += 1
-            assert_same_refusal(results, f"{kind}: {batch}")
+        judge("HF shard_batch", kind, results, f"{kind}: {batch}")
 
     run()
 
@@ -264,12 +259,7 @@ def test_megatron_batch_bad_inputs(pools, world_size):
         kind, layout, batch, params = case
         results = pools(world_size).run(fuzz_cases.megatron_batch_call, batches=[batch] * world_size, layout=layout,
                                         packed=[params] * world_size, timeout=CASE_TIMEOUT)
-        if kind == "valid":
-            TRIED["Megatron batch valid"] += 1
-            assert_all_ok(results, f"valid batch {batch} {params}")
-        else:
-            TRIED["Megatron batch"] += 1
-            assert_same_refusal(results, f"{kind}: {batch} {params}")
+        judge("Megatron batch", kind, results, f"{kind}: {batch} {params}")
 
     run()
 

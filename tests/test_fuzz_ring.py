@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from . import fuzz_cases
-from .fuzz_common import CASE_TIMEOUT, TRIED, _cu, _settings, assert_all_ok, assert_same_refusal
+from .fuzz_common import CASE_TIMEOUT, _cu, _settings, judge
 
 # ----------------------------------------------------------------------------------------------------
 # 1. ring_attention at world sizes 2 and 3: per-rank calls
@@ -379,12 +379,7 @@ def ring_case(draw, world_size: int):
 def _ring_fuzz(pools, world_size, case):
     kind, specs = case
     results = pools(world_size).run(fuzz_cases.ring_call, specs=specs, timeout=CASE_TIMEOUT)
-    if kind == "valid":
-        TRIED["ring_attention valid"] += 1
-        assert_all_ok(results, f"valid call {specs[0]}")
-    else:
-        TRIED["ring_attention"] += 1
-        assert_same_refusal(results, f"{kind}: {specs}")
+    judge("ring_attention", kind, results, f"{kind}: {specs}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
