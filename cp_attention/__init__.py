@@ -112,7 +112,7 @@ def ring_attention(
     lay = get_layout(layout)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     total = q.shape[1] * comm.world_size
-    window = normalize_window(window_size, causal, total if cu is None else max(b - a for a, b in zip(cu, cu[1:])))
+    window = normalize_window(window_size, causal, total, cu)
     kern = get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0, mask=window is not None)
     if cu is not None:
         steps = packed_steps(lay, bool(causal), comm.rank, comm.world_size, cu,

@@ -28,17 +28,16 @@ class RingFault:
     def __init__(self, comm) -> None:
         self.comm = comm
         self.error: Optional[BaseException] = None
-        self.step = -1
         self._agree = comm.world_size > 1 and dist.get_backend(comm.group) == "gloo"
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
-    def fail(self, error: BaseException, step: int) -> None:
-        """This rank's compute raised at ring ``step``: stop computing, keep exchanging."""
+    def fail(self, error: BaseException) -> None:
+        """This rank's compute raised: stop computing, keep exchanging."""
         if self.ok:
-            self.error, self.step = error, step
+            self.error = error
 
     def _failed_rank(self) -> int:
         """-1 if no rank of the group failed this pass, else the lowest group rank that did."""

@@ -217,7 +217,7 @@ class RingAttentionFunction(torch.autograd.Function):
                             else:
                                 out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
                 except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
-                    fault.fail(e, s)
+                    fault.fail(e)
             if s < last:
                 ring.finish()
         fault.raise_if_failed("forward")
@@ -279,7 +279,7 @@ class RingAttentionFunction(torch.autograd.Function):
                     kc, vc = kv.views()
                     grads = [g for t in tasks for g in _task_backward(plan, t, dout, q, kc, vc, out, lse)]
                 except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
-                    fault.fail(e, s)
+                    fault.fail(e)
             if s > 1:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = own if s == 0 else (dkv.current if s > 1 else (None, None))

@@ -186,8 +186,7 @@ def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: i
         from .doc_schedule import doc_block_pairs  # built on this module
         from .window_schedule import normalize_window, plan_blocks
 
-        longest = seq_len if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
-        window = normalize_window(window_size, causal, longest)
+        window = normalize_window(window_size, causal, seq_len, cu)
         if cu is not None or window is not None:
             plans = [plan_blocks(lay, causal, r, world_size, seq_len, cu, window) for r in range(world_size)]
             return [[sum(doc_block_pairs(b) for b in blocks) for blocks in plan] + [0] * (world_size - len(plan))

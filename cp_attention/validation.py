@@ -20,6 +20,7 @@ from .dtypes import FLOAT_DTYPES
 from .kernels import KERNEL_NAMES, get_kernel
 from .layout import Layout, get_layout
 from .schedule import schedule_names
+from .window_schedule import check_window_size
 
 __all__ = ["CallSpec", "encode", "check_table", "validate_call"]
 
@@ -91,12 +92,10 @@ def _window_codes(window_size) -> list[int]:
     if window_size is None:
         return [-1, -1]
     try:
-        left, right = window_size
-        if all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in (left, right)):
-            return [min(left, _HUGE), min(right, _HUGE)]
-    except (TypeError, ValueError):
-        pass
-    return [-2, -2]
+        left, right = check_window_size(window_size)
+    except ValueError:
+        return [-2, -2]
+    return [min(left, _HUGE), min(right, _HUGE)]
 
 
 def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",

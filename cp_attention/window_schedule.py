@@ -15,6 +15,7 @@ Pure index math, no torch.distributed.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Optional
 
 import torch
@@ -24,29 +25,43 @@ from .documents import CuSeqlens, check_cu_seqlens, document_ids
 from .layout import Layout, get_layout
 from .schedule import source_rank
 
-__all__ = ["Window", "normalize_window", "window_plan", "ring_length", "plan_blocks"]
+__all__ = ["Window", "check_window_size", "normalize_window", "window_plan", "ring_length", "plan_blocks"]
 
 # (left, right) after normalisation: -1 = unbounded on that side.
 Window = tuple[int, int]
 
 
-def normalize_window(window_size, causal: bool, longest: int) -> Optional[Window]:
-    """``window_size`` as ``(left, right)`` with sides that cannot matter made unbounded (-1): a side
-    at least ``longest - 1`` (the longest sequence or document), and the right side when causal.
-    None when no side restricts anything.
+def check_window_size(window_size) -> Window:
+    """``window_size`` as a checked ``(left, right)`` of ints.
 
-    Raises ``ValueError`` unless ``window_size`` is a pair of ints each ``>= -1``.
+    Raises ``ValueError`` unless it is a pair of ints (not bools) each ``>= -1``.
+    """
+    try:
+        left, right = (operator.index(x) for x in window_size)
+        ok = not any(isinstance(x, bool) for x in window_size) and left >= -1 and right >= -1
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"window_size must be (left, right), two ints >= -1 (flash-attn's convention, -1 = "
+                         f"unbounded), got {window_size!r}")
+    return left, right
+
+
+def normalize_window(window_size, causal: bool, total: int, cu_seqlens: "CuSeqlens | None" = None
+                     ) -> Optional[Window]:
+    """``window_size`` as ``(left, right)`` with sides that cannot matter made unbounded (-1): a side
+    at least as long as the longest sequence of ``total`` tokens (or document of ``cu_seqlens``) minus
+    one, and the right side when causal. None when no side restricts anything.
+
+    Raises what :func:`check_window_size` raises, and ``ValueError`` for bad ``cu_seqlens``.
     """
     if window_size is None:
         return None
-    try:
-        left, right = (int(x) for x in window_size)
-        ok = all(int(x) == x and not isinstance(x, bool) for x in window_size)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok or left < -1 or right < -1:
-        raise ValueError(f"window_size must be (left, right), two ints >= -1 (flash-attn's convention, -1 = "
-                         f"unbounded), got {window_size!r}")
+    left, right = check_window_size(window_size)
+    longest = total
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, total=total)
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
     left = -1 if left >= longest - 1 else left
     right = -1 if causal or right >= longest - 1 else right
     return None if left == right == -1 else (left, right)
@@ -161,9 +176,7 @@ def ring_length(layout: "str | Layout", causal: bool, total: int, world_size: in
 
     Raises what :func:`normalize_window` and :func:`window_plan` raise.
     """
-    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, total=total)
-    longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
-    window = normalize_window(window_size, causal, longest)
+    window = normalize_window(window_size, causal, total, cu_seqlens)
     if window is None:
         return world_size
-    return len(window_plan(layout, causal, 0, world_size, total, window, cu))
+    return len(window_plan(layout, causal, 0, world_size, total, window, cu_seqlens))

@@ -58,19 +58,36 @@ def layer_window(mask, sliding_window: Optional[int], causal: bool) -> Optional[
     return None if window is None else int(window)
 
 
-def ring_mask(batch_size: int, q_length: int, kv_length: int, *args,
-               attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
-               config: Any = None, use_vmap: bool = False, **kwargs) -> Optional[RingMask]:
+# What transformers' mask creators pass besides the mask's meaning (sdpa's and eager's own options).
+_MASK_OPTIONS = frozenset({"allow_is_causal_skip", "dtype", "device", "mask_function"})
+_ABSENT = object()
+
+
+def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+              attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
+              allow_is_bidirectional_skip: Any = _ABSENT, config: Any = None, use_vmap: bool = False,
+              **options: Any) -> Optional[RingMask]:
     """``AttentionMaskInterface`` entry: the ring applies its masks itself, so no mask is built.
 
     Returns None for transformers' plain causal mask, and a :class:`RingMask` naming a sliding window
     (``create_sliding_window_causal_mask``, ``local_size`` = the window) or a bidirectional mask (its
     creators pass ``allow_is_bidirectional_skip``), which the model hands to the attention calls of
-    the layers it is meant for, and which :func:`~cp_attention.integrations.huggingface._ring_attention_forward` honours or refuses. What cannot
-    be honoured is refused rather than dropped: padding (a mask with zeros), a model's own mask functions
-    laid over the standard ones (transformers sets ``use_vmap`` exactly then: image tokens,
-    bidirectional windows), and chunked attention (``local_size`` = ``config.attention_chunk_size``).
+    the layers it is meant for, and which
+    :func:`~cp_attention.integrations.huggingface._ring_attention_forward` honours or refuses. The kind
+    of mask is read from those arguments, not from ``mask_function`` (a closure per creator); anything
+    laid over the standard functions is caught by ``use_vmap``. What cannot be honoured is refused
+    rather than dropped: padding (a mask with zeros), a model's own mask functions laid over the standard
+    ones (transformers sets ``use_vmap`` exactly then: image tokens, bidirectional windows), chunked
+    attention (``local_size`` = ``config.attention_chunk_size``), and any argument other than
+    :data:`_MASK_OPTIONS` (named in the error). ``q_offset``/``kv_offset`` describe the KV cache's
+    layout (a sliding layer's cache shifts them even in a first forward); decoding from a cache, the
+    only case where they change what a query sees, is refused by the model's forward check and by the
+    attention layer.
     """
+    unknown = sorted(name for name, val in options.items() if val is not None and name not in _MASK_OPTIONS)
+    if unknown:
+        raise NotImplementedError(f"the attention mask was asked with argument(s) context-parallel attention does "
+                                  f"not implement: {', '.join(unknown)}; refusing rather than ignoring them")
     if attention_mask is not None and not bool(attention_mask.all()):
         raise NotImplementedError("padding (attention_mask with zeros) is not supported by context-parallel "
                                   "attention yet; pack or trim the batch so that every token is real")
@@ -81,6 +98,6 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, *args,
     if local_size is not None and local_size == getattr(config, "attention_chunk_size", None):
         raise NotImplementedError(f"chunked attention (attention_chunk_size={local_size}) is not supported by "
                                   "context-parallel attention")
-    if "allow_is_bidirectional_skip" in kwargs:
+    if allow_is_bidirectional_skip is not _ABSENT:
         return RingMask(causal=False, window=local_size)
     return None if local_size is None else RingMask(causal=True, window=local_size)

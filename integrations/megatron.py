@@ -58,6 +58,7 @@ import cp_attention as cpa
 from cp_attention._extras import require_extra
 from cp_attention.comm import group_rank_and_size
 from cp_attention.kernels import check_kernel_name
+from cp_attention.window_schedule import check_window_size
 
 require_extra("megatron", ("megatron.core",), "cp_attention.integrations.megatron")
 
@@ -116,14 +117,11 @@ def _layer_window(config, layer_number: int) -> tuple[int, int]:
     (``is_layer_window_attention``, with megatron's 1-based ``layer_number``), else ``(-1, -1)``."""
     if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
         return (-1, -1)
-    window = config.window_size
     try:
-        ok = len(window) == 2 and all(int(x) == x and not isinstance(x, bool) and x >= -1 for x in window)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"config.window_size={window!r} must be (left, right), two ints >= -1 (-1 = unbounded)")
-    return (int(window[0]), int(window[1]))
+        return check_window_size(config.window_size)
+    except ValueError:
+        raise ValueError(f"config.window_size={config.window_size!r} must be (left, right), two ints >= -1 "
+                         "(-1 = unbounded)") from None
 
 
 _AGREED_ERRORS = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}

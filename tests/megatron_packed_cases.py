@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .megatron_cases import (SEQ, VOCAB, _cp_model, _error, _qkv, _ring, build, config, cuda_hardcodes_unpatched,
-                             megatron_cuda_hardcodes_on_cpu, parallel_state)
+from .megatron_cases import SEQ, VOCAB, _cp_model, _error, _qkv, _ring, build, config, parallel_state
+from .megatron_cpu import cuda_hardcodes_unpatched, megatron_cuda_hardcodes_on_cpu
 
 
 # Packed (THD) batches over SEQ tokens: a 1-token document, documents shorter than CP 3, and no

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .megatron_cases import SEQ, _qkv, _ring, config, megatron_cuda_hardcodes_on_cpu, parallel_state
+from .megatron_cases import SEQ, _qkv, _ring, config, parallel_state
+from .megatron_cpu import megatron_cuda_hardcodes_on_cpu
 
 SEED = 21
 

@@ -102,6 +102,9 @@ def test_mask_interface_hands_windows_on_and_refuses_what_it_cannot_honour():
     with pytest.raises(NotImplementedError, match="lays its own mask functions"):
         mu.create_sliding_window_causal_mask(config=_tiny_config(sliding_window=3), **kwargs,
                                              or_mask_function=lambda *a: torch.tensor(True))
+    # anything else transformers may pass the mask interface one day is refused by name, not dropped
+    with pytest.raises(NotImplementedError, match="does not implement: block_sequence_ids"):
+        hf_masks.ring_mask(1, 6, 6, block_sequence_ids=torch.zeros(1, 6))
     # the attention side: a mask-only window is honoured, a disagreeing pair refused
     assert hf_masks.layer_window(hf_masks.RingMask(True, 4), None, True) == 4
     assert hf_masks.layer_window(None, 4, False) == 4

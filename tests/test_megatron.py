@@ -158,7 +158,7 @@ _PACKED_REFS: dict = {}
 
 def _packed_references(pools, **model_kw):
     """Each document of the packed batches run on its own at CP=1 (megatron's attention and RoPE), per padding."""
-    key = tuple(sorted(model_kw.items()))
+    key = repr(sorted(model_kw.items()))  # values may be lists (window_attn_skip_freq)
     if key not in _PACKED_REFS:
         _PACKED_REFS[key] = {padded: pools(1).run(mpc.packed_reference, model_kw=model_kw, padded=padded,
                                                   timeout=180)[0] for padded in (False, True)}

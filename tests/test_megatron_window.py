@@ -14,6 +14,7 @@ import cp_attention as cpa  # noqa: E402
 from . import megatron_cases as mc  # noqa: E402
 from . import megatron_packed_cases as mpc  # noqa: E402
 from . import megatron_window_cases as mwc  # noqa: E402
+from .test_megatron import _packed_references  # noqa: E402
 
 FP64 = 1e-10
 FP32 = 2e-6  # megatron's own loss is computed in fp32
@@ -96,20 +97,9 @@ def test_minus_one_is_unbounded(pools):
 
 
 PACKED_WINDOW = dict(window_size=(3, 0), window_attn_skip_freq=2)
-_PACKED_REFS: dict = {}
-
-
-def _packed_refs(pools, **model_kw):
-    key = repr(sorted(model_kw.items()))
-    if key not in _PACKED_REFS:
-        _PACKED_REFS[key] = {padded: pools(1).run(mpc.packed_reference, model_kw=model_kw, padded=padded,
-                                                  timeout=180)[0] for padded in (False, True)}
-    return _PACKED_REFS[key]
-
-
 def test_packed_window_changes_the_reference(pools):
     """The packed documents (1, 5, 2, 9, 7 tokens) are longer than the window: it matters."""
-    windowed, plain = _packed_refs(pools, **PACKED_WINDOW), _packed_refs(pools)
+    windowed, plain = _packed_references(pools, **PACKED_WINDOW), _packed_references(pools)
     for padded in (False, True):
         assert (windowed[padded]["logits"] - plain[padded]["logits"]).abs().max() > 1e-3, padded
 
@@ -120,7 +110,7 @@ PACKED_CASES = list(itertools.product((2, 4), cpa.LAYOUT_NAMES))
 @pytest.mark.parametrize("world_size,layout", PACKED_CASES, ids=[f"cp{w}-{lay}" for w, lay in PACKED_CASES])
 def test_packed_windowed_gpt_matches_each_document_alone(pools, world_size, layout):
     """THD packed batches (padded or not) with a window of 3 on layer 1: positions within documents."""
-    results = pools(world_size).run(mpc.packed_equivalence, layout=layout, refs=_packed_refs(pools, **PACKED_WINDOW),
+    results = pools(world_size).run(mpc.packed_equivalence, layout=layout, refs=_packed_references(pools, **PACKED_WINDOW),
                                     model_kw=PACKED_WINDOW, timeout=180)
     for rank, per_padding in enumerate(results):
         for padded, r in per_padding.items():

@@ -112,8 +112,7 @@ def _check_window_plan(layout, n, causal, window, local, lengths):
     else:
         cu, _ = pad_cu_seqlens(cu_seqlens_from_lengths(lengths), lay.divisor(n))
         total = cu[-1]
-    longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
-    win = normalize_window(window, causal, longest)
+    win = normalize_window(window, causal, total, cu)
     if win is None:
         return  # no window: the unwindowed schedules, proven elsewhere
     blocks, tasks, length = _coverage(layout, causal, n, total, cu, win)
@@ -133,6 +132,8 @@ def test_normalize_window():
     assert normalize_window((98, 5), True, 100) == (98, -1)
     assert normalize_window((3, 7), False, 100) == (3, 7)
     assert normalize_window((-1, 99), False, 100) is None
+    assert normalize_window((9, -1), True, 100, [0, 10, 100]) == (9, -1)  # the longest document counts
+    assert normalize_window((89, -1), True, 100, [0, 10, 100]) is None
     for bad in ((-2, 0), (1.5, 0), (True, 0), 3, (1, 2, 3), "ab"):
         with pytest.raises(ValueError, match="window_size must be"):
             normalize_window(bad, True, 100)
