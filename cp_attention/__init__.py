@@ -108,7 +108,7 @@ def ring_attention(
     comm = RingComm(group)
     cu = cu_seqlens if cu_seqlens is None else _host_cu_seqlens(cu_seqlens)
     validate_call(q, k, v, layout, causal, softmax_scale, kernel, group, comm.world_size, sinks, softcap, cu,
-                  window_size)
+                  window_size, comm=comm)
     lay = get_layout(layout)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     total = q.shape[1] * comm.world_size

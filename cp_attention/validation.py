@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .agreement import VERDICTS, cache_enabled, digests_agree, in_agreed_forward
 from .documents import check_cu_seqlens
 from .dtypes import FLOAT_DTYPES
 from .kernels import KERNEL_NAMES, get_kernel
 from .layout import Layout, get_layout
+from .loopback import LoopbackRank
 from .schedule import schedule_names
 from .window_schedule import check_window_size
 
@@ -265,15 +267,42 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
 
 
 def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int, sinks=None,
-                  softcap: float = 0.0, cu_seqlens=None, window_size=None) -> None:
-    """Validate a ring_attention call across the whole group; raise the same error on every rank."""
+                  softcap: float = 0.0, cu_seqlens=None, window_size=None, comm=None) -> None:
+    """Validate a ring_attention call across the whole group; raise the same error on every rank.
+
+    The all-gather runs once per distinct call signature (see :mod:`cp_attention.agreement`): a
+    call the group already agreed on, or one inside an adapter's :func:`agreed_forward`, is judged
+    without a collective. ``comm`` is the call's :class:`~cp_attention.comm.RingComm` (on gloo it
+    compares signature fingerprints by P2P, so ranks calling with different arguments are caught
+    even when each rank's own call was agreed before).
+    """
     sig = encode(q, k, v, layout, causal, scale, kernel, sinks, softcap, cu_seqlens, window_size)
     resolved = layout if isinstance(layout, Layout) else None
     if world_size == 1:
         check_table([sig], resolved)
         return
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    if isinstance(group, LoopbackRank):  # all ranks in this process: the table costs nothing
+        check_table(group.all_gather_ints(sig), resolved)
+        return
+    gloo = dist.get_backend(group) == "gloo"
+    if cache_enabled():
+        same = digests_agree(comm, _digest(sig)) if comm is not None and comm.host_agreement else True
+        if same and in_agreed_forward(group):
+            check_table([sig] * world_size, resolved)
+            return
+        key = (group, tuple(sig), resolved)
+        if same and key in VERDICTS:
+            return
+    device = torch.device("cpu") if gloo else q.device
     mine = torch.tensor(sig, dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(parts, mine, group=group)
     check_table([p.tolist() for p in parts], resolved)
+    if cache_enabled():
+        VERDICTS.add(key)
+
+
+def _digest(sig: list[int]) -> int:
+    # A fingerprint of the signature that every process computes alike (ints and tuples of ints
+    # hash deterministically, unlike strings).
+    return hash(tuple(sig)) & ((1 << 62) - 1)
