@@ -7,7 +7,8 @@ of the pass the ranks agree on a status in ceil(log2 N) rounds of tiny P2P excha
 doubling: after round k each rank knows the status of the 2^k ranks before it), and every rank
 raises: the failed one its own error, the others one naming it. The next call on the group is exact.
 
-The agreement reads the status on the host, so it runs where that costs no device sync (gloo). On
+The agreement reads the status on the host, so it runs where that costs no device sync (gloo, and
+the in-process loopback ring). On
 NCCL a failure is contained on the failing rank only; its peers' next collective times out after the
 process group's timeout (``trainer.dist_timeout_s``).
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["RingFault"]
 
@@ -28,7 +28,7 @@ class RingFault:
     def __init__(self, comm) -> None:
         self.comm = comm
         self.error: Optional[BaseException] = None
-        self._agree = comm.world_size > 1 and dist.get_backend(comm.group) == "gloo"
+        self._agree = comm.host_agreement
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,142 @@
+"""A ring of N ranks inside one process: threads that exchange tensors through a mailbox.
+
+One GPU cannot host two NCCL ranks, so the GPU tests and the GPU benchmark run all N ranks' schedules
+in one process, on one device, with real kernels: each rank is a thread calling
+``ring_attention(..., group=LoopbackGroup.rank(r))``. The engine's ring exchanges become device copies
+(every thread uses the same stream, so a copy is ordered after the kernels that produced its source),
+and validation's all-gather becomes a table in memory. It runs on CPU too, which lets CI test it.
+
+Messages between two ranks are matched in the order they were posted, as gloo and NCCL match them.
+A posted send is copied at once, so no exchange ever waits for its receiver: only a receive waits, for
+the matching send, which its peer posts before waiting on anything itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["LoopbackGroup", "LoopbackRank"]
+
+_DEFAULT_TIMEOUT_S = 300.0
+
+
+class _Posted:
+    """What :meth:`LoopbackRank.exchange` returns: ``wait()`` fills the receive buffers."""
+
+    def __init__(self, rank: "LoopbackRank", recv: Sequence[torch.Tensor], keys: list[tuple[int, int, int]]):
+        self._rank, self._recv, self._keys = rank, recv, keys
+
+    def wait(self) -> None:
+        for t, key in zip(self._recv, self._keys):
+            t.copy_(self._rank.group._take(key))
+
+
+class LoopbackGroup:
+    """``world_size`` ranks in this process; :meth:`rank` gives each one's handle, :meth:`run` runs a
+    function on all of them at once (one thread each)."""
+
+    def __init__(self, world_size: int, timeout_s: float = _DEFAULT_TIMEOUT_S) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"a loopback group needs world_size >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._cv = threading.Condition()
+        self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._sent: defaultdict[tuple[int, int], int] = defaultdict(int)
+        self._received: defaultdict[tuple[int, int], int] = defaultdict(int)
+        self._tables: dict[int, dict[int, list[int]]] = {}
+        self._readers: defaultdict[int, int] = defaultdict(int)
+        self._gathers = [0] * world_size
+        self._ranks = [LoopbackRank(self, r) for r in range(world_size)]
+
+    def rank(self, r: int) -> "LoopbackRank":
+        """The handle of rank ``r``: pass it as ``group`` to :func:`cp_attention.ring_attention`."""
+        return self._ranks[r]
+
+    def _post(self, src: int, dst: int, tensor: torch.Tensor) -> None:
+        with self._cv:
+            seq = self._sent[(src, dst)]
+            self._sent[(src, dst)] = seq + 1
+            self._mail[(src, dst, seq)] = tensor.clone()
+            self._cv.notify_all()
+
+    def _reserve(self, src: int, dst: int) -> tuple[int, int, int]:
+        with self._cv:
+            seq = self._received[(src, dst)]
+            self._received[(src, dst)] = seq + 1
+            return src, dst, seq
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        if not self._cv.wait_for(ready, timeout=self.timeout_s):
+            raise RuntimeError(f"loopback ring: {what} did not arrive within {self.timeout_s} s; a rank stopped "
+                               "early or the ranks posted different sequences of exchanges")
+
+    def _take(self, key: tuple[int, int, int]) -> torch.Tensor:
+        with self._cv:
+            self._wait_for(lambda: key in self._mail, f"message {key[2]} from rank {key[0]} to rank {key[1]}")
+            return self._mail.pop(key)
+
+    def _all_gather(self, rank: int, values: list[int]) -> list[list[int]]:
+        with self._cv:
+            call = self._gathers[rank]
+            self._gathers[rank] = call + 1
+            table = self._tables.setdefault(call, {})
+            table[rank] = list(values)
+            self._cv.notify_all()
+            self._wait_for(lambda: len(table) == self.world_size, f"all-gather {call} from every rank")
+            rows = [table[r] for r in range(self.world_size)]
+            self._readers[call] += 1
+            if self._readers[call] == self.world_size:  # the last reader frees the table
+                del self._tables[call], self._readers[call]
+            return rows
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(rank_handle, *args, **kwargs)`` on every rank at once, one thread each; their results in
+        rank order. Re-raises the lowest rank's exception, if any raised. CUDA work is issued on the
+        calling thread's current device."""
+        results: list[Any] = [None] * self.world_size
+        errors: list["BaseException | None"] = [None] * self.world_size
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def body(r: int) -> None:
+            if device is not None:
+                torch.cuda.set_device(device)
+            try:
+                results[r] = fn(self._ranks[r], *args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors[r] = e
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"loopback-rank-{r}") for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+
+class LoopbackRank:
+    """One rank of a :class:`LoopbackGroup`: what :class:`~cp_attention.comm.RingComm` and validation use
+    in place of a process group."""
+
+    def __init__(self, group: LoopbackGroup, rank: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, group.world_size
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], to: int, frm: int) -> _Posted:
+        """Post ``send`` to rank ``to`` and receives from rank ``frm``; ``wait()`` on the result fills ``recv``."""
+        for t in send:
+            self.group._post(self.rank, to, t)
+        return _Posted(self, recv, [self.group._reserve(frm, self.rank) for _ in recv])
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values``, in rank order (validation's signature table)."""
+        return self.group._all_gather(self.rank, values)
+
+    def __repr__(self) -> str:
+        return f"LoopbackRank({self.rank} of {self.world_size})"

@@ -1,0 +1,68 @@
+"""The in-process loopback ring (cp_attention/loopback.py) is exact on CPU: the GPU tests and the GPU
+benchmark rely on it to run N ranks on one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_attention.loopback import LoopbackGroup
+
+from .loopback_cases import loopback_errors, loopback_refusal
+
+
+def _assert_exact(errors: dict) -> None:
+    bad = {k: v for k, v in errors.items() if v > 0}
+    assert not bad, f"beyond tolerance: {bad}"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_loopback_ring_is_exact(layout, world_size, causal):
+    _assert_exact(loopback_errors(world_size, layout=layout, causal=causal))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved"])
+def test_loopback_packed_and_windowed(layout):
+    _assert_exact(loopback_errors(4, layout=layout, causal=True, local_len=10, lengths=[1, 13, 3, 20, 3]))
+    _assert_exact(loopback_errors(4, layout=layout, causal=True, local_len=16, window=(5, -1), kernel="math"))
+
+
+def test_loopback_refusal_on_every_rank():
+    messages = loopback_refusal(3, bad_rank=1)
+    assert len(set(messages)) == 1 and "on rank 1" in messages[0], messages
+
+
+def test_loopback_messages_match_in_posting_order():
+    # Two exchanges posted before either is waited on, and waited on in the reverse order: each
+    # receive still gets the message posted in the same position, as with gloo and NCCL.
+    loop = LoopbackGroup(2)
+
+    def body(group):
+        me = group.rank
+        first = torch.empty(1)
+        second = torch.empty(1)
+        a = group.exchange([torch.tensor([10.0 * me + 1])], [first], to=1 - me, frm=1 - me)
+        b = group.exchange([torch.tensor([10.0 * me + 2])], [second], to=1 - me, frm=1 - me)
+        b.wait()
+        a.wait()
+        return first.item(), second.item()
+
+    assert loop.run(body) == [(11.0, 12.0), (1.0, 2.0)]
+
+
+def test_loopback_missing_message_times_out_instead_of_hanging():
+    loop = LoopbackGroup(2, timeout_s=0.5)
+
+    def body(group):
+        if group.rank == 0:
+            group.exchange([], [torch.empty(1)], to=1, frm=1).wait()  # rank 1 never sends
+
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        loop.run(body)
+
+
+def test_loopback_group_needs_a_positive_size():
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        LoopbackGroup(0)
