@@ -1,12 +1,18 @@
 #!/usr/bin/env python
-"""Time causal ring attention (forward, forward+backward) on CPU gloo against full attention.
+"""Time causal ring attention (forward, forward+backward) against full attention, on CPU or one GPU.
 
-Rows per sequence length S:
+CPU (default), rows per sequence length S:
   baseline           one process, full sequence, the same kernel, ``world_size`` threads
   ring/<layout>      cp_attention.ring_attention over ``world_size`` processes, 1 thread each
   torch_ring/zigzag  PyTorch's private templated ring (head-tail load balancing) on the same CPU flash op
 
+GPU (``--device cuda``, see cp_attention/experiments/gpu_bench.py): Llama-3-8B attention shapes
+(32/8 heads, head_dim 128, bf16), 8K tokens per rank, N in {2, 4, 8, 16}: each CUDA kernel's TFLOP/s
+against F.scaled_dot_product_attention, each layout's schedule efficiency (ideal / busiest rank), and
+the peak memory per rank.
+
 Usage (from the repo root):  python scripts/benchmark.py [--quick] [--seq-lens 8192 16384] [--json out.json]
+                             python scripts/benchmark.py --device cuda [--world-sizes 2 4 8 16]
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import argparse
 
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from cp_attention.dtypes import DTYPES
-from cp_attention.experiments import attention_bench
+from cp_attention.experiments import attention_bench, gpu_bench
+
+# Defaults that differ by device: (CPU, CUDA). The CUDA ones are Llama-3-8B's attention.
+_DEVICE_DEFAULTS = {"heads": (8, 32), "kv_heads": (None, 8), "head_dim": (64, 128), "dtype": ("float32", "bfloat16")}
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -25,10 +34,16 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: gloo ranks as processes; cuda: kernels and per-rank schedules on one GPU")
+    p.add_argument("--heads", type=int, default=None, help="default: 8 on CPU, 32 on CUDA")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads on CPU, 8 on CUDA")
+    p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="CUDA: the N to measure")
+    p.add_argument("--tokens-per-rank", type=int, default=8192, help="CUDA: S = N x this")
+    p.add_argument("--kernels", nargs="+", default=list(gpu_bench.CUDA_KERNELS),
+                   help="CUDA: the kernels timed on the full sequence")
     p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES,
                    help="cp_attention kernel (torch's ring always uses the flash op)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, after 1 warm-up")
@@ -37,6 +52,10 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    for name, defaults in _DEVICE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[cuda])
     args.kv_heads = args.kv_heads or args.heads
     args.causal = True
     if args.quick:
@@ -45,4 +64,5 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    attention_bench.run(parse_args())
+    parsed = parse_args()
+    (gpu_bench if parsed.device == "cuda" else attention_bench).run(parsed)

@@ -1,0 +1,248 @@
+"""The GPU benchmark (``scripts/benchmark.py --device cuda``): kernels and ring schedules on one GPU.
+
+Shapes default to Llama-3-8B attention: 32 query heads, 8 K/V heads, head_dim 128, bf16, 8K tokens
+per rank, causal, world sizes N in {2, 4, 8, 16}. For each N, on the full sequence S = N x 8K:
+
+- **kernels**: each CUDA kernel of ours (forward, and forward+backward) on the full sequence, its
+  TFLOP/s and the ratio to ``F.scaled_dot_product_attention`` on the same inputs, measured in the
+  same run;
+- **schedule efficiency** per layout: ideal / the busiest rank's time for its whole schedule, where
+  ideal = SDPA's time on the full sequence / N (ring-flash-attention's "% of theoretical flash_attn").
+  A rank's schedule is replayed alone on the GPU with its real plan, kernels and merges; its ring
+  exchanges become local copies, so this is compute only (on NCCL the transfers overlap it);
+- **peak memory per rank**: the most any rank's forward+backward replay allocated beyond its inputs.
+
+Timings are CUDA-event medians after a warm-up. FLOPs count causal pairs only: 4·B·H·D·S(S+1)/2 for
+the forward, 2.5x that for the backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import get_kernel
+from ..layout import get_layout
+from ..ring import RingAttentionFunction, RingPlan
+from ..schedule import rank_plan
+
+__all__ = ["KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda", "run"]
+
+CUDA_KERNELS = ("flash", "cudnn", "efficient", "flash_attn")
+
+
+@dataclass
+class KernelRow:
+    world_size: int
+    seq: int
+    kernel: str
+    fwd_ms: Optional[float] = None
+    fwdbwd_ms: Optional[float] = None
+    fwd_tflops: Optional[float] = None
+    fwdbwd_tflops: Optional[float] = None
+    fwd_vs_sdpa: Optional[float] = None  # our TFLOP/s / SDPA's (> 1: faster)
+    fwdbwd_vs_sdpa: Optional[float] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class ScheduleRow:
+    world_size: int
+    seq: int
+    layout: str
+    ideal_fwd_ms: float
+    ideal_fwdbwd_ms: float
+    busiest_fwd_ms: Optional[float] = None
+    busiest_fwdbwd_ms: Optional[float] = None
+    fwd_efficiency: Optional[float] = None
+    fwdbwd_efficiency: Optional[float] = None
+    peak_mib_per_rank: Optional[float] = None
+    error: Optional[str] = None
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class ReplayComm:
+    """A ring of one: rank ``rank`` of ``world_size`` whose exchanges copy what it sends into what it
+    receives, so its schedule runs alone with the memory traffic of a real receive."""
+
+    group = None
+    loopback = False
+    host_agreement = False
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def exchange(self, send, recv, hop: int = 1) -> _Done:
+        for s, r in zip(send, recv):
+            r.copy_(s)
+        return _Done()
+
+
+def causal_flops(batch: int, heads: int, head_dim: int, seq: int, backward: bool) -> float:
+    """FLOPs of causal attention: 4·B·H·D per pair over S(S+1)/2 pairs; forward+backward 3.5x."""
+    fwd = 4.0 * batch * heads * head_dim * seq * (seq + 1) / 2
+    return fwd * (3.5 if backward else 1.0)
+
+
+def time_cuda(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls after one warm-up, timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _inputs(args, seq: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, args.dtype)
+    mk = lambda h: torch.randn(1, seq, h, args.head_dim, device="cuda", dtype=dt, generator=g)  # noqa: E731
+    return mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+
+
+def _fwd_and_fwdbwd(call: Callable[..., torch.Tensor], q, k, v, dout) -> tuple[Callable, Callable]:
+    def fwd():
+        with torch.no_grad():
+            call(q, k, v)
+
+    def fwdbwd():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        call(*leaves).backward(dout)
+    return fwd, fwdbwd
+
+
+def _sdpa(q, k, v):
+    # bshd -> bhsd, K/V heads repeated for GQA (enable_gqa where this torch has it)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+
+def _kernel_call(name: str, scale: float) -> Callable[..., torch.Tensor]:
+    kernel = get_kernel(name, "cuda", torch.bfloat16)
+
+    class _One(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = kernel.forward(q, k, v, True, scale)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            return kernel.backward(dout.contiguous(), q, k, v, out, lse, True, scale)
+
+    return _One.apply
+
+
+def _kernel_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[KernelRow]:
+    q, k, v, dout = _inputs(args, seq)
+    rows = []
+    scale = args.head_dim ** -0.5
+    for name in args.kernels:
+        row = KernelRow(n, seq, name)
+        try:
+            fwd, fwdbwd = _fwd_and_fwdbwd(_kernel_call(name, scale), q, k, v, dout)
+            row.fwd_ms, row.fwdbwd_ms = time_cuda(fwd, args.repeats), time_cuda(fwdbwd, args.repeats)
+            for key, ms, back, base in (("fwd", row.fwd_ms, False, sdpa_ms[0]), ("fwdbwd", row.fwdbwd_ms, True,
+                                                                                     sdpa_ms[1])):
+                setattr(row, f"{key}_tflops", causal_flops(1, args.heads, args.head_dim, seq, back) / ms / 1e9)
+                setattr(row, f"{key}_vs_sdpa", base / ms)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot run here is reported, not fatal
+            row.error = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+    return rows
+
+
+def _replay(args, layout, rank: int, n: int, kernel) -> tuple[float, float, float]:
+    """(fwd ms, fwd+bwd ms, peak MiB beyond the inputs) of rank ``rank``'s whole schedule."""
+    local = args.tokens_per_rank
+    q, k, v, dout = _inputs(args, local, seed=rank)
+    plan = RingPlan(ReplayComm(rank, n), rank_plan(layout, True, rank, n, local), kernel, args.head_dim ** -0.5)
+    call = lambda a, b, c: RingAttentionFunction.apply(a, b, c, plan, None)[0]  # noqa: E731
+    fwd, fwdbwd = _fwd_and_fwdbwd(call, q, k, v, dout)
+    t_fwd, t_fb = time_cuda(fwd, args.repeats), time_cuda(fwdbwd, args.repeats)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwdbwd()
+    torch.cuda.synchronize()
+    return t_fwd, t_fb, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _schedule_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[ScheduleRow]:
+    kernel = get_kernel(args.kernel, "cuda", getattr(torch, args.dtype), head_dim=args.head_dim)
+    rows = []
+    for name in args.layouts:
+        row = ScheduleRow(n, seq, name, sdpa_ms[0] / n, sdpa_ms[1] / n)
+        try:
+            per_rank = [_replay(args, get_layout(name), r, n, kernel) for r in range(n)]
+            row.busiest_fwd_ms = max(p[0] for p in per_rank)
+            row.busiest_fwdbwd_ms = max(p[1] for p in per_rank)
+            row.fwd_efficiency = row.ideal_fwd_ms / row.busiest_fwd_ms
+            row.fwdbwd_efficiency = row.ideal_fwdbwd_ms / row.busiest_fwdbwd_ms
+            row.peak_mib_per_rank = max(p[2] for p in per_rank)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row.error = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+    return rows
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure and print every table; returns (and with ``args.json`` writes) the rows as JSON."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA device; run without it for the CPU benchmark")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  {args.dtype}  heads {args.heads}/"
+          f"{args.kv_heads}  head_dim {args.head_dim}  {args.tokens_per_rank} tokens per rank  causal")
+    kernel_rows, schedule_rows = [], []
+    for n in args.world_sizes:
+        seq = n * args.tokens_per_rank
+        q, k, v, dout = _inputs(args, seq)
+        sdpa_ms = tuple(time_cuda(f, args.repeats) for f in _fwd_and_fwdbwd(_sdpa, q, k, v, dout))
+        del q, k, v, dout
+        print(f"\nN={n}  S={seq}  SDPA fwd {sdpa_ms[0]:.2f} ms "
+              f"({causal_flops(1, args.heads, args.head_dim, seq, False) / sdpa_ms[0] / 1e9:.0f} TFLOP/s), "
+              f"fwd+bwd {sdpa_ms[1]:.2f} ms "
+              f"({causal_flops(1, args.heads, args.head_dim, seq, True) / sdpa_ms[1] / 1e9:.0f} TFLOP/s)")
+        rows = _kernel_rows(args, n, seq, sdpa_ms)
+        print(f"{'kernel':<11}{'fwd ms':>9}{'TFLOP/s':>9}{'xSDPA':>7}{'f+b ms':>9}{'TFLOP/s':>9}{'xSDPA':>7}")
+        for r in rows:
+            print(f"{r.kernel:<11}{_fmt(r.fwd_ms, '9.2f')}{_fmt(r.fwd_tflops, '9.0f')}{_fmt(r.fwd_vs_sdpa, '7.2f')}"
+                  f"{_fmt(r.fwdbwd_ms, '9.2f')}{_fmt(r.fwdbwd_tflops, '9.0f')}{_fmt(r.fwdbwd_vs_sdpa, '7.2f')}"
+                  + (f"  {r.error}" if r.error else ""))
+        kernel_rows += rows
+        rows = _schedule_rows(args, n, seq, sdpa_ms)
+        print(f"{'layout':<12}{'ideal fwd':>10}{'busiest':>9}{'eff':>7}{'ideal f+b':>10}{'busiest':>9}{'eff':>7}"
+              f"{'peak MiB/rank':>15}")
+        for r in rows:
+            print(f"{r.layout:<12}{r.ideal_fwd_ms:10.2f}{_fmt(r.busiest_fwd_ms, '9.2f')}"
+                  f"{_fmt(r.fwd_efficiency, '7.1%')}{r.ideal_fwdbwd_ms:10.2f}{_fmt(r.busiest_fwdbwd_ms, '9.2f')}"
+                  f"{_fmt(r.fwdbwd_efficiency, '7.1%')}{_fmt(r.peak_mib_per_rank, '15.0f')}"
+                  + (f"  {r.error}" if r.error else ""))
+        schedule_rows += rows
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+              "kernels": [asdict(r) for r in kernel_rows], "schedules": [asdict(r) for r in schedule_rows]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
