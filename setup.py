@@ -8,8 +8,10 @@ EXTRAS = {
     "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
     "megatron": ["megatron-core>=0.16"],  # core_attention slot as a builder; tested on 0.16.1
     "plots": ["matplotlib>=3.7"],
-    # Need a CUDA machine and compile there; never part of "all".
-    "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
+    # Need a CUDA machine and compile there; never part of "all". flash-attn: kernel="flash_attn"
+    # (its private interface is read for 2.6-2.8); transformer-engine: the Megatron adapter's
+    # backend="transformer_engine" (imported by megatron-core's TE layer spec, not by us).
+    "gpu": ["flash-attn>=2.6,<2.9", "transformer-engine[pytorch]>=2.0"],
     "test": ["pytest>=7", "hypothesis>=6"],
 }
 # Everything that installs on a CPU-only machine.

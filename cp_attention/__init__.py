@@ -76,7 +76,8 @@ def ring_attention(
         layout: name or :class:`Layout` the caller used to shard q, k and v.
         causal: causal mask over GLOBAL positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
-        kernel: ``"auto"``, ``"math"`` or ``"sdpa"``.
+        kernel: ``"auto"`` (the fastest kernel for the device, dtype and head dim), ``"cpu_flash"`` (alias
+            ``"sdpa"``), ``"flash"``, ``"flash_attn"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
         return_lse: also return the log-sum-exp, which is differentiable like ``out``.
         sinks: ``[heads]``, one learned logit per query head added to every softmax denominator
             (attention sinks: GPT-OSS ``s_aux``; a zero tensor is the "off-by-one" softmax). It is
@@ -113,7 +114,8 @@ def ring_attention(
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     total = q.shape[1] * comm.world_size
     window = normalize_window(window_size, causal, total, cu)
-    kern = get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0, mask=window is not None)
+    kern = get_kernel(kernel, q.device, q.dtype, softcap=softcap > 0, mask=window is not None, head_dim=q.shape[-1],
+                      v_head_dim=v.shape[-1])
     if cu is not None:
         steps = packed_steps(lay, bool(causal), comm.rank, comm.world_size, cu,
                              getattr(kern, "supports_mask", False), q.device, window)

@@ -221,7 +221,7 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
                 "(-1, -1) = no window)")
     try:
         get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype],
-                   softcap=c.softcap > 0, mask=c.window != (-1, -1))
+                   softcap=c.softcap > 0, mask=c.window != (-1, -1), head_dim=dq, v_head_dim=dv)
     except ValueError as e:
         return str(e)
     return None

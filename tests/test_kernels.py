@@ -28,7 +28,7 @@ SHAPES = [  # (Sq, Sk, H, Hkv, D, Dv, causal)
 ]
 
 
-@pytest.mark.parametrize("name", ["math", "sdpa"])
+@pytest.mark.parametrize("name", ["math", "cpu_flash"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_forward_backward_fp64(name, shape):
     sq, sk, h, hkv, d, dv, causal = shape
@@ -66,18 +66,20 @@ def test_math_kernel_chunks_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_sdpa_low_precision_lse_is_fp32(dtype):
+def test_cpu_flash_low_precision_lse_is_fp32(dtype):
     q = torch.randn(1, 6, 2, 8).to(dtype)
-    out, lse = get_kernel("sdpa", "cpu", dtype).forward(q, q, q, True, 0.35)
+    out, lse = get_kernel("cpu_flash", "cpu", dtype).forward(q, q, q, True, 0.35)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (1, 2, 6)
     _, ref_lse = naive_block(q.double(), q.double(), q.double(), True, 0.35)
     torch.testing.assert_close(lse.double(), ref_lse, atol=5e-2, rtol=0)
 
 
 def test_kernel_registry():
-    assert get_kernel("auto", "cpu", torch.float32).name == "sdpa"
+    assert get_kernel("auto", "cpu", torch.float32).name == "cpu_flash"
     assert get_kernel("auto", "meta", torch.float32).name == "math"  # no fused op there
-    with pytest.raises(ValueError, match="unknown kernel 'flash'"):
+    with pytest.raises(ValueError, match="unknown kernel 'nope'"):
+        get_kernel("nope", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="kernel 'flash' does not support device cpu"):
         get_kernel("flash", "cpu", torch.float32)
     with pytest.raises(ValueError, match="kernel 'sdpa' does not support device cuda"):
         get_kernel("sdpa", "cuda", torch.float32)

@@ -1,20 +1,43 @@
-"""Local attention kernels and the registry that picks one by name, device and dtype."""
+"""Local attention kernels and the registry that picks one by name, device, dtype and shape.
+
+| name | device | dtypes | op |
+|---|---|---|---|
+| ``cpu_flash`` (alias ``sdpa``) | CPU | all float | ``aten._scaled_dot_product_flash_attention_for_cpu`` |
+| ``flash`` | CUDA | fp16, bf16 | ``aten._flash_attention_forward/backward`` (head dim <= 256) |
+| ``flash_attn`` | CUDA | fp16, bf16 | the flash-attn package, when importable (softcap) |
+| ``efficient`` | CUDA | fp16, bf16, fp32 | ``aten._efficient_attention_forward/backward`` (any head dim, masks) |
+| ``cudnn`` | CUDA | fp16, bf16 | ``aten._scaled_dot_product_cudnn_attention(_backward)`` (head dim <= 128) |
+| ``math`` | any | all float | plain PyTorch, the reference |
+"""
 
 from __future__ import annotations
 
 import torch
 
 from .base import AttentionKernel, accumulation_dtype
+from .cpu_flash import CpuFlashKernel
+from .cuda_cudnn import CudnnKernel
+from .cuda_efficient import EfficientKernel
+from .cuda_flash import FlashKernel
+from .cuda_flash_attn import FlashAttnKernel
 from .math import MathKernel
-from .sdpa import SdpaCpuKernel
 
-__all__ = ["AttentionKernel", "accumulation_dtype", "check_kernel_name", "get_kernel", "KERNEL_NAMES", "MathKernel",
-           "SdpaCpuKernel"]
+SdpaCpuKernel = CpuFlashKernel  # the old class name
 
-_KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (SdpaCpuKernel(), MathKernel())}
-# "auto" tries these in order: fastest first, the reference last.
-_AUTO_ORDER = ("sdpa", "math")
-KERNEL_NAMES: tuple[str, ...] = ("auto", *_KERNELS)
+__all__ = ["AttentionKernel", "accumulation_dtype", "check_kernel_name", "CpuFlashKernel", "CudnnKernel",
+           "EfficientKernel", "FlashAttnKernel", "FlashKernel", "get_kernel", "KERNEL_NAMES", "MathKernel",
+           "resolve_kernel_name", "SdpaCpuKernel"]
+
+_KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
+    CpuFlashKernel(), FlashKernel(), FlashAttnKernel(), EfficientKernel(), CudnnKernel(), MathKernel())}
+# Old names still accepted; each resolves to the kernel it names.
+_ALIASES: dict[str, str] = {"sdpa": "cpu_flash"}
+# "auto" tries these in order: fastest first, the reference last. On CUDA with fp16/bf16, PyTorch's
+# flash comes first (the package's FA2 runs the same algorithm; it is picked for softcap); cuDNN is
+# after the memory-efficient op, so auto never picks it today: decide by measurement on Hopper.
+_AUTO_ORDER = ("cpu_flash", "flash", "flash_attn", "efficient", "cudnn", "math")
+# Every accepted name, aliases included: validation encodes a kernel as an index into this tuple.
+KERNEL_NAMES: tuple[str, ...] = ("auto", *_KERNELS, *_ALIASES)
 
 
 def check_kernel_name(name: str) -> str:
@@ -24,19 +47,36 @@ def check_kernel_name(name: str) -> str:
     return name
 
 
+def resolve_kernel_name(name: str) -> str:
+    """The registered kernel name ``name`` stands for (an alias resolved; ``"auto"`` stays ``"auto"``).
+
+    Raises ``ValueError`` for an unknown name.
+    """
+    name = check_kernel_name(name)
+    return _ALIASES.get(name, name)
+
+
+def _shape_ok(kernel: AttentionKernel, head_dim: "int | None", v_head_dim: "int | None") -> bool:
+    check = getattr(kernel, "supports_shape", None)
+    return head_dim is None or check is None or check(head_dim, v_head_dim or head_dim)
+
+
 def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, softcap: bool = False,
-               mask: bool = False) -> AttentionKernel:
+               mask: bool = False, head_dim: "int | None" = None, v_head_dim: "int | None" = None
+               ) -> AttentionKernel:
     """The kernel called ``name`` ("auto" = the fastest that supports ``device``, ``dtype`` and, with
-    ``softcap``, logit softcapping, with ``mask``, masked blocks (sliding windows)).
+    ``softcap``, logit softcapping, with ``mask``, masked blocks (sliding windows), and with
+    ``head_dim``/``v_head_dim`` (None: not considered), q/k and v head dims of that size).
+    Needs no CUDA: ``get_kernel("auto", "cuda", torch.bfloat16)`` resolves on any machine.
 
     Raises ``ValueError`` for an unknown name, or a kernel that does not support the device, dtype,
-    softcapping or masks (the message names one that does).
+    softcapping, masks or head dims (the message names one that does).
     """
     device = torch.device(device)
 
     def fits(kernel: AttentionKernel) -> bool:
         return (kernel.supports(device, dtype) and (not softcap or getattr(kernel, "supports_softcap", False))
-                and (not mask or getattr(kernel, "supports_mask", False)))
+                and (not mask or getattr(kernel, "supports_mask", False)) and _shape_ok(kernel, head_dim, v_head_dim))
 
     if name == "auto":
         for n in _AUTO_ORDER:
@@ -44,7 +84,7 @@ def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, soft
                 return _KERNELS[n]
         raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}"
                          + (" and softcap" if softcap else "") + (" and sliding windows" if mask else ""))
-    kernel = _KERNELS[check_kernel_name(name)]
+    kernel = _KERNELS[resolve_kernel_name(name)]
     if not kernel.supports(device, dtype):
         raise ValueError(
             f"kernel {name!r} does not support device {device.type} with dtype {dtype}; "
@@ -52,6 +92,11 @@ def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, soft
         )
     if not fits(kernel):
         able = next((n for n in _AUTO_ORDER if fits(_KERNELS[n])), "auto")
-        what = "softcap" if softcap and not getattr(kernel, "supports_softcap", False) else "sliding windows (masks)"
-        raise ValueError(f"kernel {name!r} cannot apply {what}; use kernel={able!r} (or kernel='auto')")
+        if softcap and not getattr(kernel, "supports_softcap", False):
+            problem = "cannot apply softcap"
+        elif mask and not getattr(kernel, "supports_mask", False):
+            problem = "cannot apply sliding windows (masks)"
+        else:
+            problem = f"does not take head dim {head_dim}" + (f" with v head dim {v_head_dim}" if v_head_dim else "")
+        raise ValueError(f"kernel {name!r} {problem}; use kernel={able!r} (or kernel='auto')")
     return kernel

@@ -36,6 +36,8 @@ class AttentionKernel(Protocol):
     # combined with ``causal``). Packed documents then batch many small blocks into one call;
     # without it each document block runs as its own call. Passed only when in use.
     # supports_mask: bool = False
+    # Optional: ``supports_shape(head_dim, v_head_dim) -> bool``, whether the kernel takes these head
+    # dims; ``get_kernel(..., head_dim=...)`` consults it. Without it every head dim is taken.
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with inputs of ``dtype``."""

@@ -1,0 +1,164 @@
+"""What the fused CUDA kernels share: head-dim padding, GQA head expansion, and the one place that
+turns our top-left causal blocks into calls a bottom-right-aligned op computes correctly.
+
+Flash attention (PyTorch's and the flash-attn package's) aligns its causal mask to the BOTTOM-RIGHT
+corner when ``Sq != Sk`` (query i sees key j iff j <= i + Sk - Sq); our protocol means TOP-LEFT
+(j <= i). The two agree on square blocks, so :meth:`FusedKernel._pieces` splits a non-square causal
+block into square-causal and full calls only:
+
+- ``Sq < Sk``: keys ``j >= Sq`` are seen by no query; the block is ``q x k[:Sq]``, causal, square,
+  and those keys get zero gradients.
+- ``Sq > Sk``: rows ``[0, Sk)`` are ``q[:Sk] x k``, causal, square; rows ``[Sk, Sq)`` see every key,
+  a full (non-causal) block.
+
+Flash's ``window_size_right = Sq - Sk`` would express the same mask in one call, but flash clamps a
+window ``>= Sk`` to "unbounded", which is wrong exactly when ``Sq >= 2 Sk``; squares avoid relying on it.
+None of this touches CUDA at import or in :meth:`FusedKernel.supports`, so ``get_kernel("auto",
+"cuda", ...)`` resolves on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FusedKernel", "fold_heads", "pad_head", "repeat_heads", "round_up"]
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def pad_head(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x [..., d]`` zero-padded to ``[..., size]`` (zero columns leave every dot product unchanged),
+    with a unit last stride and a 16-byte aligned start, as the fused ops' vector loads need."""
+    if x.shape[-1] != size:
+        return F.pad(x, (0, size - x.shape[-1]))
+    if x.stride(-1) != 1 or (x.device.type == "cuda" and x.data_ptr() % 16):
+        return x.contiguous()
+    return x
+
+
+def repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [B, S, Hkv, D]`` -> ``[B, S, heads, D]``, each K/V head repeated for its query-head group
+    (for ops without GQA; query head h reads K/V head h // (heads // Hkv))."""
+    b, s, hkv, d = x.shape
+    if hkv == heads:
+        return x
+    return x[:, :, :, None].expand(b, s, hkv, heads // hkv, d).reshape(b, s, heads, d)
+
+
+def fold_heads(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Gradients ``[B, S, H, D]`` of repeated K/V heads summed back to ``[B, S, kv_heads, D]`` (in fp32)."""
+    b, s, h, d = dx.shape
+    if h == kv_heads:
+        return dx
+    return dx.reshape(b, s, kv_heads, h // kv_heads, d).float().sum(3)
+
+
+def _slice_kwargs(kwargs: dict, rows: slice, keys: slice) -> dict:
+    mask = kwargs.get("mask")
+    return kwargs if mask is None else {**kwargs, "mask": mask[:, rows, keys]}
+
+
+class FusedKernel:
+    """Base of the CUDA kernels: subclasses implement ``_fwd``/``_bwd`` for blocks whose causal mask,
+    if any, is square (unless ``top_left_native``); this class handles the rest of the protocol.
+
+    A negative scale runs as ``(-q) . k * |scale|`` (online-softmax kernels take the row maximum of
+    the unscaled scores, which a negative scale would turn into the minimum). Shapes beyond
+    ``max_head_dim`` (after padding to a multiple of 8; e.g. backward's extra LSE-gradient column on a
+    head dim of 256) run on the memory-efficient kernel, or on ``math`` with softcapping.
+    """
+
+    name = "fused"
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    max_head_dim: "int | None" = None  # largest padded head dim the op takes; None: any
+    top_left_native = False  # True: the op itself masks causal blocks top-left
+    min_capability: "tuple[int, int] | None" = (8, 0)  # flash and cuDNN attention need Ampere or newer
+
+    def supports(self, device: "torch.device | str", dtype: torch.dtype) -> bool:
+        device = torch.device(device)
+        return device.type == "cuda" and dtype in self.dtypes and self._capable(device)
+
+    def _capable(self, device: torch.device) -> bool:
+        # Asked only once CUDA is up (tensors live there), so resolving never initialises CUDA.
+        if self.min_capability is None or not torch.cuda.is_initialized():
+            return True
+        try:
+            return torch.cuda.get_device_capability(device) >= self.min_capability
+        except (RuntimeError, AssertionError, ValueError):
+            return True
+
+    def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
+        """Whether the op takes q/k head dim ``head_dim`` and v head dim ``v_head_dim`` (default: the same)."""
+        if self.max_head_dim is None:
+            return True
+        return round_up(max(head_dim, v_head_dim or head_dim), 8) <= self.max_head_dim
+
+    def _fwd(self, q, k, v, causal: bool, scale: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _bwd(self, dout, q, k, v, out, lse, causal: bool, scale: float, **kwargs
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _pieces(self, sq: int, sk: int, causal: bool) -> "list[tuple[slice, slice, bool]] | None":
+        """``(query rows, key rows, causal)`` calls that compute a top-left causal block with square
+        causal blocks only, or None when the block runs as one call."""
+        if not causal or sq == sk or self.top_left_native:
+            return None
+        if sq < sk:
+            return [(slice(0, sq), slice(0, sq), True)]
+        return [(slice(0, sk), slice(0, sk), True), (slice(sk, sq), slice(0, sk), False)]
+
+    def _fallback(self, kwargs: dict):
+        if kwargs.get("softcap"):
+            from .math import MathKernel
+            return MathKernel()
+        from .cuda_efficient import EfficientKernel
+        return EfficientKernel()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, **kwargs
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out [B, Sq, H, Dv]`` (q's dtype) and ``lse [B, H, Sq]`` (fp32, natural log)."""
+        if not self.supports_shape(q.shape[-1], v.shape[-1]):
+            return self._fallback(kwargs).forward(q, k, v, causal, scale, **kwargs)
+        if scale < 0:
+            q, scale = -q, -scale
+        pieces = self._pieces(q.shape[1], k.shape[1], causal)
+        if pieces is None:
+            return self._fwd(q, k, v, causal, scale, **kwargs)
+        outs, lses = [], []
+        for rows, keys, square_causal in pieces:
+            o, lse = self._fwd(q[:, rows], k[:, keys], v[:, keys], square_causal, scale,
+                               **_slice_kwargs(kwargs, rows, keys))
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs, 1), torch.cat(lses, 2)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float, **kwargs
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``dq [B, Sq, H, D]``, ``dk [B, Sk, Hkv, D]``, ``dv [B, Sk, Hkv, Dv]`` given the final ``out``/``lse``."""
+        if not self.supports_shape(q.shape[-1], v.shape[-1]):
+            return self._fallback(kwargs).backward(dout, q, k, v, out, lse, causal, scale, **kwargs)
+        sign = 1.0
+        if scale < 0:  # the chain rule flips dq back
+            q, scale, sign = -q, -scale, -1.0
+        pieces = self._pieces(q.shape[1], k.shape[1], causal)
+        if pieces is None:
+            dq, dk, dv = self._bwd(dout, q, k, v, out, lse, causal, scale, **kwargs)
+        else:
+            dqs = []
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            for rows, keys, square_causal in pieces:
+                g = self._bwd(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
+                              square_causal, scale, **_slice_kwargs(kwargs, rows, keys))
+                dqs.append(g[0])
+                dk[:, keys] += g[1]
+                dv[:, keys] += g[2]
+            dq = torch.cat(dqs, 1)
+        return (dq if sign > 0 else -dq), dk, dv

@@ -1,0 +1,58 @@
+"""PyTorch's own FlashAttention-2 ops on CUDA: ``aten._flash_attention_forward`` / ``_backward``.
+
+Schemas (torch 2.13's ``torch.ops.aten.<op>.default._schema``; torch 2.11's native_functions.yaml has the
+same arguments, less the unused ``block_table``/``num_splits`` keywords)::
+
+    _flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k,
+        SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *,
+        float? scale=None, SymInt? window_size_left=None, SymInt? window_size_right=None, ...)
+        -> (Tensor output, Tensor softmax_logsumexp, Tensor rng_state, Tensor unused, Tensor debug_attn_mask)
+    _flash_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out,
+        Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p,
+        bool is_causal, Tensor rng_state, Tensor unused, *, float? scale=None, ...) -> (Tensor, Tensor, Tensor)
+
+Dense bshd tensors (``cum_seq_q/k`` None: the backward picks its dense path by ``cum_seq_q`` being
+undefined), fp16/bf16, equal q/k/v head dims that are a multiple of 8 and at most 256 (``mha_fwd``
+checks both: "this is ensured by padding"), GQA native (dK/dV come back with K/V's heads), LSE
+``[B, H, Sq]`` fp32 natural log; the backward reads it as a contiguous buffer. With no dropout the
+backward never reads ``rng_state`` (as ``torch.nn.attention.varlen`` does, it gets zeros). Causal is
+bottom-right aligned: :class:`~cp_attention.kernels._cuda.FusedKernel` only ever asks for square
+causal blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._cuda import FusedKernel, pad_head, round_up
+
+__all__ = ["FlashKernel"]
+
+# The op namespace, looked up at call time (tests substitute stand-ins to check the plumbing on CPU).
+_aten = torch.ops.aten
+
+
+class FlashKernel(FusedKernel):
+    """FlashAttention-2 as built into PyTorch (sm80+), fp16/bf16, head dim <= 256."""
+
+    name = "flash"
+    dtypes = (torch.float16, torch.bfloat16)
+    max_head_dim = 256
+
+    def _fwd(self, q, k, v, causal, scale):
+        d = round_up(max(q.shape[-1], v.shape[-1]), 8)
+        out, lse = _aten._flash_attention_forward(
+            pad_head(q, d), pad_head(k, d), pad_head(v, d), None, None, q.shape[1], k.shape[1], 0.0, causal, False,
+            scale=scale)[:2]
+        return out[..., :v.shape[-1]], lse
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        dqk, dvd = q.shape[-1], v.shape[-1]
+        d = round_up(max(dqk, dvd), 8)
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = _aten._flash_attention_backward(
+            pad_head(dout.to(q.dtype), d), pad_head(q, d), pad_head(k, d), pad_head(v, d),
+            pad_head(out.to(q.dtype), d), lse.float().contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal,
+            rng_state, unused, scale=scale)
+        return dq[..., :dqk], dk[..., :dqk], dv[..., :dvd]
