@@ -133,8 +133,8 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
-def _kernel_call(name: str, scale: float) -> Callable[..., torch.Tensor]:
-    kernel = get_kernel(name, "cuda", torch.bfloat16)
+def _kernel_call(name: str, scale: float, dtype: torch.dtype, head_dim: int) -> Callable[..., torch.Tensor]:
+    kernel = get_kernel(name, "cuda", dtype, head_dim=head_dim)
 
     class _One(torch.autograd.Function):
         @staticmethod
@@ -158,7 +158,7 @@ def _kernel_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[K
     for name in args.kernels:
         row = KernelRow(n, seq, name)
         try:
-            fwd, fwdbwd = _fwd_and_fwdbwd(_kernel_call(name, scale), q, k, v, dout)
+            fwd, fwdbwd = _fwd_and_fwdbwd(_kernel_call(name, scale, q.dtype, args.head_dim), q, k, v, dout)
             row.fwd_ms, row.fwdbwd_ms = time_cuda(fwd, args.repeats), time_cuda(fwdbwd, args.repeats)
             for key, ms, back, base in (("fwd", row.fwd_ms, False, sdpa_ms[0]), ("fwdbwd", row.fwdbwd_ms, True,
                                                                                      sdpa_ms[1])):
