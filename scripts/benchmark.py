@@ -20,11 +20,7 @@ from __future__ import annotations
 import argparse
 
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
-from cp_attention.dtypes import DTYPES
 from cp_attention.experiments import attention_bench, gpu_bench
-
-# Defaults that differ by device: (CPU, CUDA). The CUDA ones are Llama-3-8B's attention.
-_DEVICE_DEFAULTS = {"heads": (8, 32), "kv_heads": (None, 8), "head_dim": (64, 128), "dtype": ("float32", "bfloat16")}
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -34,16 +30,7 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu: gloo ranks as processes; cuda: kernels and per-rank schedules on one GPU")
-    p.add_argument("--heads", type=int, default=None, help="default: 8 on CPU, 32 on CUDA")
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads on CPU, 8 on CUDA")
-    p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="CUDA: the N to measure")
-    p.add_argument("--tokens-per-rank", type=int, default=8192, help="CUDA: S = N x this")
-    p.add_argument("--kernels", nargs="+", default=list(gpu_bench.CUDA_KERNELS),
-                   help="CUDA: the kernels timed on the full sequence")
+    gpu_bench.add_arguments(p)
     p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES,
                    help="cp_attention kernel (torch's ring always uses the flash op)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, after 1 warm-up")
@@ -52,10 +39,7 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
-    cuda = args.device == "cuda"
-    for name, defaults in _DEVICE_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, defaults[cuda])
+    gpu_bench.resolve_defaults(args)
     args.kv_heads = args.kv_heads or args.heads
     args.causal = True
     if args.quick:

@@ -27,14 +27,38 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import DTYPES
 from ..kernels import get_kernel
 from ..layout import get_layout
 from ..ring import RingAttentionFunction, RingPlan
 from ..schedule import rank_plan
 
-__all__ = ["KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda", "run"]
+__all__ = ["add_arguments", "resolve_defaults", "KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda", "run"]
 
 CUDA_KERNELS = ("flash", "cudnn", "efficient", "flash_attn")
+# Defaults that differ by device: (CPU, CUDA). The CUDA ones are Llama-3-8B's attention.
+_DEVICE_DEFAULTS = {"heads": (8, 32), "kv_heads": (None, 8), "head_dim": (64, 128), "dtype": ("float32", "bfloat16")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``scripts/benchmark.py``'s device switch, the shape options (None until :func:`resolve_defaults`
+    fills them by device) and the CUDA-only options."""
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: gloo ranks as processes; cuda: kernels and per-rank schedules on one GPU")
+    p.add_argument("--heads", type=int, default=None, help="default: 8 on CPU, 32 on CUDA")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads on CPU, 8 on CUDA")
+    p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="CUDA: the N to measure")
+    p.add_argument("--tokens-per-rank", type=int, default=8192, help="CUDA: S = N x this")
+    p.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS), help="CUDA: kernels timed on the full sequence")
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Fill the shape options left at None with the device's defaults."""
+    for name, defaults in _DEVICE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[args.device == "cuda"])
 
 
 @dataclass
