@@ -14,14 +14,14 @@ import weakref
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 import cp_attention as cpa
 from cp_attention.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
 
+from ._agree import agree
+
 __all__ = ["ForwardChecks", "documents", "expected_positions", "check_positions"]
 
-_MESSAGE_BYTES = 1024
 _KINDS = (ValueError, NotImplementedError)
 
 
@@ -131,20 +131,8 @@ class ForwardChecks:
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2:  # else the layers check what they get
             problem = self._problem(kwargs, ids.shape[1])
         # Every rank takes part in the all-gather, whatever it found, so none is left waiting.
-        code = torch.zeros(_MESSAGE_BYTES + 1, dtype=torch.uint8)
-        if problem is not None:
-            kind, message = problem
-            data = message.encode()[:_MESSAGE_BYTES]
-            code[0] = kind + 1
-            code[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        nccl = dist.get_backend(self.group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        parts = [torch.empty_like(code, device=device) for _ in range(self.world_size)]
-        dist.all_gather(parts, code.to(device), group=self.group)
-        rows = [p.cpu() for p in parts]
-        bad = [r for r, row in enumerate(rows) if row[0]]
-        if bad:
+        try:
+            agree(self.group, self.world_size, problem, _KINDS, "(on rank {first}; ranks refused: {bad})")
+        except _KINDS:
             self._positions = self._cu_q = None
-            row = rows[bad[0]]
-            message = bytes(row[1:].tolist()).rstrip(b"\0").decode(errors="replace")
-            raise _KINDS[int(row[0]) - 1](f"{message} (on rank {bad[0]}; ranks refused: {bad})")
+            raise

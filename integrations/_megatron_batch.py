@@ -13,6 +13,7 @@ import cp_attention as cpa
 from cp_attention.comm import group_rank_and_size
 from cp_attention.documents import cu_seqlens_tuple, document_position_ids
 
+from ._megatron_checks import agreed
 from ._megatron_packed import packed_documents
 
 __all__ = ["get_batch_on_this_cp_rank", "DEFAULT_LAYOUT"]
@@ -124,17 +125,32 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.L
     cannot split the sequence; for packed batches also for a batch larger than one row, an
     ``attention_mask``, boundaries given twice (argument and batch entries) or malformed, a
     ``max_seqlen`` that is not one integer covering the longest document, and ``NotImplementedError``
-    for unsupported packed parameters (see :func:`packed_documents`).
+    for unsupported packed parameters (see :func:`packed_documents`). Every refusal is agreed over
+    ``cp_group`` in one small all-gather, in which every CP rank takes part: if any rank's batch is
+    refused, every rank raises the same error (naming the refusing ranks), so none goes on into the
+    forward alone. Any other exception a rank's batch causes is raised on every rank as a
+    ``RuntimeError`` naming it.
     """
+    if cp_group is None and parallel_state.model_parallel_is_initialized():
+        cp_group = parallel_state.get_context_parallel_group()
+    rank, world_size = group_rank_and_size(cp_group) if cp_group is not None else (0, 1)
+    if world_size == 1:
+        return _shard_batch(batch, layout, rank, world_size, packed_seq_params)
+    # Every CP rank takes part in one small all-gather, whatever it found: a rank whose batch is fine
+    # must not go on into the forward while another one refuses its own.
+    return agreed(cp_group, world_size, lambda: _shard_batch(batch, layout, rank, world_size, packed_seq_params),
+                  lambda out: (), 0)[0]
+
+
+def _shard_batch(batch: Mapping[str, Any], layout: Union[str, cpa.Layout], rank: int, world_size: int,
+                 packed_seq_params: Optional[PackedSeqParams]) -> dict[str, Any]:
+    """:func:`get_batch_on_this_cp_rank` on this rank alone (raises on this rank only)."""
     lay = cpa.get_layout(layout)
     if batch.get("cu_seqlens") is not None:
         if packed_seq_params is not None:
             raise ValueError("the packed boundaries were given twice, as packed_seq_params and as batch['cu_seqlens']; "
                              "pass one of them")
         packed_seq_params = _packed_seq_params_from_batch(batch)
-    if cp_group is None and parallel_state.model_parallel_is_initialized():
-        cp_group = parallel_state.get_context_parallel_group()
-    rank, world_size = group_rank_and_size(cp_group) if cp_group is not None else (0, 1)
     if packed_seq_params is not None:
         return _shard_packed_batch(batch, lay, rank, world_size, packed_seq_params)
     out = dict(batch)

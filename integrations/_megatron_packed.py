@@ -11,7 +11,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from cp_attention.documents import check_cu_seqlens
 
-__all__ = ["packed_documents", "packed_verdict", "group_ranks"]
+__all__ = ["packed_documents", "packed_verdict", "packed_config_verdict", "packed_stream_verdict",
+           "check_stream_length", "packed_local_tokens", "group_ranks"]
 
 
 def _show(cu: Optional[tuple[int, ...]]) -> str:
@@ -96,12 +97,11 @@ def group_ranks(group) -> Optional[tuple[int, ...]]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
-                   query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
-    """This rank's verdict on a packed call of the ring core ``attention``: the documents to attend
-    within (:func:`packed_documents`), or ``ValueError``/``NotImplementedError`` naming what it cannot
-    honour. Pure: the caller agrees on the verdict across the CP group before any communication."""
-    config, cp_size, layout = attention.config, attention.cp_size, attention.layout
+def packed_config_verdict(attention) -> None:
+    """Refuse the packed features the ring core ``attention``'s configuration cannot honour
+    (``NotImplementedError``): multi-latent attention, multi-token prediction, a model whose rotary
+    embedding is not linked to the ring (``packed_rotary_problem``). The same on every rank."""
+    config = attention.config
     if getattr(config, "multi_latent_attention", False):
         raise NotImplementedError("packed sequences (packed_seq_params) with multi-latent attention are not "
                                   "supported by ring attention: MLA rotates its own RoPE part of q and k "
@@ -113,6 +113,15 @@ def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask
                                   "TransformerEngine's per-document split; pass unpacked batches")
     if attention.packed_rotary_problem is not None:
         raise NotImplementedError(attention.packed_rotary_problem)
+
+
+def packed_stream_verdict(packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
+                          layout, cp_size: int, cp_group, local: Optional[int] = None) -> tuple[int, ...]:
+    """This rank's verdict on the data of a packed forward: the documents to attend within
+    (:func:`packed_documents`), or ``ValueError``/``NotImplementedError`` for malformed or unsupported
+    ``packed_seq_params`` (a dynamic CP group, ``local_cp_size``), an ``attention_mask`` alongside them,
+    and, given this rank's ``local`` token count, a packed stream that is not ``local * cp_size`` tokens
+    or that ``layout`` cannot split. Pure: the caller agrees on it across the CP group."""
     documents = packed_documents(packed_seq_params)
     local_cp = getattr(packed_seq_params, "local_cp_size", None)
     if local_cp is not None and local_cp != cp_size:
@@ -120,20 +129,23 @@ def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask
                                   f"parallelism) is not supported by ring attention; leave it None (the CP "
                                   f"group is the model's, of size {cp_size})")
     group = getattr(packed_seq_params, "cp_group", None)
-    if group is not None and group_ranks(group) != group_ranks(attention.cp_group):
+    if group is not None and group_ranks(group) != group_ranks(cp_group):
         raise NotImplementedError(f"packed_seq_params.cp_group (ranks {group_ranks(group)}) is not the "
-                                  f"model's CP group (ranks {group_ranks(attention.cp_group)}); dynamic CP groups "
+                                  f"model's CP group (ranks {group_ranks(cp_group)}); dynamic CP groups "
                                   "are not supported by ring attention: leave packed_seq_params.cp_group None")
     if attention_mask is not None:
-        raise NotImplementedError(f"attention_mask {tuple(attention_mask.shape)} with packed sequences is not "
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise NotImplementedError(f"attention_mask {shape} with packed sequences is not "
                                   "supported by ring attention: the documents of packed_seq_params and the "
                                   "causal flag are the whole mask; pass attention_mask=None")
-    shapes = [tuple(t.shape) for t in (query, key, value)]
-    ok = (all(len(s) == 3 for s in shapes) or all(len(s) == 4 and s[1] == 1 for s in shapes))
-    if not ok or len({s[0] for s in shapes}) != 1:
-        raise ValueError(f"packed (THD) query, key and value must be [t, heads, dim] (or [t, 1, heads, dim]) "
-                         f"with the same t, got shapes {shapes}")
-    local = shapes[0][0]
+    if local is not None:
+        check_stream_length(documents, local, layout, cp_size)
+    return documents
+
+
+def check_stream_length(documents: tuple[int, ...], local: int, layout, cp_size: int) -> None:
+    """Raise ``ValueError`` unless the packed stream ``documents`` describe is ``local * cp_size`` tokens
+    and ``layout`` can split it over ``cp_size`` ranks."""
     total = documents[-1]
     if total != local * cp_size:
         raise ValueError(f"packed_seq_params describe a packed stream of {total} tokens, but this rank holds "
@@ -145,4 +157,26 @@ def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask
     except ValueError as e:
         raise ValueError(f"packed stream of {total} tokens: {e}; append a padding document with "
                          f"cp_attention.pad_cu_seqlens(cu_seqlens, {layout.divisor(cp_size)})") from None
+
+
+def packed_local_tokens(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """The local token count ``t`` of packed (THD) ``[t, heads, dim]`` (or ``[t, 1, heads, dim]``) query,
+    key and value; ``ValueError`` for other shapes."""
+    shapes = [tuple(t.shape) for t in (query, key, value)]
+    ok = (all(len(s) == 3 for s in shapes) or all(len(s) == 4 and s[1] == 1 for s in shapes))
+    if not ok or len({s[0] for s in shapes}) != 1:
+        raise ValueError(f"packed (THD) query, key and value must be [t, heads, dim] (or [t, 1, heads, dim]) "
+                         f"with the same t, got shapes {shapes}")
+    return shapes[0][0]
+
+
+def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
+                   query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
+    """This rank's verdict on a packed call of the ring core ``attention``: the documents to attend
+    within (:func:`packed_documents`), or ``ValueError``/``NotImplementedError`` naming what it cannot
+    honour. Pure: the caller agrees on the verdict across the CP group before any communication."""
+    packed_config_verdict(attention)
+    documents = packed_stream_verdict(packed_seq_params, attention_mask, attention.layout, attention.cp_size,
+                                      attention.cp_group)
+    check_stream_length(documents, packed_local_tokens(query, key, value), attention.layout, attention.cp_size)
     return documents

@@ -52,7 +52,6 @@ import math
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 import cp_attention as cpa
 from cp_attention._extras import require_extra
@@ -82,7 +81,8 @@ except ImportError:  # pragma: no cover - a megatron-core without it
         return 1.0
 
 from ._megatron_batch import DEFAULT_LAYOUT, get_batch_on_this_cp_rank  # noqa: E402
-from ._megatron_packed import group_ranks, packed_documents, packed_verdict  # noqa: E402
+from ._megatron_checks import ForwardChecks, check_layer_call, install_forward_checks  # noqa: E402
+from ._megatron_packed import group_ranks, packed_documents  # noqa: E402
 from ._megatron_rope import LayoutRotaryEmbedding  # noqa: E402
 
 __all__ = [
@@ -124,9 +124,6 @@ def _layer_window(config, layer_number: int) -> tuple[int, int]:
                          "(-1 = unbounded)") from None
 
 
-_AGREED_ERRORS = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}
-
-
 class RingDotProductAttention(MegatronModule):
     """Exact ring attention with megatron-core's core-attention interface.
 
@@ -151,7 +148,8 @@ class RingDotProductAttention(MegatronModule):
         NotImplementedError: cross attention (here), and in
             ``forward`` attention bias, dropout while training, a mask that is not the causal (or
             empty) mask of this rank's queries, or an unsupported packed feature (see the module
-            docstring). Every ``forward`` error is raised on every CP rank alike, before the ring.
+            docstring). Every ``forward`` error is raised on every CP rank alike, before the ring (agreed
+            once per model forward, see :func:`apply_context_parallel`, else in one all-gather per call).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
@@ -188,6 +186,8 @@ class RingDotProductAttention(MegatronModule):
         # this rank's packed tokens (a plain attribute, not a submodule). None: no RoPE to apply.
         self.packed_rotary: Optional[Callable[[tuple[int, ...]], torch.Tensor]] = None
         self.packed_rotary_problem: Optional[str] = None
+        # Set by apply_context_parallel to the model's once-per-forward data checks (a plain attribute).
+        self.forward_checks: Optional[ForwardChecks] = None
 
     def _init_softmax_offset(self, config) -> None:
         """Attention sinks as megatron's ``softmax_type``: ``softmax_offset`` is one logit per local
@@ -222,28 +222,6 @@ class RingDotProductAttention(MegatronModule):
         raise NotImplementedError(f"attn_mask_type={mask_type} is not supported by ring attention; use "
                                   "AttnMaskType.causal or AttnMaskType.no_mask")
 
-    def _check_mask(self, mask: Optional[torch.Tensor], causal: bool, local: int) -> None:
-        """Accept only the mask the ring applies anyway; agree on the verdict so every rank raises."""
-        if mask is None:
-            return
-        total = local * self.cp_size
-        ok = mask.dtype == torch.bool and mask.dim() == 4 and tuple(mask.shape[-2:]) == (local, total)
-        if ok:
-            pos = self.layout.positions(total, self.cp_rank, self.cp_size).to(mask.device)
-            keys = torch.arange(total, device=mask.device)
-            expected = keys[None, :] > pos[:, None] if causal else torch.zeros_like(mask[0, 0])
-            ok = torch.equal(mask, expected.expand_as(mask))
-        bad = torch.tensor([0 if ok else 1], device=mask.device)
-        if self.cp_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.cp_group)
-        if int(bad.item()):
-            raise NotImplementedError(
-                f"ring attention applies the {'causal' if causal else 'empty'} mask over global positions itself "
-                f"and cannot honour any other attention_mask (padding, document or custom masks); got "
-                f"{tuple(mask.shape)} {mask.dtype} on at least one rank. Pass attention_mask=None, or a bool "
-                f"[b, 1, {local}, {total}] mask sharded by get_batch_on_this_cp_rank(layout="
-                f"'{self.layout.name}') (megatron's own get_batch_on_this_cp_rank shards for zigzag only)")
-
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type=None,
                 attention_bias: Optional[torch.Tensor] = None,
@@ -260,39 +238,15 @@ class RingDotProductAttention(MegatronModule):
             raise RuntimeError(f"this model has not been prepared for context parallelism: {_APPLY_HINT}; it "
                                f"makes rotary embeddings use global positions under the {self.layout.name} layout")
         causal = self._causal(attn_mask_type)
+        # Agreed across the CP group: by the model's forward check, else here in one all-gather.
+        documents = check_layer_call(self, attention_mask, packed_seq_params, causal, query, key, value)
         if packed_seq_params is not None:
-            documents = self._agree(packed_verdict, query.device, self, packed_seq_params, attention_mask,
-                                    query, key, value)
             return self._packed_forward(query, key, value, documents, causal)
-        self._check_mask(attention_mask, causal, query.shape[0])
         out = cpa.ring_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                                  group=self.cp_group, layout=self.layout, causal=causal,
                                  softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
                                  window_size=self.window_size)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
-
-    def _agree(self, check: Callable[..., Any], device: torch.device, *args) -> Any:
-        """``check(*args)``, with any ``ValueError``/``NotImplementedError`` it raises on any CP rank raised
-        on every rank alike: that of the lowest such rank, naming it. One tiny all-reduce when none raises."""
-        try:
-            result, problem = check(*args), None
-        except (ValueError, NotImplementedError) as e:
-            result, problem = None, e
-        if self.cp_size == 1:
-            if problem is not None:
-                raise problem
-            return result
-        device = device if dist.get_backend(self.cp_group) == "nccl" else torch.device("cpu")
-        flag = torch.tensor([0 if problem is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.cp_group)
-        if not int(flag.item()):
-            return result
-        found: list = [None] * self.cp_size
-        dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)),
-                               group=self.cp_group)
-        bad = [r for r, p in enumerate(found) if p is not None]
-        name, message = found[bad[0]]
-        raise _AGREED_ERRORS.get(name, RuntimeError)(f"{message} (on CP rank {bad[0]}; CP ranks with bad input: {bad})")
 
     def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         documents: tuple[int, ...], causal: bool) -> torch.Tensor:
@@ -406,8 +360,11 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
     every ``RotaryEmbedding`` with a :class:`LayoutRotaryEmbedding`, so RoPE uses each token's
     global position under that layout (at CP size 1, the positions themselves, computed without the
     GPU megatron's own ``get_emb`` insists on). For packed (THD) batches it links the model's rotary
-    embedding to every ring attention, which then applies RoPE within documents itself. Idempotent.
-    Returns ``model``.
+    embedding to every ring attention, which then applies RoPE within documents itself. It hooks the
+    model's forward (the outermost module taking ``input_ids``, ``attention_mask`` and ``packed_seq_params``,
+    e.g. ``GPTModel``): each forward's mask, packed parameters and input shape are checked and agreed across
+    the CP group in ONE small all-gather before any layer runs, and the layers skip their own checks.
+    Idempotent. Returns ``model``.
 
     Raises:
         ValueError: no ring core attention in the model, or attentions with different layouts or groups.
@@ -441,4 +398,5 @@ def apply_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
         m.global_positions_ready = True
         m.packed_rotary = ropes[0].packed_rows if len(ropes) == 1 else None
         m.packed_rotary_problem = problem
+    install_forward_checks(model, rings)
     return model

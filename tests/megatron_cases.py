@@ -210,7 +210,7 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     out["cross_attention"] = _error(lambda: _ring(world_size, attention_type="cross"))
     out["cp_size_mismatch"] = _error(lambda: _ring(world_size, cfg=config(1)))
     out["unknown_layout"] = _error(lambda: _ring(world_size, layout="diagonal"))
-    out["unknown_kernel"] = _error(lambda: _ring(world_size, kernel="cudnn"))
+    out["unknown_kernel"] = _error(lambda: _ring(world_size, kernel="no_such_kernel"))
     out["no_ring_in_model"] = _error(lambda: cpm.apply_context_parallel(torch.nn.Linear(2, 2)))
     mixed = build(world_size, spec=spec)
     mixed.decoder.layers[1].self_attention.core_attention.layout = cpm.cpa.get_layout("interleaved")

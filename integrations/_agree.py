@@ -1,0 +1,74 @@
+"""One small all-gather that agrees a verdict across a process group, shared by the adapters' checks.
+
+Every rank encodes what it found (nothing, or an error kind and message, plus a few integers the
+caller wants to compare across ranks, such as a local shape) in a fixed-size ``uint8`` row and
+takes part in ONE ``all_gather``, whatever it found, so no rank is ever left waiting. If any rank
+refused, every rank raises the same error: the lowest refusing rank's, naming every refusing rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MESSAGE_BYTES", "agree", "exchange", "raise_refusal"]
+
+MESSAGE_BYTES = 1024  # a longer message is cut (the kind and the refusing ranks always come through)
+
+# One rank's row, decoded: (error kind + 1, or 0 for none; its message; its header integers).
+Verdict = tuple[int, str, tuple[int, ...]]
+
+
+def _encode(problem: "tuple[int, str] | None", header: Sequence[int]) -> torch.Tensor:
+    """``[kind + 1 (0: none)] + header as int64 bytes + message bytes (zero-padded)``."""
+    head = len(header) * 8
+    row = torch.zeros(1 + head + MESSAGE_BYTES, dtype=torch.uint8)
+    if head:
+        row[1:1 + head] = torch.tensor(list(header), dtype=torch.int64).view(torch.uint8)
+    if problem is not None:
+        kind, message = problem
+        data = message.encode()[:MESSAGE_BYTES]
+        row[0] = kind + 1
+        row[1 + head:1 + head + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return row
+
+
+def _decode(row: torch.Tensor, headers: int) -> Verdict:
+    head = headers * 8
+    ints = tuple(row[1:1 + head].clone().view(torch.int64).tolist()) if head else ()
+    message = bytes(row[1 + head:].tolist()).rstrip(b"\0").decode(errors="replace")
+    return int(row[0]), message, ints
+
+
+def exchange(group, world_size: int, problem: "tuple[int, str] | None", header: Sequence[int] = ()
+             ) -> list[Verdict]:
+    """Every rank's ``(kind + 1 or 0, message, header)`` in rank order, from one ``all_gather`` over
+    ``group`` (on the current CUDA device for NCCL, else on the CPU). ``problem`` is this rank's
+    ``(kind index, message)`` or None; ``header`` a few integers, the same count on every rank."""
+    row = _encode(problem, header)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    parts = [torch.empty_like(row, device=device) for _ in range(world_size)]
+    dist.all_gather(parts, row.to(device), group=group)
+    return [_decode(p.cpu(), len(header)) for p in parts]
+
+
+def raise_refusal(verdicts: Sequence[Verdict], kinds: Sequence[type], note: str,
+                  cause: Optional[BaseException] = None) -> None:
+    """Raise, on every rank alike, the error of the lowest rank that refused (``kinds[kind]`` with its
+    message and ``note.format(first=..., bad=[...])`` appended), if any did; ``cause`` (this rank's
+    own exception) is chained for its traceback."""
+    bad = [r for r, (kind, _, _) in enumerate(verdicts) if kind]
+    if bad:
+        kind, message, _ = verdicts[bad[0]]
+        raise kinds[kind - 1](f"{message} {note.format(first=bad[0], bad=bad)}") from cause
+
+
+def agree(group, world_size: int, problem: "tuple[int, str] | None", kinds: Sequence[type], note: str,
+          header: Sequence[int] = (), cause: Optional[BaseException] = None) -> list[tuple[int, ...]]:
+    """:func:`exchange` then :func:`raise_refusal`; returns every rank's ``header`` when none refused."""
+    verdicts = exchange(group, world_size, problem, header)
+    raise_refusal(verdicts, kinds, note, cause)
+    return [ints for _, _, ints in verdicts]
