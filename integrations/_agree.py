@@ -8,14 +8,17 @@ refused, every rank raises the same error: the lowest refusing rank's, naming ev
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import zlib
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MESSAGE_BYTES", "agree", "exchange", "raise_refusal"]
+__all__ = ["MESSAGE_BYTES", "SHAPE_DIMS", "agree", "exchange", "raise_refusal", "documents_header", "shape_header",
+           "show_shape"]
 
 MESSAGE_BYTES = 1024  # a longer message is cut (the kind and the refusing ranks always come through)
+SHAPE_DIMS = 4  # dims of a shape carried in the agreement (ndim too, so longer shapes still differ)
 
 # One rank's row, decoded: (error kind + 1, or 0 for none; its message; its header integers).
 Verdict = tuple[int, str, tuple[int, ...]]
@@ -72,3 +75,23 @@ def agree(group, world_size: int, problem: "tuple[int, str] | None", kinds: Sequ
     verdicts = exchange(group, world_size, problem, header)
     raise_refusal(verdicts, kinds, note, cause)
     return [ints for _, _, ints in verdicts]
+
+
+def documents_header(documents: Optional[tuple[int, ...]]) -> list[int]:
+    """[packed, total tokens, fingerprint of the boundaries] of a packed call (zeros if unpacked)."""
+    if documents is None:
+        return [0, 0, 0]
+    return [1, documents[-1], zlib.crc32(repr(documents).encode())]
+
+
+def shape_header(t: Any) -> list[int]:
+    """[ndim (-1: not a tensor), the first SHAPE_DIMS dims padded with -1] of ``t``."""
+    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else ()
+    dims = shape[:SHAPE_DIMS]
+    return [len(shape) if isinstance(t, torch.Tensor) else -1, *dims, *[-1] * (SHAPE_DIMS - len(dims))]
+
+
+def show_shape(ints: Sequence[int]) -> str:
+    """A :func:`shape_header` as text."""
+    ndim, dims = ints[0], [d for d in ints[1:] if d >= 0]
+    return "None" if ndim < 0 else str(tuple(dims)) + (" + more dims" if ndim > SHAPE_DIMS else "")

@@ -9,6 +9,7 @@ by identity and skip their own per-layer checks (no ``torch.equal`` or ``.tolist
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any, Optional
@@ -16,9 +17,10 @@ from typing import Any, Optional
 import torch
 
 import cp_attention as cpa
+from cp_attention.agreement import agreed_forward
 from cp_attention.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
 
-from ._agree import agree
+from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 
 __all__ = ["ForwardChecks", "documents", "expected_positions", "check_positions"]
 
@@ -79,6 +81,7 @@ class ForwardChecks:
         self._positions: Optional[weakref.ref] = None
         self._cu_q: Optional[weakref.ref] = None
         self.cu: "tuple[int, ...] | None" = None
+        self._agreed: "contextlib.AbstractContextManager | None" = None
 
     def accepted_positions(self, position_ids: torch.Tensor) -> bool:
         """Whether ``position_ids`` is the tensor this forward's check accepted."""
@@ -123,16 +126,41 @@ class ForwardChecks:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook (``with_kwargs=True``). Raises the same ``ValueError`` or
         ``NotImplementedError`` on every rank if any rank's data is refused."""
-        self._positions = self._cu_q = None
+        self._leave()  # a forward that ended without its post-hook (not on a normal path)
+        self._positions = self._cu_q = self.cu = None
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         problem = None
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2:  # else the layers check what they get
             problem = self._problem(kwargs, ids.shape[1])
-        # Every rank takes part in the all-gather, whatever it found, so none is left waiting.
+        # Every rank takes part in the all-gather, whatever it found, so none is left waiting. It also
+        # carries the input's shape and a fingerprint of the documents, which must agree across ranks.
+        header = shape_header(ids) + documents_header(self.cu if problem is None else None)
         try:
-            agree(self.group, self.world_size, problem, _KINDS, "(on rank {first}; ranks refused: {bad})")
+            headers = agree(self.group, self.world_size, problem, _KINDS, "(on rank {first}; ranks refused: {bad})",
+                            header)
+            if len(set(headers)) > 1:
+                shapes = ", ".join(f"{show_shape(h[:SHAPE_DIMS + 1])} with "
+                                   f"{h[SHAPE_DIMS + 2] or 'no'} packed tokens on rank {r}" for r, h in enumerate(headers))
+                raise ValueError(f"the ranks hold inputs of different shapes or documents: {shapes}; every rank must "
+                                 "hold its shard of the same batch: shard_batch(batch, group=..., layout=...) on "
+                                 "every rank")
         except _KINDS:
             self._positions = self._cu_q = None
             raise
+        # Decided alike on every rank (from what every rank sent): with checked inputs of agreed shapes,
+        # every rank makes the same ring calls, so their validation needs no collective until the
+        # forward ends (cp_attention.agreement; post_hook leaves).
+        if all(h[0] >= 2 for h in headers):
+            self._agreed = agreed_forward(self.group)
+            self._agreed.__enter__()
+
+    def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        """Forward hook (``with_kwargs=True, always_call=True``): the forward is over (or raised)."""
+        self._leave()
+
+    def _leave(self) -> None:
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None:
+            agreed.__exit__(None, None, None)

@@ -18,7 +18,6 @@ import contextlib
 import functools
 import inspect
 import weakref
-import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -26,7 +25,7 @@ import torch
 import cp_attention as cpa
 from cp_attention.agreement import agreed_forward
 
-from ._agree import agree
+from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from ._megatron_packed import check_stream_length, packed_config_verdict, packed_local_tokens, \
     packed_stream_verdict, packed_verdict
 
@@ -35,8 +34,7 @@ __all__ = ["ForwardChecks", "install_forward_checks", "check_layer_call", "check
 # A check's exception travels as one of these (anything else as a RuntimeError naming its type).
 _KINDS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 _NOTE = "(on CP rank {first}; CP ranks with bad input: {bad})"
-_DIMS = 4  # dims of a shape carried in the agreement (ndim too, so longer shapes still differ)
-_CALL_INTS = 3 + 1 + _DIMS  # _documents_header + _shape_header
+_CALL_INTS = 3 + 1 + SHAPE_DIMS  # documents_header + shape_header
 _MODEL_INPUTS = ("input_ids", "attention_mask", "packed_seq_params")  # a model forward the hook can check
 _HOOKS_ATTR = "_cp_forward_checks_hooks"
 
@@ -100,23 +98,6 @@ def check_mask(mask: Optional[torch.Tensor], causal: bool, layout: cpa.Layout, r
             f"{tuple(mask.shape)} {mask.dtype}. {hint}")
 
 
-def _documents_header(documents: Optional[tuple[int, ...]]) -> list[int]:
-    """[packed, total tokens, fingerprint of the boundaries] of a packed call (zeros if unpacked)."""
-    if documents is None:
-        return [0, 0, 0]
-    return [1, documents[-1], zlib.crc32(repr(documents).encode())]
-
-
-def _shape_header(t: Any) -> list[int]:
-    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else ()
-    return [len(shape) if isinstance(t, torch.Tensor) else -1, *shape[:_DIMS], *[-1] * (_DIMS - len(shape[:_DIMS]))]
-
-
-def _show_shape(ints: Sequence[int]) -> str:
-    ndim, dims = ints[0], [d for d in ints[1:] if d >= 0]
-    return "None" if ndim < 0 else str(tuple(dims)) + (" + more dims" if ndim > _DIMS else "")
-
-
 def _check_consistent(headers: list[tuple[int, ...]], what: str, hint: str) -> None:
     """Raise ``ValueError`` on every rank alike unless every rank's header (``documents`` then shape, as
     made by :func:`_documents_header` and :func:`_shape_header`) agrees: the same packing, the same
@@ -134,7 +115,7 @@ def _check_consistent(headers: list[tuple[int, ...]], what: str, hint: str) -> N
         raise ValueError(f"packed_seq_params differ across the CP ranks: {how}; every CP rank must get the "
                          f"boundaries of the same full packed stream. {hint}")
     if len({h[3:] for h in headers}) > 1:
-        shapes = ", ".join(f"{_show_shape(h[3:])} on CP rank {r}" for r, h in enumerate(headers))
+        shapes = ", ".join(f"{show_shape(h[3:])} on CP rank {r}" for r, h in enumerate(headers))
         raise ValueError(f"the CP ranks hold {what} of different shapes: {shapes}; every CP rank must hold an "
                          f"equal share of the same batch. {hint}")
 
@@ -170,7 +151,7 @@ def check_layer_call(attention, mask: Optional[torch.Tensor], packed_seq_params,
         return None
 
     documents, headers = agreed(attention.cp_group, attention.cp_size, check,
-                                lambda docs: _documents_header(docs) + _shape_header(query), _CALL_INTS)
+                                lambda docs: documents_header(docs) + shape_header(query), _CALL_INTS)
     _check_consistent(headers, "queries", _batch_hint(attention.layout))
     return documents
 
@@ -256,7 +237,7 @@ class ForwardChecks:
         documents, headers = agreed(
             self.group, self.cp_size, lambda: self._verdict(mask, params, local),
             lambda docs: [int(ok_mask and ok_params), int(mask is not None), -1 if local is None else local]
-            + _documents_header(docs) + _shape_header(shaped), 3 + _CALL_INTS)
+            + documents_header(docs) + shape_header(shaped), 3 + _CALL_INTS)
         _check_consistent([h[3:] for h in headers], "inputs (input_ids, else decoder_input)",
                           _batch_hint(self.layout))
         # Decided alike on every rank, from what every rank sent: the layers skip their checks only if

@@ -170,10 +170,10 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     state = _CPState(group, lay, kernel, rank, world_size, checks)
     for m in model.modules():
         m._cp_attention = state
-    previous = getattr(model, "_cp_checks_hook", None)
-    if previous is not None:  # patched again: the new configuration's checks replace the old ones
+    for previous in getattr(model, "_cp_checks_hooks", ()):  # patched again: the new checks replace the old
         previous.remove()
-    model._cp_checks_hook = model.register_forward_pre_hook(checks, with_kwargs=True)
+    model._cp_checks_hooks = (model.register_forward_pre_hook(checks, with_kwargs=True),
+                              model.register_forward_hook(checks.post_hook, with_kwargs=True, always_call=True))
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.generate = _refuse_generate
     return model

@@ -1,0 +1,20 @@
+"""The HF adapter agrees each forward's data in one collective, and nothing per layer."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import hf_checks_cases as cases
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_collective_per_forward(pools, packed):
+    assert pools(2).run(cases.forward_collectives, packed=packed, timeout=120) == [[1, 1], [1, 1]]
+
+
+def test_ranks_with_different_shapes_all_raise(pools):
+    results = pools(2).run(cases.different_shapes, timeout=120)
+    assert {kind for kind, _ in results} == {"ValueError"}
+    assert results[0][1] == results[1][1] and "inputs of different shapes" in results[0][1]
