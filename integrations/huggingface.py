@@ -39,6 +39,7 @@ from cp_attention.comm import group_rank_and_size
 from cp_attention.documents import cu_seqlens_from_position_ids, document_position_ids, pad_cu_seqlens
 from cp_attention.kernels import check_kernel_name
 
+from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from ._hf_checks import ForwardChecks, check_positions, documents
 from ._hf_masks import RingMask, layer_window, ring_mask
 
@@ -204,6 +205,32 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
     """
     lay = cpa.get_layout(layout)
     rank, world_size = group_rank_and_size(group)
+    if world_size == 1:
+        return _shard_batch(batch, lay, rank, world_size)
+    # A refusal depends on this rank's own batch: agree on it (and on the shard's shape and documents)
+    # in one small all-gather, so every rank raises alike instead of one going on alone.
+    try:
+        local, problem, cause = _shard_batch(batch, lay, rank, world_size), None, None
+    except _BATCH_ERRORS as e:
+        local, problem, cause = None, (_BATCH_ERRORS.index(type(e)) if type(e) in _BATCH_ERRORS else 0, str(e)), e
+    cu = local.get("cu_seq_lens_q") if local is not None else None
+    header = shape_header(None if local is None else local["input_ids"]) + documents_header(
+        None if cu is None else tuple(cu.tolist()))
+    headers = agree(group, world_size, problem, _BATCH_ERRORS, "(on rank {first}; ranks refused: {bad})", header,
+                    cause)
+    if len(set(headers)) > 1:
+        shapes = ", ".join(f"{show_shape(h[:SHAPE_DIMS + 1])} on rank {r}" for r, h in enumerate(headers))
+        raise ValueError(f"shard_batch got different batches on the ranks of the group (local input_ids {shapes}, "
+                         "or other document boundaries); every rank must pass the same full batch")
+    return local
+
+
+_BATCH_ERRORS = (ValueError, NotImplementedError, TypeError)
+
+
+def _shard_batch(batch: Mapping[str, torch.Tensor], lay: cpa.Layout, rank: int, world_size: int
+                 ) -> dict[str, torch.Tensor]:
+    """:func:`shard_batch` on this rank alone (its refusals not yet agreed)."""
     batch = {key: val for key, val in batch.items() if val is not None}  # None entries: as if absent
     if "input_ids" not in batch:
         raise ValueError(f"shard_batch needs 'input_ids' in the batch, got keys {sorted(batch)}")
