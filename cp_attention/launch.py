@@ -56,10 +56,14 @@ def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_si
     try:
         yield
     except BaseException:
-        dist.destroy_process_group()  # peers may be gone: no collective on the way out
+        if dist.is_initialized():  # (unless the block destroyed it: keep its error, not ours)
+            dist.destroy_process_group()  # peers may be gone: no collective on the way out
         raise
+    if not dist.is_initialized():  # the block destroyed the group itself
+        return
     # A clean exit waits for every rank first: tearing gloo down while a peer still talks to it
-    # can abort the process ("terminate called without an active exception").
+    # can abort the process ("terminate called without an active exception"), and so can a group
+    # left alive to interpreter exit (a gloo thread releasing finished work needs the GIL then).
     try:
         dist.barrier()
     except RuntimeError as e:
@@ -89,9 +93,12 @@ def _torchrun_attempt_store(timeout: Optional[datetime.timedelta]) -> dict[str, 
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s: Optional[float],
-                  fn: Callable[..., Any], args: tuple, out_path: str) -> None:
+                  fn: Callable[..., Any], args: tuple, out_path: str, backend: str = "gloo") -> None:
+    """One spawned rank; with a GPU backend, ``cuda:rank`` is made current before its group starts."""
+    if backend != "gloo":
+        torch.cuda.set_device(rank)
     torch.set_num_threads(threads)
-    with process_group("gloo", rank=rank, world_size=world_size, port=port, timeout_s=timeout_s):
+    with process_group(backend, rank=rank, world_size=world_size, port=port, timeout_s=timeout_s):
         result = fn(*args)
     if rank == 0:
         with open(out_path, "wb") as f:
@@ -99,20 +106,27 @@ def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional[int] = None,
-          timeout_s: Optional[float] = None) -> Any:
-    """Call ``fn(*args)`` on ``world_size`` fresh gloo ranks on this machine; return rank 0's result.
+          timeout_s: Optional[float] = None, backend: str = "gloo") -> Any:
+    """Call ``fn(*args)`` on ``world_size`` fresh ranks on this machine; return rank 0's result.
 
     ``fn`` must be picklable (a module-level function) and so must its result. Each rank runs
-    ``threads`` torch threads (default: the machine's cores shared out). Raises
+    ``threads`` torch threads (default: the machine's cores shared out). ``backend="gloo"`` (CPU);
+    ``"nccl"`` gives rank r the GPU ``cuda:r`` (made current before the group starts). Raises
+    ``ValueError`` for NCCL with fewer GPUs than ranks, and
     ``torch.multiprocessing.ProcessRaisedException`` if a rank fails.
     """
     import torch.multiprocessing as mp
 
+    if backend != "gloo":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            raise ValueError(f"spawning {world_size} {backend} rank(s) needs one GPU each, but torch sees {gpus}; "
+                             "spawn fewer ranks, or use backend='gloo' (CPU)")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.pkl")
-        mp.spawn(_spawned_rank, args=(world_size, free_port(), threads, timeout_s, fn, args, out_path),
+        mp.spawn(_spawned_rank, args=(world_size, free_port(), threads, timeout_s, fn, args, out_path, backend),
                  nprocs=world_size, join=True)
         with open(out_path, "rb") as f:
             return pickle.load(f)
@@ -123,9 +137,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
     """Call ``fn(*args)`` on every rank of a job and return this process's (or rank 0's) result.
 
     Under torchrun (``RANK`` set) it runs here, in a ``backend`` group built from torchrun's
-    environment; otherwise on ``world_size`` gloo ranks spawned here (see :func:`spawn`).
+    environment; otherwise on ``world_size`` ranks spawned here with ``backend`` (see :func:`spawn`).
     """
     if "RANK" not in os.environ:
-        return spawn(fn, world_size, *args, timeout_s=timeout_s)
+        return spawn(fn, world_size, *args, timeout_s=timeout_s, backend=backend)
     with process_group(backend, timeout_s=timeout_s):
         return fn(*args)

@@ -130,6 +130,12 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # A window covering every sequence (or document) is no window: the call stays the plain one.
     extra = {} if window is None or window >= longest else {
         "window_size": (window - 1, -1 if causal else window - 1)}
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under autocast RoPE leaves q and k in fp32 while v comes out of its projection in the autocast
+        # dtype; run attention in the autocast dtype, as transformers' flash-attention integration does.
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     out = cpa.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
                              kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0, cu_seqlens=cu, **extra)
@@ -383,7 +389,8 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     local_sum = F.cross_entropy(logits.flatten(0, 1), shift_labels.flatten().to(logits.device),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
-    stats = torch.stack([local_sum.detach().double(), (shift_labels != IGNORE_INDEX).sum().double()])
+    count = (shift_labels != IGNORE_INDEX).sum().double().to(local_sum.device)  # NCCL needs both on the GPU
+    stats = torch.stack([local_sum.detach().double(), count])
     _, world_size = group_rank_and_size(group)
     if world_size > 1:
         dist.all_reduce(stats, group=group)

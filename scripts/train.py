@@ -5,6 +5,10 @@
     python scripts/train.py layout=interleaved trainer.steps=200
     python scripts/train.py -m layout=contiguous,zigzag,interleaved
     torchrun --nproc-per-node=4 scripts/train.py cp_size=2    # dp=2 x cp=2 (NCCL on GPU, gloo on CPU)
+    torchrun --nproc-per-node=8 scripts/train.py cp_size=4 trainer.device=cuda trainer.precision=bf16
+
+trainer.device=auto trains on the GPUs (NCCL, rank i on cuda:LOCAL_RANK) when this machine has one per
+rank, else on the CPU (gloo); trainer.backend overrides the backend, trainer.precision=bf16 autocasts.
 """
 
 from __future__ import annotations

@@ -64,6 +64,24 @@ def test_example_smoke(script, needs):
     assert len(losses) == 3 and all(l == l and 0 < l < 10 for l in losses), proc.stdout
 
 
+def test_hf_example_bf16_on_cpu():
+    """--precision bf16 on the CPU runs under CPU autocast (one rank: no ring, see test_train_device)."""
+    pytest.importorskip("transformers", reason="finetune_hf.py needs transformers")
+    proc = subprocess.run([sys.executable, "scripts/finetune_hf.py", "--steps", "2", "--seq-len", "64", "--batch", "2",
+                           "--log-every", "1", "--world-size", "1", "--device", "cpu", "--precision", "bf16"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) == 2 and all(0 < l < 10 for l in losses), proc.stdout
+
+
+def test_megatron_example_refuses_bf16_on_cpu():
+    pytest.importorskip("megatron.core", reason="needs the megatron extra")
+    bad = subprocess.run([sys.executable, "scripts/pretrain_megatron.py", "--device", "cpu", "--precision", "bf16"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--precision bf16 (autocast) needs --device cuda for megatron-core" in bad.stderr
+
+
 def test_megatron_example_fails_fast_on_an_unsplittable_length():
     pytest.importorskip("megatron.core", reason="needs the megatron extra")
     bad = subprocess.run([sys.executable, "scripts/pretrain_megatron.py", "--seq-len", "66"],

@@ -14,8 +14,10 @@ pytest.importorskip("transformers", reason="needs the hf extra")
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# trainer.device=cpu: these runs compare CPU results bit for bit, also on a machine with GPUs
+# (tests/test_train_gpu.py trains on CUDA).
 TINY = ["trainer.seq_len=64", "trainer.micro_batch=2", "trainer.log_every=1", "trainer.ckpt_every=0",
-        "model.hidden_size=32", "model.intermediate_size=64"]
+        "model.hidden_size=32", "model.intermediate_size=64", "trainer.device=cpu"]
 
 
 def train(run_dir: Path, *overrides: str, launcher: "list[str] | None" = None, check: bool = True):
@@ -98,7 +100,7 @@ def test_torchrun_ranks_share_one_output_dir(tmp_path):
     (["cp_size=3"], "cp_size=3 must divide the world size 2"),
     (["trainer.resume_from=/nonexistent/ckpt"], "no checkpoint at '/nonexistent/ckpt'"),
     (["layout=diagonal"], "Could not find 'layout/diagonal'"),
-    (["kernel.name=flash"], "unknown kernel 'flash'"),
+    (["kernel.name=warp"], "unknown kernel 'warp'"),
     (["data=text_file"], "data.source=text needs data.path"),
     (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s must be a positive number of seconds"),
     (["data=synthetic", "data.packing=true"], "data.source=synthetic has none"),

@@ -159,7 +159,7 @@ def find_complete_checkpoint(directory: "str | Path") -> "tuple[Optional[Path], 
 # What may differ between a checkpoint's config and the run that resumes from it. Everything else
 # must be equal, because it changes what a step computes or which data it sees.
 RESUMABLE_CHANGES = ("nproc", "trainer.steps", "trainer.log_every", "trainer.ckpt_every", "trainer.resume_from",
-                     "trainer.stop_after", "trainer.dist_timeout_s", "kernel")
+                     "trainer.stop_after", "trainer.dist_timeout_s", "trainer.device", "trainer.backend", "kernel")
 
 
 def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
@@ -179,9 +179,10 @@ def check_resume_compatible(info: dict, cfg: dict, world_size: int, path: "str |
     ``grad_clip``, the whole ``model``, ``layout``, ``data`` (source, path, packing) and ``optim``
     groups. May change: ``trainer.steps`` (the cosine schedule then follows the new total),
     ``log_every``, ``ckpt_every``, ``resume_from``, ``stop_after``, ``dist_timeout_s``, ``nproc`` (only
-    through dp and cp_size, which must match) and ``kernel`` (exact kernels agree up to rounding, not
-    bit for bit). A field that only one of the two configs has (a config from another version) is not
-    compared. Raises ``ValueError`` naming every differing field with both values.
+    through dp and cp_size, which must match), ``device`` and ``backend`` (a GPU job may continue on
+    the CPU or back) and ``kernel`` (exact kernels agree up to rounding, not bit for bit);
+    ``trainer.precision`` must match. A field that only one of the two configs has (a config from
+    another version) is not compared. Raises ``ValueError`` naming every differing field with both values.
     """
     saved = info.get("config")
     if saved is None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .data import load_bytes
+from .device import autocast, rank_device
 from .steps import progress_line, train_step
 
 __all__ = ["build_model", "train"]
@@ -33,19 +34,24 @@ def build_model(seed: int):
 def train(args: argparse.Namespace) -> list[float]:
     """Run the fine-tuning loop on this rank (the process group is initialised); returns every step's loss.
 
-    ``args``: layout, kernel, seq_len, batch, steps, lr, seed, log_every (see ``example_parser``).
+    ``args``: layout, kernel, seq_len, batch, steps, lr, seed, log_every, device (``cpu``, ``cuda``: this
+    rank's GPU, or ``auto``: what the group's backend needs) and precision (see ``example_parser``).
     """
     from cp_attention.integrations import huggingface as cphf
 
+    device = rank_device(getattr(args, "device", "auto"))
+    precision = autocast(device, getattr(args, "precision", "fp32"))
     data = load_bytes("builtin")  # Python's bundled help texts as bytes
-    model = cphf.apply_context_parallel(build_model(args.seed), layout=args.layout, kernel=args.kernel)
+    model = build_model(args.seed).to(device)
+    model = cphf.apply_context_parallel(model, layout=args.layout, kernel=args.kernel)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
 
     def loss_fn(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        local = cphf.shard_batch({"input_ids": ids}, layout=args.layout)
-        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
-        loss = cphf.causal_lm_loss(out.logits, local["shift_labels"])
+        local = cphf.shard_batch({"input_ids": ids.to(device)}, layout=args.layout)
+        with precision:  # use_cache=False: training never reads the KV cache HF would build each step
+            out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"])
         return loss, loss.detach()
 
     losses = []

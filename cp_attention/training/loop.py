@@ -37,6 +37,7 @@ from ..launch import run_on_ranks
 from .checkpoint import (CorruptCheckpointError, check_resume_compatible, checkpoint_info, find_complete_checkpoint,
                          latest_checkpoint, load_checkpoint, save_checkpoint)
 from .data import VOCAB_SIZE, ByteBatches, PackedBatches, load_bytes, load_documents
+from .device import all_reduce_, autocast, placement, rank_device
 from .steps import train_step
 
 __all__ = ["validate_config", "launch", "train", "resume_point", "PeerRankError"]
@@ -156,6 +157,20 @@ def validate_config(cfg: dict, world_size: int) -> None:
     if timeout is not None and not timeout > 0:
         raise ValueError(f"trainer.dist_timeout_s must be a positive number of seconds (or null for torch's "
                          f"default), got {timeout}")
+    trainer_placement(cfg, world_size)
+
+
+def _local_ranks(world_size: int) -> int:
+    """How many ranks run on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else all of them (spawned)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if "RANK" in os.environ else world_size
+
+
+def trainer_placement(cfg: dict, world_size: int):
+    """The resolved ``trainer.device`` and ``trainer.backend`` (a :class:`~.device.Placement`) for a job
+    of ``world_size`` ranks; raises ``ValueError`` saying which option to change (see ``training.device``)."""
+    t = cfg["trainer"]
+    return placement(t.get("device", "auto"), t.get("backend", "auto"), local_ranks=_local_ranks(world_size),
+                     cp_size=cfg["cp_size"], precision=t.get("precision", "fp32"), prefix="trainer.")
 
 
 def build_model(model_cfg: dict):
@@ -195,18 +210,20 @@ def _optimizer(params, optim_cfg: dict, steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Optional[dict]:
+def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: str = "auto") -> Optional[dict]:
     """Train on this rank (the process group is initialised), from checkpoint ``resume`` if given (see
-    :func:`resume_point`). Returns the final metrics on rank 0. Raises :class:`PeerRankError` when
-    another rank dies or fails."""
+    :func:`resume_point`), on ``device`` (``cpu``, ``cuda``: this rank's GPU, or ``auto``: what the
+    group's backend needs), in ``trainer.precision``. Returns the final metrics on rank 0. Raises
+    :class:`PeerRankError` when another rank dies or fails."""
     from cp_attention.integrations import huggingface as cphf
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
     t, cp = cfg["trainer"], cfg["cp_size"]
     dp = world // cp
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, (dp, cp), mesh_dim_names=("dp", "cp"))
+    device = rank_device(device)
+    precision = autocast(device, t.get("precision", "fp32"))  # raises before any collective of train()
+    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     cp_group, dp_group, dp_rank = mesh["cp"].get_group(), mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     layout = cfg["layout"]["name"]
     is_main = rank == 0
@@ -233,9 +250,13 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Option
         batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        if device == "cuda" and state["rng"].get("cuda") is not None:
-            for i, s in enumerate(state["rng"]["cuda"][: torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(s, i)
+        if device.type == "cuda" and state["rng"].get("cuda") is not None:
+            saved = state["rng"].get("cuda_device")  # rank 0's GPU; every rank's (same seed, same ops) is alike
+            if saved is not None and saved < len(state["rng"]["cuda"]):
+                torch.cuda.set_rng_state(state["rng"]["cuda"][saved], device)
+            else:  # a checkpoint from before cuda_device was saved
+                for i, s in enumerate(state["rng"]["cuda"][: torch.cuda.device_count()]):
+                    torch.cuda.set_rng_state(s, i)
         start = state["step"]
         if is_main:
             print(f"resuming from {resume} (step {start})", file=sys.stderr, flush=True)
@@ -246,7 +267,8 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Option
     if is_main:
         from tqdm import tqdm
 
-        bar = tqdm(total=t["steps"], initial=start, desc=f"train {layout} dp={dp} cp={cp}", dynamic_ncols=True)
+        bar = tqdm(total=t["steps"], initial=start, dynamic_ncols=True,
+                   desc=f"train {layout} dp={dp} cp={cp} {device.type} {t.get('precision', 'fp32')}")
     tokens_per_step = dp * t["micro_batch"] * t["grad_accum"] * t["seq_len"]
     t0, last = time.perf_counter(), {}
 
@@ -255,11 +277,13 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Option
             ids, pos = batch
             local = cphf.shard_batch({"input_ids": ids.to(device), "position_ids": pos.to(device)},
                                      group=cp_group, layout=layout)
-            out = model(**cphf.model_inputs(local))
+            inputs = cphf.model_inputs(local)
         else:
             local = cphf.shard_batch({"input_ids": batch.to(device)}, group=cp_group, layout=layout)
-            out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
-        loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=cp_group)
+            inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+        with precision:  # use_cache=False: training never reads the KV cache HF would build each step
+            out = model(**inputs, use_cache=False)
+            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=cp_group)
         return loss, loss.detach()
 
     def replica_rows(full):  # the same global batch on every rank; each dp replica takes its rows
@@ -279,7 +303,7 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Option
             micro = [replica_rows(batches.next(dp * t["micro_batch"])) for _ in range(t["grad_accum"])]
             stat = train_step(model, opt, micro, loss_fn, cp_group=cp_group, dp_group=dp_group, scheduler=sched,
                               grad_clip=t.get("grad_clip"))
-            dist.all_reduce(stat)
+            all_reduce_(stat)
             loss_value = stat.item() / world  # equal on the CP ranks of a replica: the mean over replicas
             done = step + 1
             if is_main:
@@ -294,8 +318,8 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Option
                         f.write(json.dumps(last) + "\n")
             if is_main and ((t["ckpt_every"] and done % t["ckpt_every"] == 0) or done == end):
                 rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-                if device == "cuda":
-                    rng["cuda"] = torch.cuda.get_rng_state_all()
+                if device.type == "cuda":
+                    rng["cuda"], rng["cuda_device"] = torch.cuda.get_rng_state_all(), device.index
                 save_checkpoint(ckpt_dir, done, {
                     "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict(), "data": batches.state_dict(), "rng": rng, "config": cfg,
@@ -312,8 +336,9 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None) -> Option
     return last if is_main else None
 
 
-def _train_in_shared_dir(cfg: dict, run_dir: str) -> Optional[dict]:
+def _train_in_shared_dir(cfg: dict, run_dir: str, device: str = "auto") -> Optional[dict]:
     rank = dist.get_rank()
+    rank_device(device)  # the CUDA device is current before the first (object) collective
     try:
         shared = [run_dir]
         dist.broadcast_object_list(shared, src=0)  # under torchrun, rank 0's Hydra directory is everyone's
@@ -332,7 +357,7 @@ def _train_in_shared_dir(cfg: dict, run_dir: str) -> Optional[dict]:
         raise peer from e
     if found[1] is not None:
         raise found[1][0](found[1][1])
-    return train(cfg, run_dir, found[0])
+    return train(cfg, run_dir, found[0], device)
 
 
 def _died_message(e: BaseException, run_dir: str) -> str:
@@ -344,8 +369,9 @@ def _died_message(e: BaseException, run_dir: str) -> str:
 
 
 def launch(cfg: dict, run_dir: str) -> None:
-    """Run training: under ``torchrun`` on the ranks it started (NCCL on GPU, gloo on CPU), otherwise
-    on ``cfg['nproc']`` gloo ranks spawned here. All ranks write to rank 0's ``run_dir``.
+    """Run training: under ``torchrun`` on the ranks it started, otherwise on ``cfg['nproc']`` ranks
+    spawned here, on ``trainer.device`` with ``trainer.backend`` (auto: NCCL on CUDA, gloo on CPU; see
+    :mod:`.device`). All ranks write to rank 0's ``run_dir``.
 
     Raises what :func:`validate_config` raises, before any rank starts; :class:`PeerRankError` on a
     rank whose peer died or failed (under torchrun), and ``RuntimeError`` naming the rank when a
@@ -355,9 +381,11 @@ def launch(cfg: dict, run_dir: str) -> None:
 
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else cfg["nproc"]
     validate_config(cfg, world)
+    where = trainer_placement(cfg, world)
+    if where.note and os.environ.get("RANK", "0") == "0":
+        print(where.note, file=sys.stderr, flush=True)
     try:
-        run_on_ranks(_train_in_shared_dir, world, cfg, run_dir,
-                     backend="nccl" if torch.cuda.is_available() else "gloo",
+        run_on_ranks(_train_in_shared_dir, world, cfg, run_dir, where.device, backend=where.backend,
                      timeout_s=cfg["trainer"].get("dist_timeout_s"))
     except ProcessExitedException as e:  # a spawned rank was killed (a signal): it could say nothing itself
         raise RuntimeError(_died_message(e, run_dir)) from e

@@ -21,9 +21,10 @@ from ..dtypes import DTYPES, dtype_from_name
 from ..layout import get_layout
 from .cli import example_parser
 from .data import load_bytes
+from .device import all_reduce_, autocast, rank_device
 from .steps import progress_line, train_step
 
-__all__ = ["build_model", "batches", "train", "parse_args"]
+__all__ = ["build_model", "batches", "train", "parse_args", "unsupported_precision"]
 
 # megatron-core on a CPU machine: its optional CUDA extensions are absent by design.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
@@ -60,25 +61,48 @@ def batches(args: argparse.Namespace) -> Iterator[dict]:
                "loss_mask": torch.ones(args.batch, args.seq_len)}
 
 
+def unsupported_precision(device: str, precision: str) -> Optional[str]:
+    """Why megatron cannot train in ``precision`` on ``device`` (None: it can). bf16 autocast needs CUDA:
+    megatron-core's linear layers re-enter autocast in their backward for CUDA only
+    (``custom_bwd(device_type="cuda")``), so on the CPU their backward mixes bf16 and fp32."""
+    if precision == "bf16" and device == "cpu":
+        return ("--precision bf16 (autocast) needs --device cuda for megatron-core, whose linear layers restore "
+                "autocast in their backward on CUDA only; on the CPU use --precision fp32, with --dtype bfloat16 "
+                "for bf16 weights")
+    return None
+
+
 def train(args: argparse.Namespace) -> list[float]:
-    """Run the pre-training loop on this rank; returns the global mean loss of every step."""
+    """Run the pre-training loop on this rank; returns the global mean loss of every step.
+
+    On ``args.device`` (``cpu``, ``cuda``: this rank's GPU, or ``auto``: what the group's backend
+    needs) in ``args.precision`` (``bf16``: autocast; ``--dtype`` sets the weights' dtype).
+    """
     from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
 
     from cp_attention.integrations import megatron as cpm
 
+    device = rank_device(getattr(args, "device", "auto"))
+    reason = unsupported_precision(device.type, getattr(args, "precision", "fp32"))
+    if reason:
+        raise ValueError(reason)
+    precision = autocast(device, getattr(args, "precision", "fp32"))
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size)
     cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
     dp_size = ps.get_data_parallel_world_size()
-    model = build_model(args)
+    if device.type == "cuda":  # megatron's CUDA RNG tracker (TP regions fork it), seeded as its own scripts do
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    model = build_model(args).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = batches(args)
 
     def loss_fn(full: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        local = cpm.get_batch_on_this_cp_rank(full, layout=args.layout)
-        per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        local = cpm.get_batch_on_this_cp_rank({k: v.to(device) for k, v in full.items()}, layout=args.layout)
+        with precision:
+            per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
         local_sum = (per_token * local["loss_mask"]).sum()
-        stats = torch.stack([local_sum.detach(), local["loss_mask"].sum()])
-        dist.all_reduce(stats, group=cp_group)
+        stats = all_reduce_(torch.stack([local_sum.detach(), local["loss_mask"].sum()]), group=cp_group)
         # This rank's share of the sequence's mean loss: summed over CP it is the full gradient.
         return local_sum / stats[1], stats[0] / stats[1]
 

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .device import all_reduce_
+
 __all__ = ["reduce_gradients", "train_step", "progress_line"]
 
 
@@ -25,7 +27,8 @@ def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp
 
     ``cp_group=None`` is the default group, as in ``ring_attention``; ``dp_group=None`` means no data
     parallelism. Gradients travel as one flattened bucket per dtype and device, so each group costs
-    one collective per bucket. Parameters without a gradient are left alone.
+    one collective per bucket, on the device the group's backend needs (CUDA for NCCL, CPU for gloo).
+    Parameters without a gradient are left alone.
     """
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
     buckets: dict[tuple, list[torch.Tensor]] = {}
@@ -38,9 +41,9 @@ def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp
     for grads in buckets.values():
         flat = _flatten_dense_tensors(grads)
         if cp_size > 1:
-            dist.all_reduce(flat, group=cp_group)
+            all_reduce_(flat, group=cp_group)
         if dp_size > 1:
-            dist.all_reduce(flat, group=dp_group)
+            all_reduce_(flat, group=dp_group)
             flat.div_(dp_size)
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
