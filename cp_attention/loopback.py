@@ -48,7 +48,7 @@ class LoopbackGroup:
         self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
         self._sent: defaultdict[tuple[int, int], int] = defaultdict(int)
         self._received: defaultdict[tuple[int, int], int] = defaultdict(int)
-        self._tables: dict[int, dict[int, list[int]]] = {}
+        self._tables: dict[int, dict[int, Any]] = {}
         self._readers: defaultdict[int, int] = defaultdict(int)
         self._gathers = [0] * world_size
         self._ranks = [LoopbackRank(self, r) for r in range(world_size)]
@@ -80,12 +80,12 @@ class LoopbackGroup:
             self._wait_for(lambda: key in self._mail, f"message {key[2]} from rank {key[0]} to rank {key[1]}")
             return self._mail.pop(key)
 
-    def _all_gather(self, rank: int, values: list[int]) -> list[list[int]]:
+    def _all_gather(self, rank: int, value: Any) -> list[Any]:
         with self._cv:
             call = self._gathers[rank]
             self._gathers[rank] = call + 1
             table = self._tables.setdefault(call, {})
-            table[rank] = list(values)
+            table[rank] = value
             self._cv.notify_all()
             self._wait_for(lambda: len(table) == self.world_size, f"all-gather {call} from every rank")
             rows = [table[r] for r in range(self.world_size)]
@@ -135,8 +135,16 @@ class LoopbackRank:
         return _Posted(self, recv, [self.group._reserve(frm, self.rank) for _ in recv])
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values``, in rank order (validation's signature table)."""
-        return self.group._all_gather(self.rank, values)
+        """Every rank's ``values``, in rank order (validation's signature table, the adapters' verdicts)."""
+        return self.group._all_gather(self.rank, list(values))
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks in place (in rank order, so every rank gets the same bits)."""
+        parts = self.group._all_gather(self.rank, tensor.detach().clone())
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p.to(total.device)
+        return tensor.copy_(total)
 
     def __repr__(self) -> str:
         return f"LoopbackRank({self.rank} of {self.world_size})"

@@ -38,6 +38,7 @@ from cp_attention._extras import require_extra
 from cp_attention.comm import group_rank_and_size
 from cp_attention.documents import cu_seqlens_from_position_ids, document_position_ids, pad_cu_seqlens
 from cp_attention.kernels import check_kernel_name
+from cp_attention.loopback import LoopbackRank
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from ._hf_checks import ForwardChecks, check_positions, documents
@@ -392,7 +393,9 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
     count = (shift_labels != IGNORE_INDEX).sum().double().to(local_sum.device)  # NCCL needs both on the GPU
     stats = torch.stack([local_sum.detach().double(), count])
     _, world_size = group_rank_and_size(group)
-    if world_size > 1:
+    if isinstance(group, LoopbackRank):
+        group.all_reduce_sum_(stats)
+    elif world_size > 1:
         dist.all_reduce(stats, group=group)
     total, count = stats[0].to(local_sum.dtype), stats[1].clamp_min(1).to(local_sum.dtype)
     return (local_sum + (total - local_sum.detach())) / count
