@@ -53,6 +53,11 @@ class _Bucket:
     kv_valid: torch.Tensor  # [E, Lk] bool
     mask: "torch.Tensor | None"  # [E, Lq, Lk] bool, True where a query may see a key; None: causal square
     no_lse: torch.Tensor  # [E, 1, Lq]: +inf on padding rows, 0 elsewhere
+    # The real entries, precomputed so no call pays for a boolean index (nonzero + gather):
+    q_rows: torch.Tensor  # [R] local query rows, = q_idx[q_valid]
+    q_sel: torch.Tensor  # [R] their positions in the flattened [E * Lq]
+    kv_rows: torch.Tensor  # [Rk] held K/V rows, = kv_idx[kv_valid]
+    kv_sel: torch.Tensor  # [Rk] their positions in the flattened [E * Lk]
 
 
 def _make_bucket(blocks: Sequence[DocBlock], lq: int, lk: int, square: bool) -> _Bucket:
@@ -70,8 +75,14 @@ def _make_bucket(blocks: Sequence[DocBlock], lq: int, lk: int, square: bool) -> 
         mask[..., 0] |= ~q_valid  # padding rows see a key, so no kernel meets an empty row
     # Backward gives padding rows an LSE of +inf: their probabilities are exactly 0, whatever they see.
     no_lse = torch.zeros(q_valid.shape, dtype=torch.float64).masked_fill_(~q_valid, float("inf"))[:, None, :]
-    return _Bucket(torch.where(q_valid, q0 + aq, q0), q_valid, torch.where(kv_valid, k0 + ak, k0), kv_valid,
-                   mask, no_lse)
+    q_idx, kv_idx = torch.where(q_valid, q0 + aq, q0), torch.where(kv_valid, k0 + ak, k0)
+    return _Bucket(q_idx, q_valid, kv_idx, kv_valid, mask, no_lse, q_idx[q_valid],
+                   torch.nonzero(q_valid.flatten()).flatten(), kv_idx[kv_valid], torch.nonzero(kv_valid.flatten()).flatten())
+
+
+def _valid(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """``x [E, L, ...]`` at the flat positions ``sel`` -> ``[1, R, ...]``."""
+    return x.flatten(0, 1).index_select(0, sel)[None]
 
 
 def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -105,7 +116,7 @@ class DocBatch:
             extra = {} if b.mask is None else {"mask": b.mask}
             o, lse = kernel.forward(_rows(q, b.q_idx), _rows(k, b.kv_idx), _rows(v, b.kv_idx), b.mask is None, scale,
                                     **extra, **kwargs)
-            results.append((b.q_idx[b.q_valid], o[b.q_valid][None], lse.transpose(1, 2)[b.q_valid].t()[None]))
+            results.append((b.q_rows, _valid(o, b.q_sel), _valid(lse.transpose(1, 2), b.q_sel).transpose(1, 2)))
         return results
 
     def backward(self, kernel, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -120,8 +131,7 @@ class DocBatch:
             lse_b = lse_b + b.no_lse.to(lse.dtype)
             dq, dk, dv = kernel.backward(dout_b, _rows(q, b.q_idx), _rows(k, b.kv_idx), _rows(v, b.kv_idx),
                                          _rows(out, b.q_idx), lse_b, b.mask is None, scale, **extra, **kwargs)
-            results.append((b.q_idx[b.q_valid], dq[b.q_valid][None], b.kv_idx[b.kv_valid], dk[b.kv_valid][None],
-                            dv[b.kv_valid][None]))
+            results.append((b.q_rows, _valid(dq, b.q_sel), b.kv_rows, _valid(dk, b.kv_sel), _valid(dv, b.kv_sel)))
         return results
 
 
