@@ -3,7 +3,7 @@
 (SIGABRT, or "terminate called" in the output) apart from other failures
 (see cp_attention.experiments.stress).
 
-    python scripts/stress.py --runs 100                  # every target, 100 times each
+    python scripts/stress.py --runs 100                  # the cheap set (examples + dist), ~1 hour
     python scripts/stress.py --runs 20 --targets ring    # one target
 """
 

@@ -1,22 +1,39 @@
-"""Session-wide gloo worker pools, one per world size, started on first use."""
+"""Session-wide gloo worker pools, one per world size, started on first use.
+
+``CP_ATTENTION_POOL_STDERR=PATH`` sends the workers' stderr (C++ output included) to PATH instead of
+the terminal: pytest's own capture can swallow what a worker writes as it exits, so
+``scripts/stress.py`` sets it to see every "terminate called".
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from .dist_pool import WorkerPool
 
+POOL_STDERR_ENV = "CP_ATTENTION_POOL_STDERR"  # the same name as cp_attention.experiments.stress's
+_ABORTED = (-6, 134)  # SIGABRT: "terminate called without an active exception"
+
 
 @pytest.fixture(scope="session")
 def pools():
-    """``pools(n)``: the session's pool of ``n`` gloo workers."""
+    """``pools(n)``: the session's pool of ``n`` gloo workers.
+
+    At the end of the session every pool is closed, and a worker that aborted (SIGABRT) or left its
+    process group alive at exit fails the session's last test."""
     made: dict[int, WorkerPool] = {}
 
     def get(world_size: int) -> WorkerPool:
         if world_size not in made:
-            made[world_size] = WorkerPool(world_size)
+            made[world_size] = WorkerPool(world_size, stderr_path=os.environ.get(POOL_STDERR_ENV) or None)
         return made[world_size]
 
     yield get
-    for pool in made.values():
-        pool.close()
+    WorkerPool.close_all(made.values())
+    unclean = [(n, rank, code) for n, pool in sorted(made.items()) for rank, code in pool.exit_codes
+               if code in _ABORTED or code == WorkerPool.LIVE_GROUP_AT_EXIT]
+    if unclean:
+        pytest.fail("pool worker aborted or left its process group alive at exit "
+                    f"(world size, rank, exit code): {unclean}", pytrace=False)

@@ -60,6 +60,19 @@ def test_process_group_is_destroyed_when_the_block_raises():
             pass
 
 
+def test_process_group_is_destroyed_when_the_block_ends_or_destroyed_it_itself():
+    with process_group("gloo", rank=0, world_size=1, port=free_port()):
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+    with process_group("gloo", rank=0, world_size=1, port=free_port()):
+        dist.destroy_process_group()  # no barrier on a destroyed group, no second destroy
+    with pytest.raises(ZeroDivisionError):  # the block's own error, not one from the teardown
+        with process_group("gloo", rank=0, world_size=1, port=free_port()):
+            dist.destroy_process_group()
+            1 / 0
+    assert not dist.is_initialized()
+
+
 def test_reduce_gradients_sums_over_cp_and_averages_over_dp(pools):
     results = pools(4).run(dist_cases.reduced_gradients)
     # per dp replica: the sum over its two cp ranks; then the mean over the two replicas

@@ -2,11 +2,33 @@
 
 An abort is a run killed by SIGABRT (exit code -6 or 134), or one whose output holds
 "terminate called" (a C++ exception escaping gloo's threads at exit), whatever its exit code. Other
-failures are counted apart. Nothing is downloaded; every run has a timeout.
+failures are counted apart. Nothing is downloaded; every run has a timeout. A pytest target runs
+with ``CP_ATTENTION_POOL_STDERR`` set to a file that is read back with its output, so what the
+test worker pools write as they exit is seen too (pytest's capture would swallow it).
 
-    python scripts/stress.py --runs 100                  # every target, 100 times each
+    python scripts/stress.py --runs 100                  # the cheap set (DEFAULT_TARGETS): ~1 hour
     python scripts/stress.py --runs 20 --targets ring    # one target
-    python scripts/stress.py --runs 5 --json out.json    # also write the counts as JSON
+    python scripts/stress.py --runs 5 --targets finetune_hf ring --json out.json   # counts also as JSON
+
+Targets, and the seconds one run of each took on the 2-core CPU machine this was written on (other
+jobs were running; the times vary by a third either way):
+
+- ``finetune_hf`` (~7 s), ``pretrain_megatron`` (~13 s): the spawned examples, 2 gloo ranks each.
+- ``dist`` (~16 s): a cross-section of the distributed tests in one pytest process, chosen to start
+  and end a worker pool of world size 2, 3 and 4 with live subgroups in it, and to fail cases on
+  purpose: packed documents with sinks and their refusals (tests/test_packed.py, N = 2, 3),
+  gradients reduced over cp x dp subgroups (tests/test_launch.py, N = 4), and ring failure
+  containment (tests/test_faults.py, N = 2-4). With the two examples this is the set that keeps
+  100 runs near an hour (~36 s a run).
+- ``dist_adapters`` (~30 s): the adapters inside pool workers: HuggingFace optimizer steps (N = 2)
+  and Megatron packed THD batches (N = 2, 3). Dearer because every worker imports transformers
+  and megatron-core; the examples exercise both adapters on every run of the cheap set.
+- ``ring`` (~30 s): every case of tests/test_ring.py, test_faults.py and test_validation.py.
+- ``pools`` (~35 s): tests/test_stress.py, the pools' own exit paths (closed, timed out, a worker
+  dead, the parent dead), each asserting exit code 0 and no "terminate called".
+
+Whole files cost far more, mostly in pool starts and in the adapters' imports in every worker
+(tests/test_packed.py ~50 s, tests/test_huggingface.py ~115 s, tests/test_megatron.py ~65 s).
 
 The commands run from the repository root (``root``), where scripts/ and tests/ live.
 """
@@ -18,26 +40,40 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["TARGETS", "classify", "parse_args", "main"]
+__all__ = ["TARGETS", "DEFAULT_TARGETS", "POOL_STDERR_ENV", "classify", "parse_args", "run_once", "main"]
 
+_PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
 TARGETS = {
     "finetune_hf": [sys.executable, "scripts/finetune_hf.py", "--steps", "3", "--seq-len", "64", "--batch", "2"],
     "pretrain_megatron": [sys.executable, "scripts/pretrain_megatron.py", "--steps", "3", "--seq-len", "64",
                           "--batch", "2"],
-    "ring": [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_ring.py",
-             "tests/test_faults.py", "tests/test_validation.py"],
+    "dist": [*_PYTEST,
+             "tests/test_packed.py::test_long_and_short_documents_with_sinks_and_lse_gradient",
+             "tests/test_packed.py::test_bad_packed_calls_raise_on_every_rank",
+             "tests/test_launch.py::test_reduce_gradients_sums_over_cp_and_averages_over_dp",
+             "tests/test_faults.py"],
+    "dist_adapters": [*_PYTEST,
+                      "tests/test_huggingface.py::test_optimizer_steps_stay_together[zigzag]",
+                      "tests/test_megatron.py::test_packed_thd_batch_matches_each_document_alone[cp2-zigzag]",
+                      "tests/test_megatron.py::test_packed_thd_batch_matches_each_document_alone[cp3-zigzag]"],
+    "ring": [*_PYTEST, "tests/test_ring.py", "tests/test_faults.py", "tests/test_validation.py"],
+    "pools": [*_PYTEST, "tests/test_stress.py"],
 }
+DEFAULT_TARGETS = ("finetune_hf", "pretrain_megatron", "dist")  # 100 runs: about an hour on 2 cores
+POOL_STDERR_ENV = "CP_ATTENTION_POOL_STDERR"  # read by tests/conftest.py
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=100, help="runs per target")
-    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    p.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), choices=list(TARGETS),
+                   help=f"default: {' '.join(DEFAULT_TARGETS)}")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    p.add_argument("--json", metavar="PATH", help="also write the counts as JSON")
+    p.add_argument("--json", metavar="PATH", help="also write the counts as JSON (after every run)")
     return p.parse_args(argv)
 
 
@@ -48,31 +84,49 @@ def classify(returncode: int, output: str) -> str:
     return "ok" if returncode == 0 else "failed"
 
 
+def run_once(cmd: "list[str]", root: "str | Path", timeout: float) -> "tuple[str, int | None, str]":
+    """Run ``cmd`` once from ``root``: (verdict, exit code, output). The verdict is
+    :func:`classify`'s, or 'timeout' (exit code None). The output includes what the test worker
+    pools wrote to stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pool_stderr = Path(tmp) / "pool_workers.stderr"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", POOL_STDERR_ENV: str(pool_stderr)}
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            return "timeout", None, _text(e.stdout) + _text(e.stderr) + _read(pool_stderr)
+        output = proc.stdout + proc.stderr + _read(pool_stderr)
+        return classify(proc.returncode, output), proc.returncode, output
+
+
+def _text(data: "str | bytes | None") -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def main(argv: "list[str] | None" = None, root: "str | Path" = ".") -> int:
     """Run every target ``--runs`` times from ``root``; print each non-ok run and the running counts.
     Returns 1 if any run aborted, failed or timed out, else 0."""
     args = parse_args(argv)
     counts = {t: {"ok": 0, "aborted": 0, "failed": 0, "timeout": 0, "seconds": 0.0} for t in args.targets}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t_start = time.perf_counter()
     for i in range(args.runs):
         for target in args.targets:
             t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(TARGETS[target], cwd=root, env=env, capture_output=True, text=True,
-                                      timeout=args.timeout)
-                verdict = classify(proc.returncode, proc.stdout + proc.stderr)
-                if verdict != "ok":
-                    tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
-                    print(f"  run {i + 1} {target}: {verdict} (exit {proc.returncode}): " + " | ".join(tail),
-                          flush=True)
-            except subprocess.TimeoutExpired:
-                verdict = "timeout"
+            verdict, code, output = run_once(TARGETS[target], root, args.timeout)
+            if verdict == "timeout":
                 print(f"  run {i + 1} {target}: timed out after {args.timeout} s", flush=True)
+            elif verdict != "ok":
+                tail = output.strip().splitlines()[-5:]
+                print(f"  run {i + 1} {target}: {verdict} (exit {code}): " + " | ".join(tail), flush=True)
             counts[target][verdict] += 1
             counts[target]["seconds"] += time.perf_counter() - t0
         done = ", ".join(f"{t}: {c['ok']} ok / {c['aborted']} aborted / {c['failed'] + c['timeout']} failed"
                          for t, c in counts.items())
-        print(f"run {i + 1}/{args.runs}: {done}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(counts, indent=2))
+        print(f"run {i + 1}/{args.runs} ({time.perf_counter() - t_start:.0f} s): {done}", flush=True)
+        if args.json:  # after every run, so an interrupted stress keeps its counts
+            Path(args.json).write_text(json.dumps(counts, indent=2))
     return 1 if any(c["aborted"] or c["failed"] or c["timeout"] for c in counts.values()) else 0
