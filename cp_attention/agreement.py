@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Verdicts", "VERDICTS", "agreed_forward", "in_agreed_forward", "digests_agree", "cache_enabled"]
+__all__ = ["Verdicts", "VERDICTS", "agreed_forward", "AgreedScope", "in_agreed_forward", "digests_agree", "cache_enabled"]
 
 _MAX_ENTRIES = 1024
 
@@ -87,6 +87,25 @@ def agreed_forward(group: Any) -> Iterator[None]:
         yield
     finally:
         stack.pop()
+
+
+class AgreedScope:
+    """:func:`agreed_forward` held across hooks: an adapter's forward pre-hook enters it once the
+    forward's inputs are agreed, and its post-hook (which runs even if the forward raised) leaves it.
+    Entering again first leaves the previous scope, so a missed post-hook cannot leave it open."""
+
+    def __init__(self) -> None:
+        self._scope: "contextlib.AbstractContextManager | None" = None
+
+    def enter(self, group: Any) -> None:
+        self.leave()
+        self._scope = agreed_forward(group)
+        self._scope.__enter__()
+
+    def leave(self) -> None:
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.__exit__(None, None, None)
 
 
 def in_agreed_forward(group: Any) -> bool:

@@ -284,7 +284,7 @@ def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int
     if isinstance(group, LoopbackRank):  # all ranks in this process: the table costs nothing
         check_table(group.all_gather_ints(sig), resolved)
         return
-    gloo = dist.get_backend(group) == "gloo"
+    key = None
     if cache_enabled():
         same = digests_agree(comm, _digest(sig)) if comm is not None and comm.host_agreement else True
         if same and in_agreed_forward(group):
@@ -293,12 +293,12 @@ def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int
         key = (group, tuple(sig), resolved)
         if same and key in VERDICTS:
             return
-    device = torch.device("cpu") if gloo else q.device
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else q.device
     mine = torch.tensor(sig, dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(parts, mine, group=group)
     check_table([p.tolist() for p in parts], resolved)
-    if cache_enabled():
+    if key is not None:
         VERDICTS.add(key)
 
 

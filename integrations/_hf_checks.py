@@ -9,7 +9,6 @@ by identity and skip their own per-layer checks (no ``torch.equal`` or ``.tolist
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from typing import Any, Optional
@@ -17,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 import cp_attention as cpa
-from cp_attention.agreement import agreed_forward
+from cp_attention.agreement import AgreedScope
 from cp_attention.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
@@ -81,7 +80,7 @@ class ForwardChecks:
         self._positions: Optional[weakref.ref] = None
         self._cu_q: Optional[weakref.ref] = None
         self.cu: "tuple[int, ...] | None" = None
-        self._agreed: "contextlib.AbstractContextManager | None" = None
+        self._agreed = AgreedScope()
 
     def accepted_positions(self, position_ids: torch.Tensor) -> bool:
         """Whether ``position_ids`` is the tensor this forward's check accepted."""
@@ -126,7 +125,7 @@ class ForwardChecks:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook (``with_kwargs=True``). Raises the same ``ValueError`` or
         ``NotImplementedError`` on every rank if any rank's data is refused."""
-        self._leave()  # a forward that ended without its post-hook (not on a normal path)
+        self._agreed.leave()  # a forward that ended without its post-hook (not on a normal path)
         self._positions = self._cu_q = self.cu = None
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
@@ -153,14 +152,8 @@ class ForwardChecks:
         # every rank makes the same ring calls, so their validation needs no collective until the
         # forward ends (cp_attention.agreement; post_hook leaves).
         if all(h[0] >= 2 for h in headers):
-            self._agreed = agreed_forward(self.group)
-            self._agreed.__enter__()
+            self._agreed.enter(self.group)
 
     def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         """Forward hook (``with_kwargs=True, always_call=True``): the forward is over (or raised)."""
-        self._leave()
-
-    def _leave(self) -> None:
-        agreed, self._agreed = self._agreed, None
-        if agreed is not None:
-            agreed.__exit__(None, None, None)
+        self._agreed.leave()

@@ -14,7 +14,6 @@ taking part, whatever its mask (None included).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import weakref
@@ -23,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 import cp_attention as cpa
-from cp_attention.agreement import agreed_forward
+from cp_attention.agreement import AgreedScope
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from ._megatron_packed import check_stream_length, packed_config_verdict, packed_local_tokens, \
@@ -182,12 +181,11 @@ class ForwardChecks:
                  arg_names: Sequence[str]) -> None:
         self.group, self.layout, self.rank, self.cp_size = group, layout, rank, cp_size
         self.causal, self.arg_names = causal, tuple(arg_names)
+        self._agreed = AgreedScope()
         self._reset()
 
     def _reset(self) -> None:
-        if getattr(self, "_agreed", None) is not None:
-            self._agreed.__exit__(None, None, None)
-        self._agreed: Optional[contextlib.AbstractContextManager] = None
+        self._agreed.leave()
         self._active = False
         self._mask: Optional[weakref.ref] = None
         self._params: Optional[weakref.ref] = None
@@ -248,8 +246,7 @@ class ForwardChecks:
             self._active = True
             # Every rank runs the same ring calls on inputs of agreed shapes: the ring's own validation
             # judges them without a collective until the forward ends (cp_attention.agreement).
-            self._agreed = agreed_forward(self.group)
-            self._agreed.__enter__()
+            self._agreed.enter(self.group)
 
     def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         """Forward hook (``with_kwargs=True, always_call=True``): the forward is over, forget what it accepted."""

@@ -8,11 +8,12 @@ Nothing here assumes a CPU: a kernel declares the devices and dtypes it supports
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import weakref
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AttentionKernel", "accumulation_dtype"]
+__all__ = ["AttentionKernel", "MaskCache", "accumulation_dtype"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,3 +59,25 @@ class AttentionKernel(Protocol):
         Returns ``dq [B, Sq, H, D]``, ``dk [B, Sk, Hkv, D]``, ``dv [B, Sk, Hkv, Dv]`` in any float dtype.
         """
         ...
+
+
+class MaskCache:
+    """A kernel's conversion of the engine's long-lived bool masks (band masks, packed-document batches),
+    per dtype: every layer and the backward reuse a mask, so each is converted once. Keyed by the
+    mask's id and dropped with the mask (tensors compare elementwise, so no WeakKeyDictionary)."""
+
+    def __init__(self, build: Callable[[torch.Tensor, torch.dtype], torch.Tensor]) -> None:
+        self._build = build
+        self._store: dict[int, dict[torch.dtype, torch.Tensor]] = {}
+
+    def get(self, mask: "torch.Tensor | None", dtype: torch.dtype) -> "torch.Tensor | None":
+        """``build(mask, dtype)``, made once per mask and dtype; None for no mask."""
+        if mask is None:
+            return None
+        per_dtype = self._store.get(id(mask))
+        if per_dtype is None:
+            per_dtype = self._store[id(mask)] = {}
+            weakref.finalize(mask, self._store.pop, id(mask), None)
+        if dtype not in per_dtype:
+            per_dtype[dtype] = self._build(mask, dtype)
+        return per_dtype[dtype]

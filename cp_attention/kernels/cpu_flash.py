@@ -10,12 +10,11 @@ Registered as ``cpu_flash``; ``sdpa`` is its old name, still accepted as an alia
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from ..dtypes import FLOAT_DTYPES
+from .base import MaskCache
 
 __all__ = ["CpuFlashKernel"]
 
@@ -24,24 +23,12 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
-# Additive masks made from the (long-lived) bool masks of packed-document batches, per dtype: a
-# batch's mask is reused by every layer and by backward, so it is converted once.
-# Keyed by the mask's id and dropped with it (tensors compare elementwise, so no WeakKeyDictionary).
-_ADDITIVE: dict[int, dict] = {}
-
-
-def _additive(mask: "torch.Tensor | None", dtype: torch.dtype) -> "torch.Tensor | None":
+def _to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # The op wants an additive mask of the query's dtype, broadcast over heads: [B, 1, Sq, Sk].
-    if mask is None:
-        return None
-    per_dtype = _ADDITIVE.get(id(mask))
-    if per_dtype is None:
-        per_dtype = _ADDITIVE[id(mask)] = {}
-        weakref.finalize(mask, _ADDITIVE.pop, id(mask), None)
-    if dtype not in per_dtype:
-        per_dtype[dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-            ~mask, float("-inf"))[:, None]
-    return per_dtype[dtype]
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
+
+
+_additive = MaskCache(_to_additive).get
 
 
 class CpuFlashKernel:

@@ -29,38 +29,33 @@ SDPA pads it.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ._cuda import FusedKernel, fold_heads, pad_head, repeat_heads, round_up
+from .base import MaskCache
 
 __all__ = ["EfficientKernel"]
 
 _aten = torch.ops.aten  # looked up at call time (tests substitute stand-ins to check the plumbing on CPU)
 _NO_MASK, _CAUSAL_TOP_LEFT = 0, 1
 
-# Biases made from the (long-lived, cached) bool masks of bands and packed-document batches, per dtype,
-# keyed by the mask's id and dropped with it, so every layer and the backward convert a mask once.
-_BIASES: dict[int, dict] = {}
+def _padded_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask [B or 1, Sq, Sk]`` as an additive ``[B or 1, 1, Sq, Sk]`` view of a buffer whose rows are
+    padded to a multiple of 16, so every stride stays 16-aligned."""
+    mb, sq, sk = mask.shape
+    buf = torch.zeros(mb, 1, sq, round_up(sk, 16), dtype=dtype, device=mask.device)
+    buf[..., :sk].masked_fill_(~mask[:, None], float("-inf"))
+    return buf[..., :sk]
+
+
+_BIASES = MaskCache(_padded_bias)
 
 
 def _bias(mask: "torch.Tensor | None", dtype: torch.dtype, batch: int, heads: int) -> "torch.Tensor | None":
-    """``mask [B or 1, Sq, Sk]`` (True = may attend) as an additive bias ``[batch, heads, Sq, Sk]``:
-    a view of a ``[B or 1, 1, Sq, round_up(Sk, 16)]`` buffer, so every stride stays 16-aligned."""
-    if mask is None:
-        return None
-    per_dtype = _BIASES.get(id(mask))
-    if per_dtype is None:
-        per_dtype = _BIASES[id(mask)] = {}
-        weakref.finalize(mask, _BIASES.pop, id(mask), None)
-    if dtype not in per_dtype:
-        mb, sq, sk = mask.shape
-        buf = torch.zeros(mb, 1, sq, round_up(sk, 16), dtype=dtype, device=mask.device)
-        buf[..., :sk].masked_fill_(~mask[:, None], float("-inf"))
-        per_dtype[dtype] = buf[..., :sk]
-    bias = per_dtype[dtype]
-    return bias.expand(batch, heads, *bias.shape[2:])
+    """``mask [B or 1, Sq, Sk]`` (True = may attend) as an additive bias ``[batch, heads, Sq, Sk]``
+    (converted once per mask and dtype)."""
+    bias = _BIASES.get(mask, dtype)
+    return None if bias is None else bias.expand(batch, heads, *bias.shape[2:])
 
 
 class EfficientKernel(FusedKernel):
