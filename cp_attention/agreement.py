@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Verdicts", "VERDICTS", "agreed_forward", "AgreedScope", "in_agreed_forward", "digests_agree", "cache_enabled"]
+__all__ = ["Verdicts", "VERDICTS", "group_token", "agreed_forward", "AgreedScope", "in_agreed_forward", "digests_agree", "cache_enabled"]
 
 _MAX_ENTRIES = 1024
 
@@ -41,8 +42,9 @@ def cache_enabled() -> bool:
 
 
 class Verdicts:
-    """An LRU set of call keys the group agreed on. Keys hold the group and layout objects
-    themselves, so a destroyed group's id can never be mistaken for a new one's."""
+    """An LRU set of call keys the group agreed on. Keys name the group by :func:`group_token`, so a
+    destroyed group's entries can never be mistaken for a new group's, and the cache never keeps a
+    group alive."""
 
     def __init__(self, max_entries: int = _MAX_ENTRIES) -> None:
         self.max_entries = max_entries
@@ -70,6 +72,26 @@ class Verdicts:
 
 
 VERDICTS = Verdicts()
+
+_TOKENS: "weakref.WeakKeyDictionary[Any, object]" = weakref.WeakKeyDictionary()
+_TOKENS_LOCK = threading.Lock()
+
+
+def group_token(group: Any) -> object:
+    """A stand-in for ``group`` in cache keys: one unique object per group, which does not keep the
+    group alive. (A gloo group that a cache held past ``destroy_process_group`` is freed at
+    interpreter exit, where its threads can abort the process: "terminate called without an active
+    exception".) ``None`` stands for the default group. Raises ``TypeError`` for an object that
+    cannot be weakly referenced."""
+    if group is None:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    with _TOKENS_LOCK:
+        token = _TOKENS.get(group)
+        if token is None:
+            token = _TOKENS[group] = object()
+        return token
 
 _local = threading.local()
 

@@ -11,6 +11,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
@@ -103,6 +104,13 @@ def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s
     if rank == 0:
         with open(out_path, "wb") as f:
             pickle.dump(result, f)
+    # The rank's work is done and its group destroyed: skip interpreter finalisation, where any gloo
+    # object something still references (a user's cache, a library's global) would be freed with
+    # the interpreter half torn down, which can abort the process ("terminate called without an
+    # active exception") after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional[int] = None,

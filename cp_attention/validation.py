@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .agreement import VERDICTS, cache_enabled, digests_agree, in_agreed_forward
+from .agreement import VERDICTS, cache_enabled, digests_agree, group_token, in_agreed_forward
 from .documents import check_cu_seqlens
 from .dtypes import FLOAT_DTYPES
 from .kernels import KERNEL_NAMES, get_kernel
@@ -290,7 +290,7 @@ def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int
         if same and in_agreed_forward(group):
             check_table([sig] * world_size, resolved)
             return
-        key = (group, tuple(sig), resolved)
+        key = (group_token(group), tuple(sig), resolved)
         if same and key in VERDICTS:
             return
     device = torch.device("cpu") if dist.get_backend(group) == "gloo" else q.device

@@ -135,3 +135,22 @@ def cached_call_is_exact(rank: int, world_size: int) -> float:
     first = _call(q, k, v, causal=True)
     second = _call(q, k, v, causal=True)
     return float((first - second).abs().max())
+
+
+def destroyed_group_is_freed(rank: int, world_size: int) -> tuple[bool, int]:
+    """A subgroup that ran an agreed call and was destroyed is freed at once: the verdict cache must
+    not keep it alive (a gloo group freed at interpreter exit can abort the process). Returns
+    (whether the group is still alive after destroy, verdicts cached)."""
+    import gc
+    import weakref
+
+    VERDICTS.clear()
+    group = dist.new_group(list(range(world_size)))
+    q, k, v = _qkv(rank)
+    _call(q, k, v, causal=True, group=group)
+    cached = len(VERDICTS)
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    return alive() is not None, cached

@@ -66,3 +66,7 @@ def test_agreed_forward_nests_per_group():
             assert in_agreed_forward(g1) and in_agreed_forward(g2)
         assert not in_agreed_forward(g2)
     assert not in_agreed_forward(g1)
+
+
+def test_verdicts_do_not_keep_a_destroyed_group_alive(pools):
+    assert pools(2).run(cases.destroyed_group_is_freed) == [(False, 1)] * 2
