@@ -25,6 +25,7 @@ import atexit
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -104,6 +105,11 @@ def _worker_main(rank: int, world_size: int, port: int, inbox, answers, stderr_p
     if dist.is_initialized():  # never finalise live gloo threads: say so and leave without finalising
         os.write(2, f"pool worker rank {rank}: its process group is still alive at exit\n".encode())
         os._exit(_LIVE_GROUP_AT_EXIT)
+    # Destroyed, but something may still reference it (torch's private CP ring registers groups):
+    # freed during interpreter finalisation it can still abort, so skip finalisation.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class WorkerPool:
