@@ -166,22 +166,26 @@ def _block_kwargs(plan: RingPlan, t: BlockTask, q: torch.Tensor) -> dict:
     return {**plan.kernel_kwargs, "mask": mask}
 
 
-def _task_forward(plan: RingPlan, t: "BlockTask | DocBatch", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """A task's results: a list of ``(rows, out, lse)``."""
+def _task_forward(plan: RingPlan, t: "BlockTask | DocBatch", s: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor):
+    """A task's results at step ``s``: (whether they are the first for their rows, a list of
+    ``(rows, out, lse)``). ``k``/``v``: the shard held now; ``k_own``/``v_own``: this rank's own."""
     if isinstance(t, DocBatch):
-        return t.forward(plan.kernel, q, k, v, plan.scale, plan.kernel_kwargs)
+        return t.first, t.forward(plan.kernel, q, k, v, k_own, v_own, plan.scale, plan.kernel_kwargs)
     o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
                                          **_block_kwargs(plan, t, q))
-    return [(t.q, o_blk, lse_blk)]
+    return plan.first_step_tiles and s == 0, [(t.q, o_blk, lse_blk)]
 
 
-def _task_backward(plan: RingPlan, t: "BlockTask | DocBatch", dout, q, k, v, out, lse):
-    """A task's gradients: a list of ``(q_rows, dq, kv_rows, dk, dv)``."""
+def _task_backward(plan: RingPlan, t: "BlockTask | DocBatch", s: int, dout, q, k, v, k_own, v_own, out, lse):
+    """A task's gradients at step ``s``: (whether they are the first for their rows, a list of
+    ``(q_rows, dq, keys)`` with ``keys`` a list of ``(own, kv_rows, dk, dv)``; ``own`` rows index
+    this rank's own shard, the others the shard held now)."""
     if isinstance(t, DocBatch):
-        return t.backward(plan.kernel, dout, q, k, v, out, lse, plan.scale, plan.kernel_kwargs)
+        return t.first, t.backward(plan.kernel, dout, q, k, v, k_own, v_own, out, lse, plan.scale, plan.kernel_kwargs)
     dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
                                       t.causal, plan.scale, **_block_kwargs(plan, t, q))
-    return [(t.q, dq, t.kv, dk, dv)]
+    return plan.first_step_tiles and s == 0, [(t.q, dq, [(False, t.kv, dk, dv)])]
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -209,8 +213,9 @@ class RingAttentionFunction(torch.autograd.Function):
                 try:
                     kc, vc = ring.views()
                     for t in tasks:
-                        for rows, o_blk, lse_blk in _task_forward(plan, t, q, kc, vc):
-                            if plan.first_step_tiles and s == 0:
+                        first, results = _task_forward(plan, t, s, q, kc, vc, k, v)
+                        for rows, o_blk, lse_blk in results:
+                            if first:  # the rows' first result: written, not merged
                                 out = _set_rows(out, rows, o_blk, n, acc)
                                 lse = _set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
                                                 lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
@@ -277,17 +282,22 @@ class RingAttentionFunction(torch.autograd.Function):
             if fault.ok:
                 try:
                     kc, vc = kv.views()
-                    grads = [g for t in tasks for g in _task_backward(plan, t, dout, q, kc, vc, out, lse)]
+                    grads = [_task_backward(plan, t, s, dout, q, kc, vc, k, v, out, lse) for t in tasks]
                 except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
                     fault.fail(e)
             if s > 1:
                 dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
             dk_acc, dv_acc = own if s == 0 else (dkv.current if s > 1 else (None, None))
-            update = _set_rows if plan.first_step_tiles and s == 0 else _add_rows
-            for q_rows, dq_blk, kv_rows, dk_blk, dv_blk in grads:
-                dq = update(dq, q_rows, dq_blk, n, acc)
-                dk_acc = update(dk_acc, kv_rows, dk_blk, n, acc)
-                dv_acc = update(dv_acc, kv_rows, dv_blk, n, acc)
+            for first, results in grads:
+                for q_rows, dq_blk, keys in results:
+                    dq = (_set_rows if first else _add_rows)(dq, q_rows, dq_blk, n, acc)
+                    for home, kv_rows, dk_blk, dv_blk in keys:
+                        if home:  # our own shard's rows of a folded document: their first gradient
+                            own = (_set_rows(own[0], kv_rows, dk_blk, n, acc), _set_rows(own[1], kv_rows, dv_blk, n, acc))
+                        else:  # the held shard's (our own at step 0, then the travelling accumulator)
+                            update = _set_rows if first and s == 0 else _add_rows
+                            dk_acc = update(dk_acc, kv_rows, dk_blk, n, acc)
+                            dv_acc = update(dv_acc, kv_rows, dv_blk, n, acc)
             if s == 0:
                 own = (dk_acc, dv_acc)
             else:

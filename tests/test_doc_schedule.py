@@ -96,16 +96,32 @@ def test_zigzag_balances_every_document_at_every_step():
 
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
 def test_engine_batches_cover_each_block_once(layout):
-    """packed_steps: short blocks in padded batches, long ones as plain tasks, nothing lost or doubled."""
+    """packed_steps: short blocks in padded batches, a short document's step-0 block folded into its
+    first later block when that one is short too, long ones as plain tasks; nothing lost or doubled."""
     cu = _cu([1, 3, 600, 17, 2, 64, 300, 5], layout, 3)
+    key = lambda b: (b.q_start, b.kv_start)  # noqa: E731
+    folds = 0
     for r in range(3):
         plan = doc_plan(layout, True, r, 3, cu)
-        for blocks, tasks in zip(plan, packed_steps(cpa.get_layout(layout), True, r, 3, tuple(cu), True,
-                                                    torch.device("cpu"))):
-            batched = [b for t in tasks if not isinstance(t, BlockTask) for b in t.blocks]
+        steps = packed_steps(cpa.get_layout(layout), True, r, 3, tuple(cu), True, torch.device("cpu"))
+        ran = [[] for _ in plan]  # per step, the plan's blocks the tasks compute
+        for s, tasks in enumerate(steps):
+            batches = [t for t in tasks if not isinstance(t, BlockTask)]
             plain = [t for t in tasks if isinstance(t, BlockTask)]
-            assert all(max(b.q_len, b.kv_len) <= SMALL_BLOCK for b in batched)
-            big = [b for b in blocks if max(b.q_len, b.kv_len) > SMALL_BLOCK]
-            assert sorted(batched + big, key=lambda b: b.q_start) == sorted(blocks, key=lambda b: b.q_start)
+            big = [b for b in plan[s] if max(b.q_len, b.kv_len) > SMALL_BLOCK]
             assert plain == [t for b in big for t in split_doc_block(b)]
-            assert sum(1 for t in tasks if not isinstance(t, BlockTask)) <= 1, "one batch object per step"
+            ran[s] += big
+            for t in batches:
+                assert t.first == (s == 0 or bool(t.folds)), "step 0 and folds write their rows; the rest merge"
+                ran[s] += t.blocks
+                for home, later in t.folds:
+                    ran[0].append(home)
+                    ran[s].append(later)
+                    assert home.q_start <= later.q_start and later.q_stop <= home.q_stop, "the same document"
+                    assert not any(b.q_start < home.q_stop and home.q_start < b.q_stop for step in plan[1:s] for b in step), \
+                        "a fold is the document's first block after step 0"
+                    folds += 1
+                assert all(max(b.q_len, b.kv_len) <= SMALL_BLOCK for b in (*t.blocks, *(x for f in t.folds for x in f)))
+        for s in range(len(plan)):
+            assert sorted(ran[s], key=key) == sorted(plan[s], key=key)
+    assert folds > 0 or layout == "contiguous"
