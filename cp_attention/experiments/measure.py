@@ -101,6 +101,9 @@ def measure(impls: dict[str, tuple[Callable, Callable]], seq: int, repeats: int,
     return rows
 
 
+_MALLOC_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_")
+
+
 def limit_malloc_caching() -> None:
     """Make freed memory go back to the OS at once, so a call's RSS peak shows what it allocates.
 
@@ -152,7 +155,7 @@ def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tu
         print(f"  S={seq} done after {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"threads: baseline {base['threads']} (1 process), {label} {parallel['threads']} per rank x {world_size}")
     print(f"peak memory: {parallel['memory']}; max over ranks, during fwd+bwd; "
-          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}")
+          + " ".join(f"{var}={os.environ[var]}" for var in _MALLOC_VARS if var in os.environ))
     for line in notes(parallel):
         print(line)
     print()

@@ -103,12 +103,14 @@ def run(args: argparse.Namespace) -> list[Row]:
               f"T={args.tokens} tokens (lognormal sigma={args.sigma}, seed {args.seed}: median "
               f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}); median of {args.repeats} (+1 warm-up)")
 
-    # A speed benchmark: keep glibc's usual caching of freed memory (sweep() would otherwise make every
-    # allocation over 128 KiB a fresh mapping, which the packed path's many mid-size temporaries pay in
-    # page faults and the per-document baseline's small tensors never do). Peak memory columns then
-    # count only newly mapped pages.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(128 << 20))
+    # A speed benchmark: reuse freed memory, as a caching allocator (CUDA's, or the jemalloc/tcmalloc
+    # PyTorch's CPU tuning guide recommends) does. sweep() would otherwise make every allocation over
+    # 128 KiB a fresh mapping, and glibc maps anything over 32 MiB afresh anyway: at T=64K one rank's
+    # [1, 32K, 8, 64] fp32 shard is 64 MiB, and each fresh one costs ~30 ms of page faults here,
+    # more than a ring step's kernels. MALLOC_MMAP_MAX_=0 keeps every block on the heap, for the
+    # baseline and the ring alike. Peak memory columns then count only newly mapped pages.
+    for var, value in (("MALLOC_MMAP_THRESHOLD_", 32 << 20), ("MALLOC_TRIM_THRESHOLD_", 1 << 30), ("MALLOC_MMAP_MAX_", 0)):
+        os.environ.setdefault(var, str(value))
 
     def both(seq: int) -> tuple[dict, dict]:
         base = spawn(baseline_worker, 1, args, seq, threads=args.world_size)
