@@ -26,6 +26,9 @@ jobs were running; the times vary by a third either way):
 - ``ring`` (~30 s): every case of tests/test_ring.py, test_faults.py and test_validation.py.
 - ``pools`` (~35 s): tests/test_stress.py, the pools' own exit paths (closed, timed out, a worker
   dead, the parent dead), each asserting exit code 0 and no "terminate called".
+- ``compare_smoke`` (~26 s): ``scripts/compare_layouts.py experiment=smoke packed=smoke``, whose
+  four benchmarks spawn ranks that run torch's own CP ring (it keeps groups registered past their
+  destroy) and many distinct ``ring_attention`` signatures; CI caught an abort here once.
 
 Whole files cost far more, mostly in pool starts and in the adapters' imports in every worker
 (tests/test_packed.py ~50 s, tests/test_huggingface.py ~115 s, tests/test_megatron.py ~65 s).
@@ -61,6 +64,9 @@ TARGETS = {
                       "tests/test_megatron.py::test_packed_thd_batch_matches_each_document_alone[cp2-zigzag]",
                       "tests/test_megatron.py::test_packed_thd_batch_matches_each_document_alone[cp3-zigzag]"],
     "ring": [*_PYTEST, "tests/test_ring.py", "tests/test_faults.py", "tests/test_validation.py"],
+    # the layout comparison's smoke run: four benchmarks' spawned ranks, torch's own CP ring among them
+    "compare_smoke": [sys.executable, "scripts/compare_layouts.py", "experiment=smoke", "packed=smoke",
+                      f"out_dir={os.path.join(tempfile.gettempdir(), 'cp_attention_stress_compare')}"],
     "pools": [*_PYTEST, "tests/test_stress.py"],
 }
 DEFAULT_TARGETS = ("finetune_hf", "pretrain_megatron", "dist")  # 100 runs: about an hour on 2 cores
