@@ -29,8 +29,8 @@ class RingPlan:
     """Everything the engine needs besides the tensors: the ring, the per-step tasks, the kernel."""
 
     comm: RingComm
-    # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents at most one
-    # DocBatch of small document blocks
+    # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents DocBatches
+    # of small document blocks (one, and one more of documents folded in at this step)
     steps: "list[tuple[BlockTask | DocBatch, ...]] | tuple[tuple[BlockTask | DocBatch, ...], ...]"
     kernel: AttentionKernel
     scale: float
@@ -39,7 +39,8 @@ class RingPlan:
     packed: bool = False
     # Step 0's tasks cover every query row and every held key row exactly once (varlen.packed_steps
     # checks it for packed documents without a window), so the accumulators are written there, not
-    # merged into zeros.
+    # merged into zeros. (A DocBatch says for itself whether it writes first: folded documents'
+    # rows are first written at a later step.)
     first_step_tiles: bool = False
 
     @property
