@@ -93,7 +93,7 @@ class _Keys:
 
     own: bool
     idx: torch.Tensor  # [E, Lk] key rows; padding repeats the span's first key
-    rows: torch.Tensor  # [Rk] the real key rows, = idx[valid] (precomputed: no boolean index per call)
+    rows: torch.Tensor  # [Rk] the real (unpadded) key rows (precomputed: no boolean index per call)
     sel: torch.Tensor  # [Rk] their positions in the flattened [E * Lk]
 
 
