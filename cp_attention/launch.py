@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["free_port", "process_group", "spawn", "run_on_ranks"]
+__all__ = ["free_port", "process_group", "spawn", "run_on_ranks", "exit_without_finalising"]
 
 
 def free_port() -> int:
@@ -104,13 +104,20 @@ def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s
     if rank == 0:
         with open(out_path, "wb") as f:
             pickle.dump(result, f)
-    # The rank's work is done and its group destroyed: skip interpreter finalisation, where any gloo
-    # object something still references (a user's cache, a library's global) would be freed with
-    # the interpreter half torn down, which can abort the process ("terminate called without an
-    # active exception") after a successful run.
+    exit_without_finalising(0)  # the rank's work is done and its group destroyed
+
+
+def exit_without_finalising(code: int) -> None:
+    """Flush stdout/stderr and end the process with ``code``, skipping interpreter finalisation.
+
+    For a process whose work is done and whose process group is destroyed: a gloo object something
+    still references (a user's cache, a library's global; torch's private CP ring registers its
+    groups) would be freed during finalisation, with the interpreter half torn down, which can abort
+    the process ("terminate called without an active exception") after a successful run.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional[int] = None,

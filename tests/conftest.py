@@ -11,9 +11,10 @@ import os
 
 import pytest
 
+from cp_attention.experiments.stress import POOL_STDERR_ENV
+
 from .dist_pool import WorkerPool
 
-POOL_STDERR_ENV = "CP_ATTENTION_POOL_STDERR"  # the same name as cp_attention.experiments.stress's
 _ABORTED = (-6, 134)  # SIGABRT: "terminate called without an active exception"
 
 

@@ -25,7 +25,6 @@ import atexit
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -35,7 +34,7 @@ import multiprocessing.connection as mp_connection
 
 import torch.multiprocessing as mp
 
-from cp_attention.launch import free_port, process_group
+from cp_attention.launch import exit_without_finalising, free_port, process_group
 
 _POLL_S = 0.5  # how often an idle worker checks that its parent is alive
 _ORPHAN_GRACE_S = 30.0  # how long a worker stuck in a case may outlive its parent
@@ -105,11 +104,7 @@ def _worker_main(rank: int, world_size: int, port: int, inbox, answers, stderr_p
     if dist.is_initialized():  # never finalise live gloo threads: say so and leave without finalising
         os.write(2, f"pool worker rank {rank}: its process group is still alive at exit\n".encode())
         os._exit(_LIVE_GROUP_AT_EXIT)
-    # Destroyed, but something may still reference it (torch's private CP ring registers groups):
-    # freed during interpreter finalisation it can still abort, so skip finalisation.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalising(0)  # destroyed, but something may still reference it
 
 
 class WorkerPool:

@@ -42,12 +42,6 @@ def test_a_run_sees_what_the_pool_workers_wrote_and_a_sigabrt(tmp_path):
                            timeout=1)[:2] == ("timeout", None)
 
 
-def test_the_pools_read_the_variable_the_stress_script_sets():
-    from . import conftest
-
-    assert conftest.POOL_STDERR_ENV == stress.POOL_STDERR_ENV
-
-
 def test_every_target_is_a_command_that_exists():
     """Every script and test file a target names exists, and so does every test function it names."""
     for name, cmd in stress.TARGETS.items():

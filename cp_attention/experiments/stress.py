@@ -70,7 +70,7 @@ TARGETS = {
     "pools": [*_PYTEST, "tests/test_stress.py"],
 }
 DEFAULT_TARGETS = ("finetune_hf", "pretrain_megatron", "dist")  # 100 runs: about an hour on 2 cores
-POOL_STDERR_ENV = "CP_ATTENTION_POOL_STDERR"  # read by tests/conftest.py
+POOL_STDERR_ENV = "CP_ATTENTION_POOL_STDERR"  # tests/conftest.py imports it
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
