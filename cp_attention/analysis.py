@@ -201,17 +201,17 @@ def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape, ri
 
     Mirrors the engine (``cp_attention/ring.py``) for a ring of ``ring_steps`` steps (default
     ``world_size``; fewer under a sliding window, see :func:`cp_attention.ring_length`): forward sends
-    K/V ``ring_steps - 1`` times; backward sends K/V ``ring_steps - 1`` times again plus the dK/dV
-    accumulators (fp32) ``ring_steps - 1`` times: a rank's own contribution stays home, the others'
-    accumulator reaches the owner after as many hops as K/V travel (the last one straight home when
-    the ring is cut short).
+    K/V ``ring_steps - 1`` times. Backward runs the steps in reverse from the shard the forward held
+    last, so it sends K/V ``ring_steps - 2`` times, plus the dK/dV accumulators (fp32)
+    ``ring_steps - 1`` times: a rank's own contribution stays home, and the others' accumulator
+    travels with the K/V back to the owner.
     """
     steps = world_size if ring_steps is None else ring_steps
     if world_size == 1 or steps <= 1:
         return 0, 0
     kv = kv_bytes_per_hop(seq_len, world_size, shape)
     dkv = kv_bytes_per_hop(seq_len, world_size, shape, shape.acc_bytes)
-    return (steps - 1) * kv, (steps - 1) * (kv + dkv)
+    return (steps - 1) * kv, (steps - 2) * kv + (steps - 1) * dkv
 
 
 def pair_owners(layout: "str | Layout", causal: bool, seq_len: int, world_size: int
@@ -294,10 +294,10 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
     window, whose later steps do not run at all), in the engine's order:
       compute_s = max_r work[r][s] * B * H * flops_per_pair / throughput   (a step waits for its slowest rank)
       forward   comm_s = K/V bytes / bandwidth + latency for s < L-1 (no hop after the last step)
-      backward  comm_s = (K/V bytes [s < L-1] + dK/dV bytes [s >= 2]) / bandwidth + latency: a rank's
-                own contribution stays home, and the accumulator filled at step s-1 >= 1 shares step
-                s's link with the next K/V; the last dK/dV hop home (one hop, also when a cut-short
-                ring sends it straight to the owner) is never hidden, so it is added after the last step
+      backward  the steps in reverse, from the shard the forward held last:
+                comm_s = (K/V bytes [s >= 2] + dK/dV bytes [s < L-1]) / bandwidth + latency: the
+                K/V for step s-1 and the accumulator filled at step s+1 travel while step s computes;
+                a rank's own contribution stays home, and no hop follows step 0
       step_s    = max(compute_s, comm_s) with overlap, compute_s + comm_s without.
     Throughput is the same for every block size; links are full duplex and every hop runs at once.
     Raises ``ValueError`` for an empty or ragged matrix or ``ring_steps`` outside ``1..N``.
@@ -331,9 +331,7 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
         fwd_s += c + m
         worst = max(worst, max(c, m))
         comm_bound += m > c
-        c, m = pairs * bwd_pair, hop((0 if last else kv) + (dkv if s >= 2 else 0))
+        c, m = pairs * bwd_pair, hop((kv if s >= 2 else 0) + (0 if last else dkv))
         bwd_o += max(c, m)
         bwd_s += c + m
-    home = hop(dkv) if steps > 1 else 0.0
-    return Projection(fwd_o, fwd_s, bwd_o + home, bwd_s + home, total * fwd_pair / n, total * bwd_pair / n,
-                      worst, comm_bound)
+    return Projection(fwd_o, fwd_s, bwd_o, bwd_s, total * fwd_pair / n, total * bwd_pair / n, worst, comm_bound)

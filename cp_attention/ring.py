@@ -2,9 +2,11 @@
 
 Forward: at step s this rank holds the K/V shard of rank (r - s) mod N. It posts the exchange of
 that shard to the next rank (double buffer), runs the step's block tasks, and folds each block into
-fp32 out/LSE accumulators. Backward replays the same plan: K/V ride the ring again, and a fp32 dK/dV
-accumulator travels behind each shard from the first rank after its owner, collecting every other
-rank's contribution, and arrives back at its owner after N-1 hops, where the owner's own part waited.
+fp32 out/LSE accumulators. Backward replays the same plan in reverse, starting with the shard the
+forward held last (kept for it): K/V ride the ring backwards, and a fp32 dK/dV accumulator travels
+with each shard, collecting every other rank's contribution, back to its owner, where the owner's
+own part waited. So backward sends K/V one hop fewer than forward (none at N=2), and no hop follows
+its last compute.
 """
 
 from __future__ import annotations
@@ -69,9 +71,12 @@ class _KVRing:
         self.comm = comm
         self.head_major = head_major
         if head_major:
-            tensors = tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
-                            for t in tensors)
-            owned = True
+            if all(t.transpose(1, 2).is_contiguous() for t in tensors):  # already head-major memory
+                tensors = tuple(t.transpose(1, 2) for t in tensors)
+            else:
+                tensors = tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
+                                for t in tensors)
+                owned = True
         else:
             tensors = tuple(t.contiguous() for t in tensors)
         self.current = tensors
@@ -189,6 +194,73 @@ def _task_backward(plan: RingPlan, t: "BlockTask | DocBatch", s: int, dout, q, k
     return plan.first_step_tiles and s == 0, [(t.q, dq, [(False, t.kv, dk, dv)])]
 
 
+def _backward_pass(plan: RingPlan, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, acc: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's backward: this rank's ``dq``, ``dk``, ``dv`` (in ``acc``) given the final ``out``/``lse``.
+
+    The steps run in reverse, starting with ``held``, the shard the forward held last (``()`` with a
+    single step). At step s this rank holds rank (r - s)'s shard; the shard for step s - 1 comes from
+    rank r + 1, and so does the dK/dV accumulator of the shard held, carrying the contributions of
+    steps last..s+1 of the ranks after this one. This rank adds its own and passes it on to rank r - 1.
+    At step 0 the accumulator for this rank's own shard arrives complete, so no hop follows the last
+    compute, and K/V make one hop fewer than in forward order (none at N=2).
+    """
+    n = q.shape[1]
+    last = len(plan.steps) - 1
+    comm = plan.comm
+    kv = _KVRing(comm, held, last - 1, head_major=plan.kernel_head_major, owned=True) if last else None
+    dq = None
+    own = (None, None)  # this rank's contributions to its own shard's gradients (step 0, folded documents)
+    dkv = None  # the travelling accumulator of the shard held now
+    fault = RingFault(comm)
+    for s in range(last, -1, -1):
+        if s > 1:
+            kv.start(-1)
+        grads = []
+        if fault.ok:
+            try:
+                if s > 0:
+                    kc, vc = kv.views()
+                else:  # our own shard; head-major copies where the kernel runs faster on them
+                    kc, vc = _KVRing(comm, (k, v), 0, head_major=plan.kernel_head_major).views()
+                grads = [_task_backward(plan, t, s, dout, q, kc, vc, k, v, out, lse) for t in plan.steps[s]]
+            except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
+                fault.fail(e)
+        if s < last:
+            dkv.finish()
+        travelling = dkv.current if s < last else (None, None)
+        for first, results in grads:
+            for q_rows, dq_blk, keys in results:
+                # Reverse order: dq rows may already hold a later step's part, so always add.
+                dq = _add_rows(dq, q_rows, dq_blk, n, acc)
+                for home, kv_rows, dk_blk, dv_blk in keys:
+                    if home or s == 0:
+                        # This rank's own rows: step 0's tasks and folded documents each cover
+                        # different rows, so a first result writes them, whichever comes first.
+                        update = _set_rows if first else _add_rows
+                        own = (update(own[0], kv_rows, dk_blk, n, acc), update(own[1], kv_rows, dv_blk, n, acc))
+                    else:
+                        travelling = (_add_rows(travelling[0], kv_rows, dk_blk, n, acc),
+                                      _add_rows(travelling[1], kv_rows, dv_blk, n, acc))
+        if s > 0:
+            if dkv is None:  # the step that starts the accumulator
+                travelling = tuple(torch.zeros_like(t, dtype=acc) if a is None else a for t, a in zip((k, v), travelling))
+                dkv = _KVRing(comm, travelling, last, owned=True)
+            dkv.start(-1)
+        if 1 < s:
+            kv.finish()
+    fault.raise_if_failed("backward")
+    dk, dv = own
+    if dkv is not None:  # the other ranks' contributions to this rank's shard
+        dk = dkv.current[0] if dk is None else dk.add_(dkv.current[0])
+        dv = dkv.current[1] if dv is None else dv.add_(dkv.current[1])
+    dk = torch.zeros_like(k, dtype=acc) if dk is None else dk
+    dv = torch.zeros_like(v, dtype=acc) if dv is None else dv
+    dq = torch.zeros_like(q, dtype=acc) if dq is None else dq
+    return dq, dk, dv
+
+
 class RingAttentionFunction(torch.autograd.Function):
     """Ring attention over local shards ``q [B, n, H, D]``, ``k [B, n, Hkv, D]``, ``v [B, n, Hkv, Dv]``.
 
@@ -238,14 +310,16 @@ class RingAttentionFunction(torch.autograd.Function):
             lse = with_sink
         out = out.to(q.dtype)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        # The shard held last is kept for backward, which starts with it (see _backward_pass): at N=2
+        # backward then moves no K/V at all.
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *(ring.views() if last > 0 else ()))
         ctx.set_materialize_grads(False)  # an unused LSE must cost nothing in backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: "torch.Tensor | None", dlse: "torch.Tensor | None"):
         plan: RingPlan = ctx.plan
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, *held = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dsinks = None
@@ -265,59 +339,8 @@ class RingAttentionFunction(torch.autograd.Function):
             # (so dout @ v^T, hence every dP, is unchanged; the extra dv column is dropped).
             out = torch.cat([out, out.new_ones(*out.shape[:-1], 1)], dim=-1)
             dout = torch.cat([dout, (-dlse).transpose(1, 2).unsqueeze(-1).to(dout.dtype)], dim=-1)
-            v = torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)
-        n = q.shape[1]
-        dq = None
-        last = len(plan.steps) - 1
-        kv = _KVRing(plan.comm, (k, v), last, head_major=plan.kernel_head_major)
-        # Our own shard's gradients from our own queries stay home (step 0). Every other shard's
-        # accumulator starts at the first rank that holds it after its owner (step 1), collects each
-        # holder's contribution and reaches the owner after N-1 hops, as many as K/V travel: one hop
-        # less than circulating the owner's part too.
-        own, dkv = (None, None), None
-        fault = RingFault(plan.comm)
-        for s, tasks in enumerate(plan.steps):
-            if s < last:
-                kv.start()
-            grads = []
-            if fault.ok:
-                try:
-                    kc, vc = kv.views()
-                    grads = [_task_backward(plan, t, s, dout, q, kc, vc, k, v, out, lse) for t in tasks]
-                except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
-                    fault.fail(e)
-            if s > 1:
-                dkv.finish()  # the accumulator for the shard we hold, sent by the previous rank
-            dk_acc, dv_acc = own if s == 0 else (dkv.current if s > 1 else (None, None))
-            for first, results in grads:
-                for q_rows, dq_blk, keys in results:
-                    dq = (_set_rows if first else _add_rows)(dq, q_rows, dq_blk, n, acc)
-                    for home, kv_rows, dk_blk, dv_blk in keys:
-                        if home:  # our own shard's rows of a folded document: their first gradient
-                            own = (_set_rows(own[0], kv_rows, dk_blk, n, acc), _set_rows(own[1], kv_rows, dv_blk, n, acc))
-                        else:  # the held shard's (our own at step 0, then the travelling accumulator)
-                            update = _set_rows if first and s == 0 else _add_rows
-                            dk_acc = update(dk_acc, kv_rows, dk_blk, n, acc)
-                            dv_acc = update(dv_acc, kv_rows, dv_blk, n, acc)
-            if s == 0:
-                own = (dk_acc, dv_acc)
-            else:
-                if s == 1:
-                    dk_acc = torch.zeros_like(k, dtype=acc) if dk_acc is None else dk_acc
-                    dv_acc = torch.zeros_like(v, dtype=acc) if dv_acc is None else dv_acc
-                    dkv = _KVRing(plan.comm, (dk_acc, dv_acc), last, owned=True)
-                # A ring cut short by a window (last < N - 1) sends the final hop straight home.
-                dkv.start(1 if s < last else plan.comm.world_size - last)
-            if s < last:
-                kv.finish()
-        if dkv is not None:
-            dkv.finish()  # the last hop: the other ranks' contributions to our shard come home
-        fault.raise_if_failed("backward")
-        dk, dv = own
-        if dkv is not None:
-            dk = dkv.current[0] if dk is None else dk.add_(dkv.current[0])
-            dv = dkv.current[1] if dv is None else dv.add_(dkv.current[1])
-        dk = torch.zeros_like(k, dtype=acc) if dk is None else dk
-        dv = torch.zeros_like(v, dtype=acc) if dv is None else dv
-        dq = torch.zeros_like(q) if dq is None else dq
+            zero_col = lambda t: torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)  # noqa: E731
+            v = zero_col(v)
+            held = [held[0], zero_col(held[1])] if held else []
+        dq, dk, dv = _backward_pass(plan, dout, q, k, v, tuple(held), out, lse, acc)
         return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

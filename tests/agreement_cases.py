@@ -68,12 +68,13 @@ def repeated_call_counts(rank: int, world_size: int, *, backward: bool = False) 
 
 
 def ring_p2p_batches(world_size: int, backward: bool) -> int:
-    """The P2P batches the ring itself posts per call on gloo, unrolled: N-1 K/V exchanges and the
-    fault agreement's ceil(log2 N) rounds per pass (backward adds the dK/dV hops); plus the signature
+    """The P2P batches the ring itself posts per call on gloo, unrolled: the fault agreement's
+    ceil(log2 N) rounds per pass; N-1 K/V exchanges in forward; in backward, which starts with the
+    shard the forward held last, N-2 K/V exchanges and N-1 dK/dV hops; plus the signature
     fingerprint's ceil(log2 N) rounds per call."""
     rounds = math.ceil(math.log2(world_size))
     forward = (world_size - 1) + rounds
-    back = (world_size - 1) + (world_size - 1) + rounds if backward else 0
+    back = (world_size - 2) + (world_size - 1) + rounds if backward else 0
     return forward + back + rounds
 
 

@@ -236,8 +236,9 @@ def packed_refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
 
 
 def window_exchanges(rank: int, world_size: int) -> dict:
-    """Count the ring's exchanges (forward, backward) for a contiguous causal call whose window reaches
-    only the previous shard, and for the same call without a window; check the windowed one's result."""
+    """Count the ring's K/V and dK/dV exchanges (forward, backward) for a contiguous causal call whose
+    window reaches only the previous shard, and for the same call without a window; check the windowed
+    one's result."""
     from cp_attention.comm import RingComm as _Comm
 
     counts = []
@@ -264,7 +265,7 @@ def window_exchanges(rank: int, world_size: int) -> dict:
             out = cpa.ring_attention(ql, kl, vl, layout=lay, window_size=win)
             fwd = len(counts)
             (out * shard(dout)).sum().backward()
-            result[name] = (fwd, len(counts) - fwd - fwd)  # backward re-sends K/V as often as forward
+            result[name] = (fwd, len(counts) - fwd)
             if name == "windowed":
                 result["err"] = max((a - b).abs().max().item() for a, b in
                                     ((out, shard(out_ref)), (ql.grad, shard(qr.grad)), (kl.grad, shard(kr.grad)),

@@ -24,9 +24,10 @@ ASSUMPTIONS = (
     "(no launch overhead, no small-tile penalty); merges and accumulations are free.",
     "Forward: each of the first N-1 steps sends one K/V shard (B x S/N x Hkv x (D+Dv) x element bytes) "
     "to the next rank; hop time = bytes / link bandwidth + latency. Links are full duplex and all hops run at once.",
-    "Backward (the engine's order): K/V ride the ring again; a rank's own dK/dV contribution stays home, and the "
-    "fp32 accumulator filled at step s-1 >= 1 shares step s's link; its last hop home (N-1 hops in all) comes "
-    "after the last step and is never hidden. Under a sliding window only the ring steps that run are counted.",
+    "Backward (the engine's order): the steps in reverse, from the K/V shard the forward held last, so K/V make "
+    "N-2 hops; a rank's own dK/dV contribution stays home, and the fp32 accumulator filled at step s+1 travels "
+    "(N-1 hops in all) while step s computes, sharing its link with the K/V for step s-1; no hop follows step 0. "
+    "Under a sliding window only the ring steps that run are counted.",
     "With overlap a step takes max(compute, communication); without, their sum. Ideal = total work / N "
     "at full throughput with free communication; efficiency = ideal / projected forward+backward time.",
     "Not modelled: other layers, memory bandwidth, congestion between rings sharing a link, stragglers.",
