@@ -25,6 +25,8 @@ def naive_block(q, k, v, causal, scale):
 SHAPES = [  # (Sq, Sk, H, Hkv, D, Dv, causal)
     (8, 8, 4, 4, 8, 8, True), (7, 5, 4, 2, 8, 12, True), (5, 7, 2, 1, 16, 8, True),
     (6, 6, 4, 1, 8, 8, False), (1, 9, 2, 2, 4, 4, True), (9, 1, 2, 2, 4, 4, True),
+    # causal squares the CPU flash kernel runs as 4 and 6 row chunks
+    (160, 160, 2, 1, 8, 12, True), (500, 500, 2, 2, 4, 4, True),
 ]
 
 
@@ -48,6 +50,27 @@ def test_kernel_forward_backward_fp64(name, shape):
     for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
         assert got.shape == ref.shape
         torch.testing.assert_close(got.double(), ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("side", [159, 160, 447, 448, 767, 768])
+def test_cpu_flash_row_chunks_match_one_call(side):
+    """Causal squares of 160-767 rows run as row chunks; the result equals the op's single call, also
+    for a negative scale."""
+    from cp_attention.kernels import cpu_flash
+
+    g = torch.Generator().manual_seed(side)
+    q, k, v, dout = (torch.randn(1, side, 2, 8, dtype=torch.float64, generator=g) for _ in range(4))
+    kern = get_kernel("cpu_flash", "cpu", torch.float64)
+    assert cpu_flash._chunked(q, k, True, None) == (160 <= side < 768)
+    assert not cpu_flash._chunked(q, k, False, None) and not cpu_flash._chunked(q[:, 1:], k, True, None)
+    for scale in (0.3, -0.3):
+        out, lse = kern.forward(q, k, v, True, scale)
+        o1, l1 = kern._forward(q, k, v, True, scale, None)
+        torch.testing.assert_close(out, o1, atol=1e-13, rtol=0)
+        torch.testing.assert_close(lse, l1, atol=1e-13, rtol=0)
+        for got, want in zip(kern.backward(dout, q, k, v, out, lse, True, scale),
+                             kern._backward(dout, q, k, v, o1, l1, True, scale, None)):
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
 def test_math_kernel_chunks_rows(monkeypatch):
