@@ -27,7 +27,9 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per round (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="baseline and ring measured alternately this many times; each row is the median of rounds")
     p.add_argument("--timeout", type=int, default=600)
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads

@@ -28,6 +28,20 @@ def test_benchmark_smoke(tmp_path):
     assert "fwd+bwd x" in proc.stdout
 
 
+def test_benchmark_packed_smoke():
+    proc = subprocess.run(
+        [sys.executable, "scripts/benchmark_packed.py", "--tokens", "512", "--documents", "20", "--heads", "2",
+         "--head-dim", "16", "--repeats", "1", "--rounds", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rounds: 2, baseline and ring alternating" in proc.stdout
+    for impl in ("varlen/1 rank", "ring/contiguous", "ring/zigzag", "ring/interleaved"):
+        line = next(x for x in proc.stdout.splitlines() if x.strip().startswith(impl))
+        assert len(line.split()) == len(impl.split()) + 4, line  # two rounds' ratios, "median", the median
+        table = next(x for x in proc.stdout.splitlines() if x.split()[1:2] == impl.split()[:1] and x.split()[0] == "512")
+        assert float(table.split()[-3]) > 0, table  # fwd+bwd ms
+
+
 def test_benchmark_window_smoke(tmp_path):
     import cp_attention as cpa
     

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from typing import Callable
 
 import torch
@@ -95,13 +96,15 @@ def ring_worker(args, seq: int) -> dict:
 
 def run(args: argparse.Namespace) -> list[Row]:
     """The whole benchmark for parsed ``args`` (tokens, documents, sigma, seed, world_size, layouts,
-    heads, kv_heads, head_dim, dtype, kernel, repeats, timeout); prints the table, returns the rows."""
+    heads, kv_heads, head_dim, dtype, kernel, repeats, rounds, timeout); prints the table, returns the
+    rows."""
     args.batch, args.seq_lens = 1, [args.tokens]
     lengths = document_lengths(args.tokens, args.documents, args.sigma, args.seed)
     header = (f"torch {torch.__version__}, world size {args.world_size}, gloo, causal, {args.dtype}, kernel "
               f"{args.kernel}, H={args.heads} Hkv={args.kv_heads} D={args.head_dim}; {args.documents} documents in "
               f"T={args.tokens} tokens (lognormal sigma={args.sigma}, seed {args.seed}: median "
-              f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}); median of {args.repeats} (+1 warm-up)")
+              f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}); median of {args.repeats} (+1 warm-up) per round, "
+              f"median of {args.rounds} rounds")
 
     # A speed benchmark: reuse freed memory, as a caching allocator (CUDA's, or the jemalloc/tcmalloc
     # PyTorch's CPU tuning guide recommends) does. sweep() would otherwise make every allocation over
@@ -112,9 +115,42 @@ def run(args: argparse.Namespace) -> list[Row]:
     for var, value in (("MALLOC_MMAP_THRESHOLD_", 32 << 20), ("MALLOC_TRIM_THRESHOLD_", 1 << 30), ("MALLOC_MMAP_MAX_", 0)):
         os.environ.setdefault(var, str(value))
 
-    def both(seq: int) -> tuple[dict, dict]:
-        base = spawn(baseline_worker, 1, args, seq, threads=args.world_size)
-        return base, spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)
+    per_round: list[tuple[dict, dict]] = []
 
-    rows, _, _ = sweep(header, args.seq_lens, both, "ring", args.world_size)
+    def both(seq: int) -> tuple[dict, dict]:
+        # Rounds alternate the baseline and the ring, so a slow phase of the shared machine lands on
+        # both; each impl's time is the median of its per-round medians.
+        for _ in range(args.rounds):
+            base = spawn(baseline_worker, 1, args, seq, threads=args.world_size)
+            per_round.append((base, spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)))
+        return tuple(_median_of_rounds([r[i] for r in per_round]) for i in (0, 1))
+
+    rows, _, _ = sweep(header, args.seq_lens, both, "ring", args.world_size,
+                       notes=lambda parallel: _round_ratios(per_round))
     return rows
+
+
+def _median_of_rounds(results: list[dict]) -> dict:
+    """One worker result from several rounds': per impl the median of the rounds' medians, the largest
+    peak, and every timed run."""
+    rows = []
+    for parts in zip(*(r["rows"] for r in results)):
+        med = lambda attr: statistics.median(getattr(p, attr) for p in parts)  # noqa: E731
+        rows.append(Row(parts[0].seq, parts[0].impl, med("fwd_ms"), med("fwdbwd_ms"),
+                        max(p.fwd_peak_mib for p in parts), max(p.fwdbwd_peak_mib for p in parts),
+                        [t for p in parts for t in p.fwd_runs_ms], [t for p in parts for t in p.fwdbwd_runs_ms]))
+    return {**results[0], "rows": rows}
+
+
+def _round_ratios(per_round: list[tuple[dict, dict]]) -> list[str]:
+    """A line per impl: its forward+backward time over the baseline of the same round, round by round."""
+    lines = [f"rounds: {len(per_round)}, baseline and ring alternating; fwd+bwd over the same round's baseline:"]
+    ratios: dict[str, list[float]] = {}
+    for base, ring in per_round:
+        b = next(r for r in base["rows"] if r.impl == "baseline").fwdbwd_ms
+        for r in base["rows"] + ring["rows"]:
+            ratios.setdefault(r.impl, []).append(r.fwdbwd_ms / b)
+    for impl, xs in ratios.items():
+        if impl != "baseline":
+            lines.append(f"  {impl:<20}" + " ".join(f"{x:.3f}" for x in xs) + f"   median {statistics.median(xs):.3f}")
+    return lines
