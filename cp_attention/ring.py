@@ -209,7 +209,8 @@ def _backward_pass(plan: RingPlan, dout: torch.Tensor, q: torch.Tensor, k: torch
     n = q.shape[1]
     last = len(plan.steps) - 1
     comm = plan.comm
-    kv = _KVRing(comm, held, last - 1, head_major=plan.kernel_head_major, owned=True) if last else None
+    # ``held`` is saved for backward, so never received into: a second backward (retain_graph) reads it again.
+    kv = _KVRing(comm, held, last - 1, head_major=plan.kernel_head_major) if last else None
     dq = None
     own = (None, None)  # this rank's contributions to its own shard's gradients (step 0, folded documents)
     dkv = None  # the travelling accumulator of the shard held now

@@ -326,3 +326,15 @@ def injected_failure(rank: int, world_size: int, *, fail_rank: int, fail_step: i
     results[1]["err"] = (out - shard(out_ref)).abs().max().item()
     dist.barrier()
     return {"calls": results}
+
+
+def repeated_backward(rank: int, world_size: int, *, layout: str, kernel: str) -> float:
+    """Backward twice through one forward (``retain_graph=True``): the largest difference between the
+    two passes' gradients, which must be 0 (backward must not write into what the forward saved)."""
+    q, k, v, dout = make_inputs(5, 1, 8 * world_size, 2, 1, 8, 8, torch.float64)
+    lay = cpa.get_layout(layout)
+    ql, kl, vl = (lay.shard(t, 1, rank, world_size).requires_grad_() for t in (q, k, v))
+    out = cpa.ring_attention(ql, kl, vl, layout=lay, causal=True, kernel=kernel)
+    first = torch.autograd.grad(out, (ql, kl, vl), lay.shard(dout, 1, rank, world_size), retain_graph=True)
+    second = torch.autograd.grad(out, (ql, kl, vl), lay.shard(dout, 1, rank, world_size))
+    return max((a - b).abs().max().item() for a, b in zip(first, second))

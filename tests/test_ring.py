@@ -91,6 +91,13 @@ def test_each_pair_computed_once(pools, world_size, layout, causal):
     assert sum(r["pairs"] for r in results) == (seq * (seq + 1) // 2 if causal else seq * seq)
 
 
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+def test_backward_twice_through_one_forward(pools, kernel):
+    """Backward starts from the K/V shard the forward kept; at N=4 it then passes shards on, and
+    must never receive into the kept one (a second backward would read a later shard)."""
+    assert pools(4).run(dist_cases.repeated_backward, layout="zigzag", kernel=kernel) == [0.0] * 4
+
+
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
 def test_gather(pools, layout):
     assert all(pools(3).run(dist_cases.gather_roundtrip, layout=layout))
