@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     def both(seq: int) -> tuple[dict, dict]:
         # Rounds alternate the baseline and the ring, so a slow phase of the shared machine lands on
         # both; each impl's time is the median of its per-round medians.
+        per_round.clear()  # this S's rounds only
         for _ in range(args.rounds):
             base = spawn(baseline_worker, 1, args, seq, threads=args.world_size)
             per_round.append((base, spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)))

@@ -52,8 +52,7 @@ def _chunk_mask(rows: int, cols: int) -> torch.Tensor:
 
 
 def _chunked(q: torch.Tensor, k: torch.Tensor, causal: bool, mask) -> bool:
-    return (causal and mask is None and q.shape[1] == k.shape[1] and q.device.type == "cpu"
-            and _CHUNKED[0] <= q.shape[1] < _CHUNKED[1])
+    return causal and mask is None and q.shape[1] == k.shape[1] and _CHUNKED[0] <= q.shape[1] < _CHUNKED[1]
 
 
 class CpuFlashKernel:
