@@ -12,9 +12,8 @@ import zlib
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from cp_attention.loopback import LoopbackRank
+from cp_attention.transport import transport_for
 
 __all__ = ["MESSAGE_BYTES", "SHAPE_DIMS", "agree", "exchange", "raise_refusal", "documents_header", "shape_header",
            "show_shape"]
@@ -49,18 +48,16 @@ def _decode(row: torch.Tensor, headers: int) -> Verdict:
 
 def exchange(group, world_size: int, problem: "tuple[int, str] | None", header: Sequence[int] = ()
              ) -> list[Verdict]:
-    """Every rank's ``(kind + 1 or 0, message, header)`` in rank order, from one ``all_gather`` over
-    ``group`` (on the current CUDA device for NCCL, else on the CPU). ``problem`` is this rank's
-    ``(kind index, message)`` or None; ``header`` a few integers, the same count on every rank."""
+    """Every rank's ``(kind + 1 or 0, message, header)`` in rank order, from one all-gather over
+    ``group`` (a process group, ``None`` or a transport; see
+    :meth:`~cp_attention.transport.base.Transport.all_gather_ints`). ``problem`` is this rank's
+    ``(kind index, message)`` or None; ``header`` a few integers, the same count on every rank.
+    ``world_size`` is the group's (kept for the callers; the transport knows it)."""
     row = _encode(problem, header)
-    if isinstance(group, LoopbackRank):  # every rank in this process (tests on one GPU)
-        rows = group.all_gather_ints(row.tolist())
-        return [_decode(torch.tensor(r, dtype=torch.uint8), len(header)) for r in rows]
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    parts = [torch.empty_like(row, device=device) for _ in range(world_size)]
-    dist.all_gather(parts, row.to(device), group=group)
-    return [_decode(p.cpu(), len(header)) for p in parts]
+    pad = -row.numel() % 8  # the row travels as int64 words
+    words = torch.cat([row, row.new_zeros(pad)]).view(torch.int64).tolist()
+    rows = transport_for(group).all_gather_ints(words)
+    return [_decode(torch.tensor(r, dtype=torch.int64).view(torch.uint8)[:row.numel()], len(header)) for r in rows]
 
 
 def raise_refusal(verdicts: Sequence[Verdict], kinds: Sequence[type], note: str,

@@ -10,8 +10,8 @@ from typing import Any, Mapping, Union
 import torch
 
 import cp_attention as cpa
-from cp_attention.comm import group_rank_and_size
-from cp_attention.documents import cu_seqlens_from_position_ids, document_position_ids, pad_cu_seqlens
+from cp_attention.transport import group_rank_and_size
+from cp_attention.layouts.documents import cu_seqlens_from_position_ids, document_position_ids, pad_cu_seqlens
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from ._hf_checks import documents

@@ -16,8 +16,10 @@ from typing import Any, Optional
 import torch
 
 import cp_attention as cpa
-from cp_attention.agreement import AgreedScope
-from cp_attention.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
+from cp_attention.checks.agreement import AgreedScope
+from cp_attention.engine.plan import AttentionPlan
+from cp_attention.transport import transport_for
+from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 
@@ -80,11 +82,20 @@ class ForwardChecks:
         self._positions: Optional[weakref.ref] = None
         self._cu_q: Optional[weakref.ref] = None
         self.cu: "tuple[int, ...] | None" = None
+        self.plan: Optional[AttentionPlan] = None  # this forward's, once its data is agreed
         self._agreed = AgreedScope()
 
     def accepted_positions(self, position_ids: torch.Tensor) -> bool:
         """Whether ``position_ids`` is the tensor this forward's check accepted."""
         return self._positions is not None and self._positions() is position_ids
+
+    def plan_for(self, cu_q, causal: bool, window_size: "tuple[int, int]") -> Optional[AttentionPlan]:
+        """This forward's plan for a layer called with ``cu_q`` (the tensor the check accepted, or None
+        for an unpacked forward), ``causal`` and ``window_size``; None outside a checked forward."""
+        if self.plan is None:
+            return None
+        same = (cu_q is None and self.cu is None) or (cu_q is not None and self.accepted_documents(cu_q)[1])
+        return self.plan.variant(causal, window_size) if same else None
 
     def accepted_documents(self, cu_q) -> "tuple[tuple[int, ...] | None, bool]":
         """(the boundaries, True) if ``cu_q`` is the tensor this forward's check accepted, else (None, False)."""
@@ -126,7 +137,7 @@ class ForwardChecks:
         """Forward pre-hook (``with_kwargs=True``). Raises the same ``ValueError`` or
         ``NotImplementedError`` on every rank if any rank's data is refused."""
         self._agreed.leave()  # a forward that ended without its post-hook (not on a normal path)
-        self._positions = self._cu_q = self.cu = None
+        self._positions = self._cu_q = self.cu = self.plan = None
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -150,10 +161,13 @@ class ForwardChecks:
             raise
         # Decided alike on every rank (from what every rank sent): with checked inputs of agreed shapes,
         # every rank makes the same ring calls, so their validation needs no collective until the
-        # forward ends (cp_attention.agreement; post_hook leaves).
+        # forward ends (cp_attention.checks.agreement; post_hook leaves).
         if all(h[0] >= 2 for h in headers):
             self._agreed.enter(self.group)
+            # One plan for the whole forward: every layer reuses it (and its built steps).
+            self.plan = AttentionPlan(self.layout, transport_for(self.group), True, self.cu, agreed=True)
 
     def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         """Forward hook (``with_kwargs=True, always_call=True``): the forward is over (or raised)."""
         self._agreed.leave()
+        self.plan = None

@@ -10,8 +10,8 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 import cp_attention as cpa
-from cp_attention.comm import group_rank_and_size
-from cp_attention.documents import cu_seqlens_tuple, document_position_ids
+from cp_attention.transport import group_rank_and_size
+from cp_attention.layouts.documents import cu_seqlens_tuple, document_position_ids
 
 from ._megatron_checks import agreed
 from ._megatron_packed import packed_documents

@@ -6,7 +6,7 @@ What depends on a rank's own data (its ``attention_mask``, the document boundari
 ONE small all-gather, in which every rank takes part whatever it found: every rank raises the same
 error before any layer runs. While that forward runs, the ring attentions recognise the accepted
 objects by identity and skip their own checks (no collective, no host sync, no ``torch.equal`` per
-layer), and the ring's own call validation needs none either (``cp_attention.agreement.agreed_forward``).
+layer), and the ring's own call validation needs none either (``cp_attention.checks.agreement.agreed_forward``).
 A ring attention called outside a checked forward (directly, or when megatron recomputes it
 in backward) checks its own call and agrees on it in one all-gather per call, again with every rank
 taking part, whatever its mask (None included).
@@ -22,7 +22,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 import cp_attention as cpa
-from cp_attention.agreement import AgreedScope
+from cp_attention.checks.agreement import AgreedScope
+from cp_attention.engine.plan import AttentionPlan
+from cp_attention.transport import transport_for
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from ._megatron_packed import check_stream_length, packed_config_verdict, packed_local_tokens, \
@@ -191,6 +193,7 @@ class ForwardChecks:
         self._params: Optional[weakref.ref] = None
         self._any_mask = False
         self.documents: Optional[tuple[int, ...]] = None
+        self.plan: Optional[AttentionPlan] = None
 
     def accepted(self, mask: Optional[torch.Tensor], packed_seq_params, causal: bool
                  ) -> "tuple[bool, Optional[tuple[int, ...]]]":
@@ -245,8 +248,18 @@ class ForwardChecks:
             self._any_mask = any(h[1] for h in headers)
             self._active = True
             # Every rank runs the same ring calls on inputs of agreed shapes: the ring's own validation
-            # judges them without a collective until the forward ends (cp_attention.agreement).
+            # judges them without a collective until the forward ends (cp_attention.checks.agreement).
             self._agreed.enter(self.group)
+            # One plan for the whole forward: every layer reuses it (and its built steps).
+            self.plan = AttentionPlan(self.layout, transport_for(self.group), True, documents, agreed=True)
+
+    def plan_for(self, documents: Optional[tuple[int, ...]], causal: bool, window_size: tuple[int, int]
+                 ) -> Optional[AttentionPlan]:
+        """This forward's plan for a layer whose call the check accepted with ``documents`` (the very
+        tuple it agreed on, or None unpacked), ``causal`` and ``window_size``; None otherwise."""
+        if self.plan is None or documents is not self.documents:
+            return None
+        return self.plan.variant(causal, window_size)
 
     def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         """Forward hook (``with_kwargs=True, always_call=True``): the forward is over, forget what it accepted."""

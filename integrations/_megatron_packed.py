@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from cp_attention.documents import check_cu_seqlens
+from cp_attention.layouts.documents import check_cu_seqlens
 
 __all__ = ["packed_documents", "packed_verdict", "packed_config_verdict", "packed_stream_verdict",
            "check_stream_length", "packed_local_tokens", "group_ranks"]

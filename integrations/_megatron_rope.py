@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 
 import cp_attention as cpa
-from cp_attention.comm import group_rank_and_size
-from cp_attention.documents import CuSeqlens, check_cu_seqlens, document_position_ids
+from cp_attention.transport import group_rank_and_size
+from cp_attention.layouts.documents import CuSeqlens, check_cu_seqlens, document_position_ids
 
 __all__ = ["LayoutRotaryEmbedding"]
 

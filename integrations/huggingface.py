@@ -30,14 +30,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_attention as cpa
 from cp_attention._extras import require_extra
-from cp_attention.comm import group_rank_and_size
 from cp_attention.kernels import check_kernel_name
-from cp_attention.loopback import LoopbackRank
+from cp_attention.transport import group_rank_and_size, transport_for
 
 from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
 from ._hf_checks import ForwardChecks, check_positions, documents
@@ -135,9 +133,13 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # dtype; run attention in the autocast dtype, as transformers' flash-attention integration does.
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
-    out = cpa.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                             group=state.group, layout=state.layout, causal=causal, softmax_scale=scaling,
-                             kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0, cu_seqlens=cu, **extra)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    common = dict(softmax_scale=scaling, kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0)
+    plan = state.checks.plan_for(cu_seq_lens_q, causal, extra.get("window_size", (-1, -1)))
+    if plan is not None:  # the forward's plan, built once in its pre-hook
+        return cpa.ring_attention(q, k, v, plan=plan, **common), None
+    out = cpa.ring_attention(q, k, v, group=state.group, layout=state.layout, causal=causal, cu_seqlens=cu,
+                             **extra, **common)
     return out, None
 
 
@@ -198,11 +200,7 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
                                 ignore_index=IGNORE_INDEX, reduction="sum")
     count = (shift_labels != IGNORE_INDEX).sum().double().to(local_sum.device)  # NCCL needs both on the GPU
     stats = torch.stack([local_sum.detach().double(), count])
-    _, world_size = group_rank_and_size(group)
-    if isinstance(group, LoopbackRank):
-        group.all_reduce_sum_(stats)
-    elif world_size > 1:
-        dist.all_reduce(stats, group=group)
+    transport_for(group).all_reduce_sum_(stats)
     total, count = stats[0].to(local_sum.dtype), stats[1].clamp_min(1).to(local_sum.dtype)
     return (local_sum + (total - local_sum.detach())) / count
 

@@ -55,9 +55,9 @@ import torch
 
 import cp_attention as cpa
 from cp_attention._extras import require_extra
-from cp_attention.comm import group_rank_and_size
+from cp_attention.transport import group_rank_and_size
 from cp_attention.kernels import check_kernel_name
-from cp_attention.window_schedule import check_window_size
+from cp_attention.schedules import check_window_size
 
 require_extra("megatron", ("megatron.core",), "cp_attention.integrations.megatron")
 
@@ -242,11 +242,18 @@ class RingDotProductAttention(MegatronModule):
         documents = check_layer_call(self, attention_mask, packed_seq_params, causal, query, key, value)
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, documents, causal)
-        out = cpa.ring_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                 group=self.cp_group, layout=self.layout, causal=causal,
-                                 softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
-                                 window_size=self.window_size)
+        out = self._ring(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), None, causal)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[tuple[int, ...]],
+              causal: bool) -> torch.Tensor:
+        """The ring on bshd tensors: with the forward's plan when its check accepted this call."""
+        common = dict(softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset)
+        plan = None if self.forward_checks is None else self.forward_checks.plan_for(documents, causal, self.window_size)
+        if plan is not None:
+            return cpa.ring_attention(q, k, v, plan=plan, **common)
+        return cpa.ring_attention(q, k, v, group=self.cp_group, layout=self.layout, causal=causal, cu_seqlens=documents,
+                                  window_size=self.window_size, **common)
 
     def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         documents: tuple[int, ...], causal: bool) -> torch.Tensor:
@@ -260,9 +267,7 @@ class RingDotProductAttention(MegatronModule):
             mscale = _rope_mscale(self.config)
             q, k = (apply_rotary_pos_emb(t.unsqueeze(1), rows, config=self.config, mscale=mscale,
                                          cp_group=self.cp_group).squeeze(1) for t in (q, k))
-        out = cpa.ring_attention(q[None], k[None], v[None], group=self.cp_group, layout=self.layout, causal=causal,
-                                 softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
-                                 cu_seqlens=documents, window_size=self.window_size)
+        out = self._ring(q[None], k[None], v[None], documents, causal)
         out = out[0].reshape(q.shape[0], -1)
         return out[:, None] if four_d else out
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
-from cp_attention.dtypes import DTYPES
+from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.experiments import window_bench
 
 

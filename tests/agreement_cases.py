@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import cp_attention as cpa
-from cp_attention.agreement import VERDICTS, agreed_forward
+from cp_attention.checks.agreement import VERDICTS, agreed_forward
 
 _COLLECTIVES = ("all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list", "barrier",
                 "all_to_all", "reduce_scatter", "gather", "scatter")

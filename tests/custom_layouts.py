@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import cp_attention as cpa
-from cp_attention.schedule import BlockTask, register_schedule, source_rank
+from cp_attention.schedules import BlockTask, register_schedule, source_rank
 
 from . import dist_cases
 

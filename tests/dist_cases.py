@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 import cp_attention as cpa
-from cp_attention.documents import cu_seqlens_from_lengths
-from cp_attention.comm import RingComm
-from cp_attention.dtypes import dtype_from_name
+from cp_attention.layouts.documents import cu_seqlens_from_lengths
+from cp_attention.transport import transport_for
+from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.kernels import MathKernel
-from cp_attention.ring import RingAttentionFunction, RingPlan
-from cp_attention.schedule import rank_plan
+from cp_attention.engine.ring import RingAttentionFunction, RingPlan
+from cp_attention.schedules import rank_plan
 
 from .reference import excess_error, reference_attention
 
@@ -102,7 +102,7 @@ def pairs_computed(rank: int, world_size: int, *, layout: str, causal: bool, loc
     q, k, v, _ = make_inputs(1, 1, local_len * world_size, 2, 2, 8, 8, torch.float64)
     lay = cpa.get_layout(layout)
     ql, kl, vl = (lay.shard(t, 1, rank, world_size) for t in (q, k, v))
-    comm = RingComm(None)
+    comm = transport_for(None)
     plan = RingPlan(comm, rank_plan(lay, causal, rank, world_size, local_len), Spy(), 8 ** -0.5)
     out, _ = RingAttentionFunction.apply(ql, kl, vl, plan)
     out_ref, _ = reference_attention(q, k, v, causal, 8 ** -0.5)
@@ -239,7 +239,7 @@ def window_exchanges(rank: int, world_size: int) -> dict:
     """Count the ring's K/V and dK/dV exchanges (forward, backward) for a contiguous causal call whose
     window reaches only the previous shard, and for the same call without a window; check the windowed
     one's result."""
-    from cp_attention.comm import RingComm as _Comm
+    from cp_attention.transport import ProcessGroupTransport as _Comm
 
     counts = []
     original = _Comm.exchange

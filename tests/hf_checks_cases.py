@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_attention.agreement import VERDICTS
+from cp_attention.checks.agreement import VERDICTS
 
 from .agreement_cases import counting
 from .hf_cases import SEQ, batch, build

@@ -1,4 +1,4 @@
-"""A CP-patched HF model with every rank in one process (cp_attention.loopback): N replicas of the model,
+"""A CP-patched HF model with every rank in one process (cp_attention.transport.loopback): N replicas of the model,
 one thread each, so the adapter runs on one GPU (and, in fp64, on the CPU in CI)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import copy
 import torch
 
 import cp_attention as cpa
-from cp_attention.loopback import LoopbackGroup
+from cp_attention.transport.loopback import LoopbackGroup
 
 from .hf_cases import batch, build
 

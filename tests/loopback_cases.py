@@ -1,4 +1,4 @@
-"""Ring attention with all N ranks in one process (cp_attention.loopback), against an fp64 reference.
+"""Ring attention with all N ranks in one process (cp_attention.transport.loopback), against an fp64 reference.
 
 Shared by tests/test_loopback.py (CPU, fp64, in CI) and tests/test_ring_cuda.py (one GPU, real CUDA
 kernels). The reference runs on the CPU in fp64 and never sees the sharding or the packing.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 import cp_attention as cpa
-from cp_attention.documents import cu_seqlens_from_lengths
-from cp_attention.loopback import LoopbackGroup
+from cp_attention.layouts.documents import cu_seqlens_from_lengths
+from cp_attention.transport.loopback import LoopbackGroup
 
 from .reference import excess_error, reference_attention
 

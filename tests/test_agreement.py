@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cp_attention.agreement import Verdicts, in_agreed_forward, agreed_forward
+from cp_attention.checks.agreement import Verdicts, in_agreed_forward, agreed_forward
 
 from . import agreement_cases as cases
 

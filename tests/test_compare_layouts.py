@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import cp_attention as cpa
-from cp_attention.analysis import (
+from cp_attention.experiments.analysis import (
     AttentionShape, ClusterSpec, comm_bytes_per_rank, document_padding, document_pairs, imbalance, project,
     step_sync_efficiency,
 )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cp_attention as cpa
-from cp_attention.layout import register_layout
+from cp_attention.layouts import register_layout
 
 from . import custom_layouts
 from .reference import tolerance

@@ -9,10 +9,16 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import cp_attention as cpa
-from cp_attention.doc_schedule import DocBlock, doc_block_pairs, doc_plan, split_doc_block
-from cp_attention.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
-from cp_attention.schedule import BlockTask, source_rank, task_pairs
-from cp_attention.varlen import SMALL_BLOCK, packed_steps
+from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
+from cp_attention.schedules import (BatchSpec, BlockTask, DocBlock, block_plans, doc_block_pairs, lower_steps,
+                                    source_rank, split_doc_block, task_pairs)
+from cp_attention.schedules.lowering import SMALL_BLOCK
+
+
+def _doc_plan(layout, causal, rank, n, cu):
+    """One rank's document blocks per step (the plan every rank's is built with)."""
+    cu = tuple(cu)
+    return block_plans(cpa.get_layout(layout), causal, n, cu[-1], cu, None)[rank]
 
 
 def _cu(lengths, layout, n):
@@ -44,7 +50,7 @@ def coverage(layout: str, causal: bool, n: int, cu) -> tuple[torch.Tensor, torch
     blocks = torch.zeros(total, total, dtype=torch.int64)
     tasks = torch.zeros_like(blocks)
     for r in range(n):
-        for s, step in enumerate(doc_plan(layout, causal, r, n, cu)):
+        for s, step in enumerate(_doc_plan(layout, causal, r, n, cu)):
             j = source_rank(r, n, s)
             for b in step:
                 keep = _block_mask(b)
@@ -96,17 +102,18 @@ def test_zigzag_balances_every_document_at_every_step():
 
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
 def test_engine_batches_cover_each_block_once(layout):
-    """packed_steps: short blocks in padded batches, a short document's step-0 block folded into its
+    """lower_steps: short blocks in padded batches, a short document's step-0 block folded into its
     first later block when that one is short too, long ones as plain tasks; nothing lost or doubled."""
     cu = _cu([1, 3, 600, 17, 2, 64, 300, 5], layout, 3)
     key = lambda b: (b.q_start, b.kv_start)  # noqa: E731
     folds = 0
     for r in range(3):
-        plan = doc_plan(layout, True, r, 3, cu)
-        steps = packed_steps(cpa.get_layout(layout), True, r, 3, tuple(cu), True, torch.device("cpu"))
+        plan = _doc_plan(layout, True, r, 3, cu)
+        steps = lower_steps(plan, batched=True, tiled=True, local_len=cu[-1] // 3)
         ran = [[] for _ in plan]  # per step, the plan's blocks the tasks compute
         for s, tasks in enumerate(steps):
-            batches = [t for t in tasks if not isinstance(t, BlockTask)]
+            batches = [t for t in tasks if isinstance(t, BatchSpec)]
+            assert len(batches) + sum(isinstance(t, BlockTask) for t in tasks) == len(tasks)
             plain = [t for t in tasks if isinstance(t, BlockTask)]
             big = [b for b in plan[s] if max(b.q_len, b.kv_len) > SMALL_BLOCK]
             assert plain == [t for b in big for t in split_doc_block(b)]

@@ -10,7 +10,7 @@ import torch
 
 from cp_attention.kernels import (KERNEL_NAMES, CpuFlashKernel, SdpaCpuKernel, check_kernel_name, get_kernel,
                                   resolve_kernel_name)
-from cp_attention.kernels.sdpa import SdpaCpuKernel as OldImport
+from cp_attention.kernels import SdpaCpuKernel as OldImport
 
 from . import flash_attn_standin
 

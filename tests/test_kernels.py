@@ -7,7 +7,7 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.kernels import get_kernel, math as math_kernel
-from cp_attention.merge import merge_block
+from cp_attention.engine.merge import merge_block
 
 from .reference import reference_attention
 

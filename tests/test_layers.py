@@ -70,7 +70,7 @@ def test_the_checker_sees_relative_and_absolute_imports():
                             "cp_attention") == {"training", "experiments"}
     assert _imported_layers("from ..training.steps import train_step\n", "cp_attention.kernels") == {"training"}
     assert _imported_layers("from . import huggingface\n", "cp_attention.integrations") == {"integrations"}
-    assert _imported_layers("from ..layout import get_layout\nimport torch\n", "cp_attention.experiments") == set()
+    assert _imported_layers("from ..layouts import get_layout\nimport torch\n", "cp_attention.experiments") == set()
 
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_attention.loopback import LoopbackGroup
+from cp_attention.transport.loopback import LoopbackGroup
 
 from .loopback_cases import loopback_errors, loopback_refusal
 

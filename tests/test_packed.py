@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cp_attention as cpa
-from cp_attention.documents import (cu_seqlens_from_lengths, cu_seqlens_from_position_ids, document_ids, document_position_ids,
+from cp_attention.layouts.documents import (cu_seqlens_from_lengths, cu_seqlens_from_position_ids, document_ids, document_position_ids,
                                     pad_cu_seqlens, zigzag_chunks)
 
 from . import dist_cases

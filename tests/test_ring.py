@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cp_attention as cpa
-from cp_attention.dtypes import dtype_from_name
+from cp_attention.kernels.dtypes import dtype_from_name
 
 from . import dist_cases
 from .reference import tolerance

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import cp_attention as cpa
-from cp_attention.schedule import BlockTask, source_rank, task_pairs
+from cp_attention.schedules import BlockTask, source_rank, task_pairs
 
 
 def coverage(layout: str, causal: bool, seq_len: int, n: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ def test_work_model_closed_forms(n):
 
 
 def test_dispatcher():
-    from cp_attention.schedule import contiguous_schedule, interleaved_schedule, zigzag_schedule
+    from cp_attention.schedules.causal import contiguous_schedule, interleaved_schedule, zigzag_schedule
     assert cpa.get_schedule("striped") is interleaved_schedule
     assert cpa.get_schedule("dualchunkswap") is zigzag_schedule
     assert cpa.get_schedule(cpa.ContiguousLayout()) is contiguous_schedule

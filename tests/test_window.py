@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import cp_attention as cpa
-from cp_attention import doc_schedule
-from cp_attention.doc_schedule import DocBlock, doc_block_pairs, split_doc_block
-from cp_attention.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
-from cp_attention.schedule import BlockTask, source_rank, task_pairs
-from cp_attention.window_schedule import normalize_window, ring_length, window_plan
+from cp_attention.schedules import lowering
+from cp_attention.schedules import DocBlock, doc_block_pairs, split_doc_block
+from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
+from cp_attention.schedules import BlockTask, source_rank, task_pairs
+from cp_attention.schedules import block_plans, normalize_window, ring_length
 
 from . import dist_cases
 from .reference import tolerance
@@ -72,7 +72,7 @@ def _coverage(layout: str, causal: bool, n: int, total: int, cu, window):
     tasks = torch.zeros_like(blocks)
     lengths = set()
     for r in range(n):
-        plan = window_plan(layout, causal, r, n, total, window, cu)
+        plan = block_plans(lay, causal, n, total, None if cu is None else tuple(cu), window)[r]
         lengths.add(len(plan))
         for s, step in enumerate(plan):
             j = source_rank(r, n, s)
@@ -97,11 +97,11 @@ WINDOWS = st.tuples(st.integers(-1, 40), st.integers(-1, 40))
        local=st.integers(1, 8), lengths=st.one_of(st.none(), st.lists(st.integers(1, 17), min_size=1, max_size=6)),
        tile=st.sampled_from((1, 3, 64)))
 def test_every_pair_in_the_window_is_computed_exactly_once(layout, n, causal, window, local, lengths, tile):
-    saved, doc_schedule.BAND_TILE = doc_schedule.BAND_TILE, tile  # small tiles split the bands
+    saved, lowering.BAND_TILE = lowering.BAND_TILE, tile  # small tiles split the bands
     try:
         _check_window_plan(layout, n, causal, window, local, lengths)
     finally:
-        doc_schedule.BAND_TILE = saved
+        lowering.BAND_TILE = saved
 
 
 def _check_window_plan(layout, n, causal, window, local, lengths):

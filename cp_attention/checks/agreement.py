@@ -25,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
+
+from ..transport.base import agree_by_doubling
+from ..transport.process_group import group_token
 
 __all__ = ["Verdicts", "VERDICTS", "group_token", "agreed_forward", "AgreedScope", "in_agreed_forward", "digests_agree", "cache_enabled"]
 
@@ -73,26 +75,6 @@ class Verdicts:
 
 VERDICTS = Verdicts()
 
-_TOKENS: "weakref.WeakKeyDictionary[Any, object]" = weakref.WeakKeyDictionary()
-_TOKENS_LOCK = threading.Lock()
-
-
-def group_token(group: Any) -> object:
-    """A stand-in for ``group`` in cache keys: one unique object per group, which does not keep the
-    group alive. (A gloo group that a cache held past ``destroy_process_group`` is freed at
-    interpreter exit, where its threads can abort the process: "terminate called without an active
-    exception".) ``None`` stands for the default group. Raises ``TypeError`` for an object that
-    cannot be weakly referenced."""
-    if group is None:
-        import torch.distributed as dist
-
-        group = dist.group.WORLD
-    with _TOKENS_LOCK:
-        token = _TOKENS.get(group)
-        if token is None:
-            token = _TOKENS[group] = object()
-        return token
-
 _local = threading.local()
 
 
@@ -104,7 +86,7 @@ def agreed_forward(group: Any) -> Iterator[None]:
     stack = getattr(_local, "groups", None)
     if stack is None:
         stack = _local.groups = []
-    stack.append(group)
+    stack.append(group_token(group))
     try:
         yield
     finally:
@@ -131,19 +113,19 @@ class AgreedScope:
 
 
 def in_agreed_forward(group: Any) -> bool:
-    """Whether this thread is inside :func:`agreed_forward` for ``group``."""
-    return any(g is group for g in getattr(_local, "groups", ()))
+    """Whether this thread is inside :func:`agreed_forward` for ``group`` (a process group, ``None``
+    for the default one, or a transport)."""
+    stack = getattr(_local, "groups", ())
+    if not stack:
+        return False
+    token = group_token(group)
+    return any(g is token for g in stack)
 
 
-def digests_agree(comm: Any, digest: int) -> bool:
-    """Whether every rank of ``comm`` (a :class:`~cp_attention.comm.RingComm` over a gloo group) passed
-    the same ``digest``, in ceil(log2 N) rounds of P2P (recursive doubling of the min and max: after
-    round k each rank has seen the 2^k ranks before it). Every rank gets the same answer."""
+def digests_agree(transport: Any, digest: int) -> bool:
+    """Whether every rank of ``transport`` (a gloo group's or the loopback's) passed the same
+    ``digest``, by recursive doubling of the min and max over P2P. Every rank gets the same answer."""
     span = torch.tensor([digest, digest], dtype=torch.int64)
-    hop = 1
-    while hop < comm.world_size:
-        got = torch.empty_like(span)
-        comm.exchange((span,), (got,), hop).wait()
-        span = torch.stack((torch.minimum(span[0], got[0]), torch.maximum(span[1], got[1])))
-        hop *= 2
+    span = agree_by_doubling(transport, span, lambda a, b: torch.stack((torch.minimum(a[0], b[0]),
+                                                                         torch.maximum(a[1], b[1]))))
     return bool(span[0] == span[1])

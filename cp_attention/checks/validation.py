@@ -13,18 +13,17 @@ import struct
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .agreement import VERDICTS, cache_enabled, digests_agree, group_token, in_agreed_forward
-from .documents import check_cu_seqlens
-from .dtypes import FLOAT_DTYPES
-from .kernels import KERNEL_NAMES, get_kernel
-from .layout import Layout, get_layout
-from .loopback import LoopbackRank
-from .schedule import schedule_names
-from .window_schedule import check_window_size
+from ..kernels import KERNEL_NAMES, get_kernel
+from ..kernels.dtypes import FLOAT_DTYPES
+from ..layouts.base import Layout
+from ..layouts.documents import check_cu_seqlens
+from ..layouts.registry import get_layout, layout_names
+from ..schedules.windows import check_window_size
+from ..transport.base import Transport
+from .agreement import VERDICTS, cache_enabled, digests_agree
 
-__all__ = ["CallSpec", "encode", "check_table", "validate_call"]
+__all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call", "PLAN_CODES"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _UNKNOWN = -1
@@ -100,10 +99,28 @@ def _window_codes(window_size) -> list[int]:
     return [min(left, _HUGE), min(right, _HUGE)]
 
 
-def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bool, scale: "float | None",
-           kernel: str, sinks: "torch.Tensor | None" = None, softcap: float = 0.0, cu_seqlens=None,
-           window_size=None) -> list[int]:
-    """This rank's call as a fixed-length list of ints (see :class:`CallSpec`).
+PLAN_CODES = 7  # how many ints plan_codes returns
+
+
+def plan_codes(layout, causal, cu_seqlens=None, window_size=None) -> list[int]:
+    """What is fixed for a batch, as ints: layout, causal, packed documents (count, length,
+    fingerprint) and window. Never raises (see :func:`tensor_codes`)."""
+    try:
+        name = get_layout(layout).name
+        names = layout_names()
+        sig = [names.index(name) if name in names else _UNKNOWN]
+    except (ValueError, TypeError):
+        sig = [_UNKNOWN]
+    try:
+        sig.append(int(bool(causal)))
+    except Exception:  # noqa: BLE001 - e.g. a tensor of several values: judged by every rank alike
+        sig.append(_UNKNOWN)
+    return sig + _cu_codes(cu_seqlens) + _window_codes(window_size)
+
+
+def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: "float | None", kernel: str,
+                 sinks: "torch.Tensor | None" = None, softcap: float = 0.0) -> list[int]:
+    """This rank's tensors and per-call arguments as a fixed-length list of ints (see :class:`CallSpec`).
 
     Never raises: whatever is wrong with the arguments is encoded, so the rank still takes part in
     the all-gather and every rank reaches the same verdict (a rank raising here would leave the
@@ -118,25 +135,15 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
         shape = list(t.shape)[:4] if t.dim() == 4 else []
         sig += [t.dim(), *(shape + [0] * (4 - len(shape)))]
     if tensors:
-        dts = {q.dtype, k.dtype, v.dtype}
         dt = q.dtype
-        sig.append(FLOAT_DTYPES.index(dt) if len(dts) == 1 and dt in FLOAT_DTYPES else _UNKNOWN)
-        devs = {q.device, k.device, v.device}
-        sig.append(-2 if len(devs) > 1 else
-                   (_DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _UNKNOWN))
+        same = dt == k.dtype == v.dtype
+        sig.append(FLOAT_DTYPES.index(dt) if same and dt in FLOAT_DTYPES else _UNKNOWN)
+        dev = q.device
+        sig.append(-2 if not dev == k.device == v.device else
+                   (_DEVICE_TYPES.index(dev.type) if dev.type in _DEVICE_TYPES else _UNKNOWN))
     else:
         sig += [_UNKNOWN, _UNKNOWN]
-    try:
-        name = get_layout(layout).name
-        names = schedule_names()
-        sig.append(names.index(name) if name in names else _UNKNOWN)
-    except (ValueError, TypeError):
-        sig.append(_UNKNOWN)
     sig.append(KERNEL_NAMES.index(kernel) if isinstance(kernel, str) and kernel in KERNEL_NAMES else _UNKNOWN)
-    try:
-        sig.append(int(bool(causal)))
-    except Exception:  # noqa: BLE001 - e.g. a tensor of several values: judged by every rank alike
-        sig.append(_UNKNOWN)
     if scale is None:
         scale = q.shape[-1] ** -0.5 if tensors and q.dim() == 4 and q.shape[-1] > 0 else float("nan")
     sig.append(_float_code(scale))
@@ -144,8 +151,6 @@ def encode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, causal: bo
                                                    for t in (q, k, v))))
     sig.append(_sinks_code(q, sinks))
     sig.append(_float_code(softcap))
-    sig += _cu_codes(cu_seqlens)
-    sig += _window_codes(window_size)
     return sig
 
 
@@ -153,10 +158,10 @@ def _decode(sig: list[int]) -> CallSpec:
     shapes = tuple(None if sig[i * 5] == _NOT_A_TENSOR else
                    tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
                    for i in range(3))
-    rest = sig[15:]
-    causal = rest[4] if rest[4] == _UNKNOWN else bool(rest[4])
-    return CallSpec(shapes, rest[0], rest[1], rest[2], rest[3], causal, _bits_float(rest[5]), bool(rest[6]),
-                    rest[7], _bits_float(rest[8]), rest[9], rest[10], rest[11], (rest[12], rest[13]))
+    dtype, device, kernel, scale, needs_grad, sinks, softcap, layout, causal, docs, length, cu_hash, w0, w1 = sig[15:]
+    causal = causal if causal == _UNKNOWN else bool(causal)
+    return CallSpec(shapes, dtype, device, layout, kernel, causal, _bits_float(scale), bool(needs_grad), sinks,
+                    _bits_float(softcap), docs, length, cu_hash, (w0, w1))
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -188,12 +193,11 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return "q, k and v must be on the same device"
     if c.device == _UNKNOWN:
         return f"unsupported device type; expected one of {', '.join(_DEVICE_TYPES)}"
-    if c.layout == _UNKNOWN:
-        return f"unknown layout; expected one of {', '.join(schedule_names())} (or an alias)"
+    problem = _plan_problem(c.layout, c.causal, c.documents, c.window)
+    if problem is not None:
+        return problem
     if c.kernel == _UNKNOWN:
         return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
-    if c.causal == _UNKNOWN:
-        return "causal must be a bool (bool(causal) raised)"
     if c.scale is None:
         return ("softmax_scale must be a finite non-zero float or None (head_dim ** -0.5), got a value float() "
                 "cannot convert")
@@ -203,9 +207,6 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return "sinks must be a non-empty 1-D floating tensor [heads] on the device of q"
     if c.sinks and c.sinks != hq:
         return f"sinks must hold one logit per query head: expected shape [{hq}], got [{c.sinks}]"
-    if c.documents == _UNKNOWN:
-        return ("cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T] of document boundaries: "
-                "starting at 0 and strictly increasing (no empty document)")
     if c.documents and bq != 1:
         return (f"packed documents (cu_seqlens) need batch size 1 (q, k, v [1, T/N, heads, dim]), got batch {bq}; "
                 "pack the rows into one sequence")
@@ -216,9 +217,6 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return "softcap must be a finite float >= 0 (0 disables it), got a value float() cannot convert"
     if not math.isfinite(c.softcap) or c.softcap < 0:
         return f"softcap must be a finite float >= 0 (0 disables it), got {c.softcap}"
-    if c.window == (-2, -2):
-        return ("window_size must be (left, right), two ints >= -1 (flash-attn's convention: -1 = unbounded, "
-                "(-1, -1) = no window)")
     try:
         get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype],
                    softcap=c.softcap > 0, mask=c.window != (-1, -1), head_dim=dq, v_head_dim=dv)
@@ -227,6 +225,59 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     return None
 
 
+def _plan_problem(layout: int, causal: "bool | int", documents: int, window: tuple[int, int]) -> "str | None":
+    """What is wrong with the fields of a call that a plan fixes, or None."""
+    if layout == _UNKNOWN:
+        return f"unknown layout; expected one of {', '.join(layout_names())} (or an alias)"
+    if causal == _UNKNOWN:
+        return "causal must be a bool (bool(causal) raised)"
+    if documents == _UNKNOWN:
+        return ("cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T] of document boundaries: "
+                "starting at 0 and strictly increasing (no empty document)")
+    if window == (-2, -2):
+        return ("window_size must be (left, right), two ints >= -1 (flash-attn's convention: -1 = unbounded, "
+                "(-1, -1) = no window)")
+    return None
+
+
+def _raise_first(what: str, problems: list["str | None"]) -> None:
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise ValueError(f"{what}: {bad[0][1]} (on rank {bad[0][0]}; ranks with bad input: {ranks})")
+
+
+def _raise_differing(what: str, fields: dict[str, str], rows: list) -> None:
+    for field, label in fields.items():
+        values = [row[field] if isinstance(row, dict) else getattr(row, field) for row in rows]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(
+                f"{what}: every rank of the group must pass the same {label}, got {per_rank}; "
+                "shard every tensor with the same layout and call with the same arguments on all ranks")
+
+
+def check_plan_table(table: list[list[int]], layout: "Layout | None") -> None:
+    """Check every rank's :func:`plan_codes`; raise one deterministic ``ValueError`` for the whole
+    group when any rank's are bad, they differ, or the layout cannot split the packed length."""
+    world_size = len(table)
+    rows = [dict(zip(("layout", "causal", "documents", "packed_len", "cu_hash"), codes[:5]),
+                 window=tuple(codes[5:7])) for codes in table]
+    for row in rows:
+        row["causal"] = row["causal"] if row["causal"] == _UNKNOWN else bool(row["causal"])
+    _raise_first("cp_attention.plan", [_plan_problem(r["layout"], r["causal"], r["documents"], r["window"])
+                                       for r in rows])
+    _raise_differing("cp_attention.plan", {f: _FIELD_NAMES[f] for f in _PLAN_FIELDS}, rows)
+    if rows[0]["documents"]:
+        layout = layout if layout is not None else get_layout(layout_names()[rows[0]["layout"]])
+        try:
+            layout.check(rows[0]["packed_len"], world_size)
+        except ValueError as e:
+            raise ValueError(f"cp_attention.plan: cu_seqlens of {rows[0]['packed_len']} tokens over world_size "
+                             f"{world_size}: {e}") from None
+
+
+_PLAN_FIELDS = ("layout", "causal", "documents", "cu_hash", "window")
 _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
                 "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
                 "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)",
@@ -243,22 +294,11 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
     """
     world_size = len(table)
     specs = [_decode(s) for s in table]
-    problems = [(r, _local_problem(c, world_size)) for r, c in enumerate(specs)]
-    bad = [(r, p) for r, p in problems if p is not None]
-    if bad:
-        ranks = [r for r, _ in bad]
-        raise ValueError(f"ring_attention: {bad[0][1]} (on rank {bad[0][0]}; ranks with bad input: {ranks})")
-    for field, label in _FIELD_NAMES.items():
-        values = [getattr(c, field) for c in specs]
-        if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(
-                f"ring_attention: every rank of the group must pass the same {label}, got {per_rank}; "
-                "shard every tensor with the same layout and call with the same arguments on all ranks"
-            )
+    _raise_first("ring_attention", [_local_problem(c, world_size) for c in specs])
+    _raise_differing("ring_attention", _FIELD_NAMES, specs)
     sq = specs[0].shapes[0][1]
     if layout is None:
-        layout = get_layout(schedule_names()[specs[0].layout])
+        layout = get_layout(layout_names()[specs[0].layout])
     try:
         layout.check(sq * world_size, world_size)
     except ValueError as e:
@@ -266,38 +306,31 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
                          f"{sq * world_size} tokens: {e}") from None
 
 
-def validate_call(q, k, v, layout, causal, scale, kernel, group, world_size: int, sinks=None,
-                  softcap: float = 0.0, cu_seqlens=None, window_size=None, comm=None) -> None:
-    """Validate a ring_attention call across the whole group; raise the same error on every rank.
+def validate_call(sig: list[int], layout: "Layout | None", transport: Transport, in_forward: bool = False,
+                  trusted: "tuple | None" = None) -> None:
+    """Validate a call across the whole group from its signature ``sig`` (:func:`tensor_codes` +
+    :func:`plan_codes`); raise the same ``ValueError`` on every rank.
 
-    The all-gather runs once per distinct call signature (see :mod:`cp_attention.agreement`): a
-    call the group already agreed on, or one inside an adapter's :func:`agreed_forward`, is judged
-    without a collective. ``comm`` is the call's :class:`~cp_attention.comm.RingComm` (on gloo it
-    compares signature fingerprints by P2P, so ranks calling with different arguments are caught
-    even when each rank's own call was agreed before).
+    The all-gather runs once per distinct signature (see :mod:`cp_attention.checks.agreement`): a call
+    the group already agreed on, or one inside an adapter's :func:`agreed_forward` (``in_forward``), is
+    judged without a collective. On gloo and the loopback ranks first compare signature fingerprints
+    by P2P, so ranks calling with different arguments are caught even when each rank's own call was
+    agreed before. ``trusted``: a shorter cache key for a call whose plan part the group already agreed
+    on (a plan's calls), so a new batch's document boundaries do not make a new signature.
+    ``layout`` is the caller's resolved layout (it may be user-defined and known to no registry).
     """
-    sig = encode(q, k, v, layout, causal, scale, kernel, sinks, softcap, cu_seqlens, window_size)
-    resolved = layout if isinstance(layout, Layout) else None
-    if world_size == 1:
-        check_table([sig], resolved)
+    world_size = transport.world_size
+    cached = cache_enabled()
+    same = True
+    if world_size > 1 and cached and transport.host_agreement:
+        same = digests_agree(transport, _digest(sig))
+    key = (transport.token, tuple(sig) if trusted is None else trusted, layout) if cached else None
+    if same and key is not None and key in VERDICTS:
         return
-    if isinstance(group, LoopbackRank):  # all ranks in this process: the table costs nothing
-        check_table(group.all_gather_ints(sig), resolved)
+    if world_size > 1 and same and in_forward:  # agreed by the adapter: judged here, not remembered
+        check_table([sig] * world_size, layout)
         return
-    key = None
-    if cache_enabled():
-        same = digests_agree(comm, _digest(sig)) if comm is not None and comm.host_agreement else True
-        if same and in_agreed_forward(group):
-            check_table([sig] * world_size, resolved)
-            return
-        key = (group_token(group), tuple(sig), resolved)
-        if same and key in VERDICTS:
-            return
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else q.device
-    mine = torch.tensor(sig, dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(parts, mine, group=group)
-    check_table([p.tolist() for p in parts], resolved)
+    check_table(transport.all_gather_ints(sig) if world_size > 1 else [sig], layout)
     if key is not None:
         VERDICTS.add(key)
 

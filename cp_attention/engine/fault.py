@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from ..transport.base import agree_by_doubling
+
 __all__ = ["RingFault"]
 
 
@@ -42,13 +44,8 @@ class RingFault:
     def _failed_rank(self) -> int:
         """-1 if no rank of the group failed this pass, else the lowest group rank that did."""
         code = torch.tensor([self.comm.rank + 1 if self.error is not None else 0], dtype=torch.int64)
-        hop = 1
-        while hop < self.comm.world_size:
-            got = torch.zeros_like(code)
-            self.comm.exchange((code,), (got,), hop).wait()
-            # 0 means no failure; otherwise keep the lowest failed rank seen, so all ranks name the same.
-            code = torch.where((code == 0) | ((got > 0) & (got < code)), got, code)
-            hop *= 2
+        # 0 means no failure; otherwise keep the lowest failed rank seen, so all ranks name the same.
+        code = agree_by_doubling(self.comm, code, lambda a, b: torch.where((a == 0) | ((b > 0) & (b < a)), b, a))
         return int(code[0]) - 1
 
     def raise_if_failed(self, what: str) -> None:

@@ -16,21 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import RingComm
+from ..kernels.base import AttentionKernel, accumulation_dtype
+from ..schedules.blocks import BlockTask
+from ..transport.base import Transport
+from .doc_batch import DocBatch
 from .fault import RingFault
-from .kernels import AttentionKernel, accumulation_dtype
-from .merge import merge_block, merge_at
-from .schedule import BlockTask
-from .varlen import DocBatch
+from .merge import merge_at, merge_block
 
 __all__ = ["RingPlan", "RingAttentionFunction"]
 
 
 @dataclass(frozen=True)
 class RingPlan:
-    """Everything the engine needs besides the tensors: the ring, the per-step tasks, the kernel."""
+    """Everything one call of the engine needs besides the tensors: the transport, this rank's tasks
+    per ring step (from the batch's :class:`~cp_attention.engine.plan.AttentionPlan`), the kernel."""
 
-    comm: RingComm
+    comm: Transport
     # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents DocBatches
     # of small document blocks (one, and one more of documents folded in at this step)
     steps: "list[tuple[BlockTask | DocBatch, ...]] | tuple[tuple[BlockTask | DocBatch, ...], ...]"
@@ -39,7 +40,7 @@ class RingPlan:
     softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
     # Steps from packed documents: K/V rows are gathered, so kept token-major.
     packed: bool = False
-    # Step 0's tasks cover every query row and every held key row exactly once (varlen.packed_steps
+    # Step 0's tasks cover every query row and every held key row exactly once (schedules.lowering
     # checks it for packed documents without a window), so the accumulators are written there, not
     # merged into zeros. (A DocBatch says for itself whether it writes first: folded documents'
     # rows are first written at a later step.)
@@ -66,7 +67,7 @@ class _KVRing:
     so the final step's compute runs without it.
     """
 
-    def __init__(self, comm: RingComm, tensors: tuple[torch.Tensor, ...], exchanges: int,
+    def __init__(self, comm: Transport, tensors: tuple[torch.Tensor, ...], exchanges: int,
                  head_major: bool = False, owned: bool = False) -> None:
         self.comm = comm
         self.head_major = head_major

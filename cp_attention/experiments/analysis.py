@@ -1,6 +1,6 @@
 """Layout analysis from the schedule's work model: balance, efficiency, communication, projection.
 
-Pure Python on top of :mod:`cp_attention.schedule` (no torch.distributed, no plotting), so it runs
+Pure Python on top of :mod:`cp_attention.schedules` (no torch.distributed, no plotting), so it runs
 for world sizes far beyond one machine. A work matrix is what :func:`cp_attention.work_model`
 returns: ``work[rank][step]`` = score pairs that rank computes at that ring step.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .layout import Layout, get_layout
-from .schedule import rank_plan, source_rank
+from ..layouts import Layout, get_layout
+from ..schedules import rank_plan, source_rank
 
 __all__ = [
     "WorkSummary",

@@ -22,9 +22,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..dtypes import dtype_from_name
+from ..kernels.dtypes import dtype_from_name
 from ..launch import spawn
-from ..layout import Layout, get_layout
+from ..layouts import Layout, get_layout
 from .. import ring_attention
 from .measure import Row, measure, memory_method, sweep
 

@@ -14,10 +14,10 @@ import importlib
 import time
 from pathlib import Path
 
-from ..dtypes import DTYPES
+from ..kernels.dtypes import DTYPES
 from ..kernels import check_kernel_name
-from ..layout import get_layout
-from ..analysis import AttentionShape, ClusterSpec
+from ..layouts import get_layout
+from .analysis import AttentionShape, ClusterSpec
 from . import layout_tables as tables
 
 __all__ = ["check_config", "import_plugins", "run"]

@@ -27,11 +27,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import DTYPES
+from ..kernels.dtypes import DTYPES
 from ..kernels import get_kernel
-from ..layout import get_layout
-from ..ring import RingAttentionFunction, RingPlan
-from ..schedule import rank_plan
+from ..layouts import get_layout
+from ..engine.ring import RingAttentionFunction, RingPlan
+from ..schedules import rank_plan
 
 __all__ = ["add_arguments", "resolve_defaults", "KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda", "run"]
 

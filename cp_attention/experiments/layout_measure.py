@@ -17,11 +17,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..analysis import imbalance, split_problem, step_sync_efficiency
-from ..dtypes import dtype_from_name
+from .analysis import imbalance, split_problem, step_sync_efficiency
+from ..kernels.dtypes import dtype_from_name
 from ..kernels import get_kernel
-from ..layout import get_layout
-from ..schedule import rank_plan
+from ..layouts import get_layout
+from ..schedules import rank_plan
 from .attention_bench import measure_seq
 
 __all__ = ["step_times", "measure_all"]

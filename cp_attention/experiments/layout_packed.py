@@ -4,11 +4,11 @@ A seeded stream of documents with lognormal lengths (long-tailed, like a pretrai
 into one sequence, as flash-attn's ``cu_seqlens`` describes it. For every layout and world size the
 schedule's work model with ``cu_seqlens`` gives the score pairs per rank and ring step, summed up as in
 the rest of the comparison: **imbalance** is the busiest rank's pairs over the mean rank's, over the
-whole ring (:func:`cp_attention.analysis.imbalance`), and **step-synchronous efficiency** charges
-every ring step its busiest rank (:func:`cp_attention.analysis.step_sync_efficiency`).
+whole ring (:func:`cp_attention.experiments.analysis.imbalance`), and **step-synchronous efficiency** charges
+every ring step its busiest rank (:func:`cp_attention.experiments.analysis.step_sync_efficiency`).
 
 It is set against TransformerEngine-style padding (THD context parallelism, ring-flash-attention's
-varlen zigzag): every document padded to a multiple of 2N (:func:`cp_attention.analysis.document_padding`),
+varlen zigzag): every document padded to a multiple of 2N (:func:`cp_attention.experiments.analysis.document_padding`),
 where our layouts need only the whole stream to split. A small measured run times
 ``ring_attention(cu_seqlens=)`` per layout on CPU gloo.
 """
@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from ..analysis import (
+from .analysis import (
     AttentionShape, document_padding, document_pairs, flops_per_pair, imbalance, step_sync_efficiency,
 )
-from ..documents import cu_seqlens_from_lengths, pad_cu_seqlens
-from ..layout import get_layout
-from ..schedule import work_model
+from ..layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
+from ..layouts import get_layout
+from ..schedules import work_model
 
 __all__ = ["PackedStream", "lognormal_lengths", "packed_stream", "te_padded_cu_seqlens", "stream_divisor", "check_packed",
            "one_thread", "packed_tables", "measure_packed"]
@@ -86,7 +86,7 @@ def packed_stream(p: dict, seed: int, divisor: int, total_tokens: Optional[int] 
 
     ``p["fit"]`` says what happens to the document that crosses ``total_tokens``: ``trim`` cuts it so the
     stream ends exactly there; ``pad`` leaves it out (unless it is the only one, which is trimmed). Then
-    one padding document (:func:`cp_attention.documents.pad_cu_seqlens`) makes the length a multiple of
+    one padding document (:func:`cp_attention.layouts.documents.pad_cu_seqlens`) makes the length a multiple of
     ``divisor``: none with ``trim`` when ``total_tokens`` already splits.
     """
     total = p["total_tokens"] if total_tokens is None else total_tokens

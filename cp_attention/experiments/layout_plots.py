@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from .._extras import require_extra
-from ..analysis import imbalance, step_sync_efficiency
+from .analysis import imbalance, step_sync_efficiency
 
 Records = list[dict]
 _LAYOUT_COLORS = {"contiguous": "C3", "zigzag": "C0", "interleaved": "C2"}

@@ -14,7 +14,7 @@ from .layout_window import window_figures, window_section
 Records = list[dict]
 NOISY = 0.25  # a row whose repeats spread more than this is flagged in the report
 
-# Projection assumptions, stated once here and in cp_attention.analysis.project.
+# Projection assumptions, stated once here and in cp_attention.experiments.analysis.project.
 ASSUMPTIONS = (
     "A ring step waits for its slowest rank: step compute = the busiest rank's score pairs at that step "
     "x batch x heads x flops per pair / throughput.",

@@ -7,11 +7,11 @@ the configured convention) is set against no window, from the schedule's work mo
 
 - **ring steps**: a ring step whose K/V no rank's window reaches does not run, so each rank receives
   ``L - 1`` K/V shards instead of ``N - 1`` and sends ``L - 1`` K/V and ``L - 1`` dK/dV hops
-  (:func:`cp_attention.analysis.comm_bytes_per_rank`). Contiguous holds one stretch per rank and stops
+  (:func:`cp_attention.experiments.analysis.comm_bytes_per_rank`). Contiguous holds one stretch per rank and stops
   after ``ceil(W / (S/N)) + 1`` steps; zigzag and interleaved hold pieces everywhere, so their ring runs
   fully but computes only the band;
 - **imbalance** and **step-synchronous efficiency** as in the rest of the comparison;
-- the **projection** onto the configured cluster (:func:`cp_attention.analysis.project`, with only
+- the **projection** onto the configured cluster (:func:`cp_attention.experiments.analysis.project`, with only
   the steps that run), which names the winner per (N, W);
 - a small measured run per layout and window on CPU gloo (:func:`.window_bench.measure_windows`).
 """
@@ -22,9 +22,9 @@ import argparse
 import time
 from typing import Callable
 
-from ..analysis import AttentionShape, ClusterSpec, comm_bytes_per_rank, project, split_problem, summarize
-from ..layout import get_layout
-from ..window_schedule import ring_length
+from .analysis import AttentionShape, ClusterSpec, comm_bytes_per_rank, project, split_problem, summarize
+from ..layouts import get_layout
+from ..schedules import ring_length
 from .layout_packed import one_thread
 from .window_bench import CONVENTIONS, NO_WINDOW, check_fractions, measure_windows, modelled_window, window_label
 

@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..documents import cu_seqlens_from_lengths, pad_cu_seqlens
+from ..layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from ..kernels import get_kernel
-from ..layout import get_layout
+from ..layouts import get_layout
 from ..launch import spawn
 from .attention_bench import make_inputs, ours
 from .measure import Row, measure, memory_method, sweep

@@ -22,12 +22,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..analysis import AttentionShape, comm_bytes_per_rank, imbalance, step_sync_efficiency
-from ..dtypes import DTYPES
+from .analysis import AttentionShape, comm_bytes_per_rank, imbalance, step_sync_efficiency
+from ..kernels.dtypes import DTYPES
 from ..launch import spawn
-from ..layout import get_layout
-from ..schedule import work_model
-from ..window_schedule import ring_length
+from ..layouts import get_layout
+from ..schedules import work_model
+from ..schedules import ring_length
 from .attention_bench import make_inputs, ours
 from .measure import limit_malloc_caching, measure, memory_method
 

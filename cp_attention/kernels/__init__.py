@@ -22,7 +22,7 @@ from .cuda_flash import FlashKernel
 from .cuda_flash_attn import FlashAttnKernel
 from .math import MathKernel
 
-SdpaCpuKernel = CpuFlashKernel  # the old class name
+SdpaCpuKernel = CpuFlashKernel  # the old class name (``cp_attention.kernels.sdpa`` is gone)
 
 __all__ = ["AttentionKernel", "accumulation_dtype", "check_kernel_name", "CpuFlashKernel", "CudnnKernel",
            "EfficientKernel", "FlashAttnKernel", "FlashKernel", "get_kernel", "KERNEL_NAMES", "MathKernel",

@@ -20,7 +20,9 @@ None of this touches CUDA at import or in :meth:`FusedKernel.supports`, so ``get
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .base import pad_last, positive_scale
+from .math import MathKernel
 
 __all__ = ["FusedKernel", "fold_heads", "pad_head", "repeat_heads", "round_up"]
 
@@ -34,7 +36,7 @@ def pad_head(x: torch.Tensor, size: int) -> torch.Tensor:
     """``x [..., d]`` zero-padded to ``[..., size]`` (zero columns leave every dot product unchanged),
     with a unit last stride and a 16-byte aligned start, as the fused ops' vector loads need."""
     if x.shape[-1] != size:
-        return F.pad(x, (0, size - x.shape[-1]))
+        return pad_last(x, size)
     if x.stride(-1) != 1 or (x.device.type == "cuda" and x.data_ptr() % 16):
         return x.contiguous()
     return x
@@ -113,20 +115,19 @@ class FusedKernel:
             return [(slice(0, sq), slice(0, sq), True)]
         return [(slice(0, sk), slice(0, sk), True), (slice(sk, sq), slice(0, sk), False)]
 
+    # The kernel that runs head dims beyond max_head_dim (the memory-efficient one, which takes any):
+    # set by the subclasses that have a limit, so this module needs none of them.
+    wide_fallback: "FusedKernel | None" = None
+
     def _fallback(self, kwargs: dict):
-        if kwargs.get("softcap"):
-            from .math import MathKernel
-            return MathKernel()
-        from .cuda_efficient import EfficientKernel
-        return EfficientKernel()
+        return MathKernel() if kwargs.get("softcap") else self.wide_fallback
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, **kwargs
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``out [B, Sq, H, Dv]`` (q's dtype) and ``lse [B, H, Sq]`` (fp32, natural log)."""
         if not self.supports_shape(q.shape[-1], v.shape[-1]):
             return self._fallback(kwargs).forward(q, k, v, causal, scale, **kwargs)
-        if scale < 0:
-            q, scale = -q, -scale
+        q, scale, _ = positive_scale(q, scale)
         pieces = self._pieces(q.shape[1], k.shape[1], causal)
         if pieces is None:
             return self._fwd(q, k, v, causal, scale, **kwargs)
@@ -144,9 +145,7 @@ class FusedKernel:
         """``dq [B, Sq, H, D]``, ``dk [B, Sk, Hkv, D]``, ``dv [B, Sk, Hkv, Dv]`` given the final ``out``/``lse``."""
         if not self.supports_shape(q.shape[-1], v.shape[-1]):
             return self._fallback(kwargs).backward(dout, q, k, v, out, lse, causal, scale, **kwargs)
-        sign = 1.0
-        if scale < 0:  # the chain rule flips dq back
-            q, scale, sign = -q, -scale, -1.0
+        q, scale, sign = positive_scale(q, scale)
         pieces = self._pieces(q.shape[1], k.shape[1], causal)
         if pieces is None:
             dq, dk, dv = self._bwd(dout, q, k, v, out, lse, causal, scale, **kwargs)

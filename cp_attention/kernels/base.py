@@ -13,12 +13,29 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AttentionKernel", "MaskCache", "accumulation_dtype"]
+import torch.nn.functional as F
+
+__all__ = ["AttentionKernel", "MaskCache", "accumulation_dtype", "pad_last", "positive_scale"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype out/LSE/gradients accumulate in: fp32, or fp64 for fp64 inputs (so fp64 stays exact)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x [..., d]`` zero-padded to ``[..., size]``: zero columns leave every dot product unchanged,
+    so ops that need equal (or aligned) head dims compute the same result."""
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float, float]:
+    """``(q', scale', sign)`` with ``scale' = |scale|`` and ``q' . k * scale'`` the same score as
+    ``q . k * scale``: fused online-softmax ops take the row maximum of the unscaled scores, which a
+    negative scale would turn into the minimum (the CPU op returns NaN). Multiply ``dq`` by ``sign``."""
+    if scale < 0:
+        return -q, -scale, -1.0
+    return q, scale, 1.0
 
 
 @runtime_checkable

@@ -13,16 +13,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-from ..dtypes import FLOAT_DTYPES
-from .base import MaskCache
+from .base import MaskCache, pad_last, positive_scale
+from .dtypes import FLOAT_DTYPES
 
 __all__ = ["CpuFlashKernel"]
-
-
-def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
-    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
 def _to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -89,23 +84,20 @@ class CpuFlashKernel:
         return torch.cat(dqs[::-1], 1), dk, dv
 
     def _forward(self, q, k, v, causal, scale, mask):
-        if scale < 0:  # the op returns NaN for a negative scale; (-q) . k * |scale| is the same score
-            q, scale = -q, -scale
+        q, scale, _ = positive_scale(q, scale)
         d = max(q.shape[-1], v.shape[-1])
         dv = v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _pad_last(q, d).transpose(1, 2), _pad_last(k, d).transpose(1, 2), _pad_last(v, d).transpose(1, 2),
+            pad_last(q, d).transpose(1, 2), pad_last(k, d).transpose(1, 2), pad_last(v, d).transpose(1, 2),
             0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale,
         )
         return out.transpose(1, 2)[..., :dv], lse
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale, mask):
-        sign = 1.0
-        if scale < 0:  # as in forward; the chain rule flips dq back
-            q, scale, sign = -q, -scale, -1.0
+        q, scale, sign = positive_scale(q, scale)
         dqk, dvd = q.shape[-1], v.shape[-1]
         d = max(dqk, dvd)
-        t = lambda x: _pad_last(x, d).transpose(1, 2)  # noqa: E731
+        t = lambda x: pad_last(x, d).transpose(1, 2)  # noqa: E731
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             t(dout.to(q.dtype)), t(q), t(k), t(v), t(out.to(q.dtype)), lse, 0.0, causal,
             attn_mask=_additive(mask, q.dtype), scale=scale,

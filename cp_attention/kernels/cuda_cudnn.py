@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_efficient import EfficientKernel
 from ._cuda import FusedKernel, fold_heads, pad_head, repeat_heads, round_up
 
 __all__ = ["CudnnKernel"]
@@ -38,6 +39,7 @@ class CudnnKernel(FusedKernel):
 
     name = "cudnn"
     dtypes = (torch.float16, torch.bfloat16)
+    wide_fallback = EfficientKernel()
     max_head_dim = 128
 
     def _fwd(self, q, k, v, causal, scale):

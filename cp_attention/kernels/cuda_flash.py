@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_efficient import EfficientKernel
 from ._cuda import FusedKernel, pad_head, round_up
 
 __all__ = ["FlashKernel"]
@@ -37,6 +38,7 @@ class FlashKernel(FusedKernel):
 
     name = "flash"
     dtypes = (torch.float16, torch.bfloat16)
+    wide_fallback = EfficientKernel()
     max_head_dim = 256
 
     def _fwd(self, q, k, v, causal, scale):

@@ -35,6 +35,7 @@ from types import ModuleType
 
 import torch
 
+from .cuda_efficient import EfficientKernel
 from ._cuda import FusedKernel, pad_head, round_up
 
 __all__ = ["FlashAttnKernel", "flash_attn_interface"]
@@ -88,6 +89,7 @@ class FlashAttnKernel(FusedKernel):
 
     name = "flash_attn"
     dtypes = (torch.float16, torch.bfloat16)
+    wide_fallback = EfficientKernel()
     max_head_dim = 256
     supports_softcap = True
 

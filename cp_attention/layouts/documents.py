@@ -7,7 +7,6 @@ attends only to tokens of its own document. Only ``T`` must split over the ranks
 
 from __future__ import annotations
 
-import functools
 from typing import Iterable, Sequence, Union
 
 import torch
@@ -19,6 +18,7 @@ __all__ = [
     "cu_seqlens_tuple",
     "document_ids",
     "document_position_ids",
+    "longest_document",
     "pad_cu_seqlens",
     "cu_seqlens_from_position_ids",
     "zigzag_chunks",
@@ -84,6 +84,13 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, total: "int | None" = None) -> tuple
     if total is not None and cu[-1] != total:
         raise ValueError(f"cu_seqlens must end at the packed length {total}, got {cu[-1]}")
     return cu
+
+
+def longest_document(cu_seqlens: "tuple[int, ...] | None", total: int) -> int:
+    """The longest document's length of checked boundaries ``cu_seqlens`` (``total`` when None: one sequence)."""
+    if cu_seqlens is None:
+        return total
+    return max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
 
 
 def document_ids(cu_seqlens: CuSeqlens) -> torch.Tensor:
@@ -154,9 +161,3 @@ def zigzag_chunks(cu_seqlens: CuSeqlens, world_size: int) -> tuple[torch.Tensor,
     starts = cu[:-1, None] + torch.cumsum(sizes, 1) - sizes
     return starts, sizes
 
-
-@functools.lru_cache(maxsize=8)
-def cached_zigzag_chunks(cu_seqlens: tuple[int, ...], world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`zigzag_chunks` cached per boundaries: every rank's positions (and the schedule, which
-    reads all of them) share one computation. The returned tensors must not be modified."""
-    return zigzag_chunks(cu_seqlens, world_size)

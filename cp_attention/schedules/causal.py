@@ -8,57 +8,17 @@ oracle that every allowed (query, key) pair is computed exactly once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
-from .layout import Layout, get_layout, register_layout
+from ..layouts.base import Layout
+from ..layouts.registry import get_layout, layout_schedule, register_layout
+from .blocks import BlockTask, source_rank
 
-__all__ = [
-    "BlockTask",
-    "ScheduleFn",
-    "get_schedule",
-    "register_schedule",
-    "schedule_names",
-    "rank_plan",
-    "task_pairs",
-    "work_model",
-    "source_rank",
-]
-
-
-@dataclass(frozen=True)
-class BlockTask:
-    """One local attention block: rows ``q_start:q_stop`` of the local queries against rows
-    ``kv_start:kv_stop`` of the K/V shard held at this step.
-
-    ``causal`` means the top-left-aligned lower triangle of the sliced block: query ``i`` of the
-    slice sees key ``k`` of the slice iff ``k <= i``. ``band = (lo, hi)`` (sliding windows; then
-    ``causal`` is False) means query ``i`` sees key ``k`` iff ``lo <= k - i <= hi``. Tasks are never
-    empty, and every query row of a task sees at least one key.
-    """
-
-    q_start: int
-    q_stop: int
-    kv_start: int
-    kv_stop: int
-    causal: bool
-    band: "tuple[int, int] | None" = None
-
-    @property
-    def q(self) -> slice:
-        return slice(self.q_start, self.q_stop)
-
-    @property
-    def kv(self) -> slice:
-        return slice(self.kv_start, self.kv_stop)
+__all__ = ["ScheduleFn", "get_schedule", "register_schedule", "rank_plan", "contiguous_schedule",
+           "zigzag_schedule", "interleaved_schedule"]
 
 
 ScheduleFn = Callable[[bool, int, int, int, int], "tuple[BlockTask, ...]"]
-
-
-def source_rank(rank: int, world_size: int, step: int) -> int:
-    """The rank whose K/V shard ``rank`` holds at ring ``step``: ``(rank - step) mod world_size``."""
-    return (rank - step) % world_size
 
 
 def _task(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[BlockTask, ...]:
@@ -102,97 +62,37 @@ interleaved_schedule = _ring_schedule(
     doc="Interleaved: causal blocks; for j > r shifted by one (q[1:] x kv[:-1]).")
 
 
-_SCHEDULES: dict[str, ScheduleFn] = {
-    "contiguous": contiguous_schedule,
-    "zigzag": zigzag_schedule,
-    "interleaved": interleaved_schedule,
-}
-
-
-def schedule_names() -> tuple[str, ...]:
-    """Names of the layouts that have a registered schedule, in registration order."""
-    return tuple(_SCHEDULES)
-
-
 def register_schedule(layout: "str | Layout", fn: ScheduleFn) -> None:
-    """Register the schedule ``fn`` for a layout: a :class:`Layout` instance (also registered with
-    :func:`~cp_attention.layout.register_layout`, so its name resolves everywhere) or a layout's name.
+    """Register the causal ring schedule ``fn`` for a layout: a :class:`Layout` instance (registered
+    too, so its name resolves everywhere) or a registered layout's name.
 
-    A user-defined layout then works end to end: ``ring_attention``, ``work_model`` and the layout
-    comparison. ``tests/test_schedule.py`` shows how to prove a schedule against the mask oracle.
-    Raises what :func:`~cp_attention.layout.register_layout` raises.
+    A layout with no schedule of its own still runs: its blocks derive from its positions. A schedule
+    of its own skips that derivation. ``tests/test_schedule.py`` shows how to prove one against the
+    mask oracle. Raises ``ValueError`` for an unknown name and what
+    :func:`~cp_attention.layouts.registry.register_layout` raises.
     """
-    if isinstance(layout, Layout):
-        register_layout(layout)
-        layout = layout.name
-    _SCHEDULES[layout] = fn
+    register_layout(get_layout(layout), schedule=fn)
 
 
-def get_schedule(layout: "str | Layout") -> ScheduleFn:
-    """The dispatcher: the masked ring schedule that matches ``layout``.
-
-    Raises ``ValueError`` for an unknown layout or one with no registered schedule.
-    """
-    lay = get_layout(layout)
-    try:
-        return _SCHEDULES[lay.name]
-    except KeyError:
-        raise ValueError(
-            f"no ring schedule registered for layout {lay.name!r}; "
-            f"call cp_attention.schedule.register_schedule({lay.name!r}, fn)"
-        ) from None
+def get_schedule(layout: "str | Layout") -> Optional[ScheduleFn]:
+    """The dispatcher: the causal ring schedule registered for ``layout``, or None when its blocks
+    derive from its positions. Raises ``ValueError`` for an unknown layout."""
+    return layout_schedule(layout)
 
 
 def rank_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, local_len: int
               ) -> list[tuple[BlockTask, ...]]:
-    """All ring steps for one rank: ``plan[step]`` is the tuple of tasks at that step."""
+    """All ring steps for one rank without packed documents or windows: ``plan[step]`` is the tuple of
+    tasks at that step. Raises ``ValueError`` for an unknown layout or one without a schedule of its
+    own (use :func:`~cp_attention.schedules.lowering.plain_steps`, which derives one)."""
     fn = get_schedule(layout)
+    if fn is None:
+        name = get_layout(layout).name
+        raise ValueError(f"layout {name!r} has no ring schedule of its own; its blocks derive from its positions "
+                         f"(cp_attention.schedules.plain_steps), or register one with register_schedule({name!r}, fn)")
     return [fn(causal, rank, world_size, s, local_len) for s in range(world_size)]
 
 
-def task_pairs(task: BlockTask) -> int:
-    """Number of (query, key) score pairs the task computes."""
-    a = task.q_stop - task.q_start
-    b = task.kv_stop - task.kv_start
-    if task.band is not None:
-        lo, hi = task.band
-        return sum(max(0, min(b - 1, i + hi) - max(0, i + lo) + 1) for i in range(a))
-    if not task.causal:
-        return a * b
-    # Top-left triangle: row i sees min(i + 1, b) keys.
-    full_rows = max(0, a - b)
-    tri_rows = a - full_rows
-    return tri_rows * (tri_rows + 1) // 2 + full_rows * b
-
-
-def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
-               window_size=None) -> list[list[int]]:
-    """Score pairs per rank and step: ``work[rank][step]``. With ``cu_seqlens`` (packed documents
-    ``[0, l1, ..., seq_len]``) only pairs within a document count; with ``window_size=(left, right)``
-    (flash-attn's sliding window, -1 unbounded) only pairs inside the window. Steps the ring does not
-    run (see :func:`~cp_attention.window_schedule.ring_length`) count 0.
-
-    Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks, for bad
-    ``cu_seqlens`` or a bad ``window_size``.
-    """
-    lay = get_layout(layout)
-    lay.check(seq_len, world_size)
-    cu = None
-    if cu_seqlens is not None:
-        from .documents import check_cu_seqlens
-
-        cu = check_cu_seqlens(cu_seqlens, total=seq_len)
-    if cu is not None or window_size is not None:
-        from .doc_schedule import doc_block_pairs  # built on this module
-        from .window_schedule import normalize_window, plan_blocks
-
-        window = normalize_window(window_size, causal, seq_len, cu)
-        if cu is not None or window is not None:
-            plans = [plan_blocks(lay, causal, r, world_size, seq_len, cu, window) for r in range(world_size)]
-            return [[sum(doc_block_pairs(b) for b in blocks) for blocks in plan] + [0] * (world_size - len(plan))
-                    for plan in plans]
-    n = seq_len // world_size
-    return [
-        [sum(task_pairs(t) for t in tasks) for tasks in rank_plan(lay, causal, r, world_size, n)]
-        for r in range(world_size)
-    ]
+for _name, _fn in (("contiguous", contiguous_schedule), ("zigzag", zigzag_schedule),
+                   ("interleaved", interleaved_schedule)):
+    register_layout(get_layout(_name), schedule=_fn)

@@ -14,18 +14,15 @@ Pure index math, no torch.distributed.
 
 from __future__ import annotations
 
-import functools
 import operator
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from .doc_schedule import DocBlock, doc_plan
-from .documents import CuSeqlens, check_cu_seqlens, document_ids
-from .layout import Layout, get_layout
-from .schedule import source_rank
+from ..layouts.documents import longest_document
+from .blocks import DocBlock, source_rank
 
-__all__ = ["Window", "check_window_size", "normalize_window", "window_plan", "ring_length", "plan_blocks"]
+__all__ = ["Window", "check_window_size", "normalize_window", "window_plans"]
 
 # (left, right) after normalisation: -1 = unbounded on that side.
 Window = tuple[int, int]
@@ -47,21 +44,18 @@ def check_window_size(window_size) -> Window:
     return left, right
 
 
-def normalize_window(window_size, causal: bool, total: int, cu_seqlens: "CuSeqlens | None" = None
+def normalize_window(window_size, causal: bool, total: int, cu_seqlens: "tuple[int, ...] | None" = None
                      ) -> Optional[Window]:
     """``window_size`` as ``(left, right)`` with sides that cannot matter made unbounded (-1): a side
-    at least as long as the longest sequence of ``total`` tokens (or document of ``cu_seqlens``) minus
-    one, and the right side when causal. None when no side restricts anything.
+    at least as long as the longest sequence of ``total`` tokens (or document of the checked
+    ``cu_seqlens``) minus one, and the right side when causal. None when no side restricts anything.
 
-    Raises what :func:`check_window_size` raises, and ``ValueError`` for bad ``cu_seqlens``.
+    Raises what :func:`check_window_size` raises.
     """
     if window_size is None:
         return None
     left, right = check_window_size(window_size)
-    longest = total
-    if cu_seqlens is not None:
-        cu = check_cu_seqlens(cu_seqlens, total=total)
-        longest = max(b - a for a, b in zip(cu, cu[1:]))
+    longest = longest_document(cu_seqlens, total)
     left = -1 if left >= longest - 1 else left
     right = -1 if causal or right >= longest - 1 else right
     return None if left == right == -1 else (left, right)
@@ -119,64 +113,17 @@ def _step_blocks(qruns, kruns, docs: int, stride: int, causal: bool, window: Win
                  for a, b, c, d, h, lw, nh, nl in table.tolist())
 
 
-def _positions(layout: Layout, total: int, rank: int, world_size: int, cu: "tuple[int, ...] | None") -> torch.Tensor:
-    pos = layout.positions(total, rank, world_size, cu) if cu is not None else layout.positions(total, rank, world_size)
-    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
-        raise NotImplementedError(f"layout {layout.name!r} does not hold its tokens in increasing order, "
-                                  "which sliding-window schedules need")
-    return pos
-
-
-@functools.lru_cache(maxsize=16)
-def _all_ranks(layout: Layout, causal: bool, world_size: int, total: int, cu: "tuple[int, ...] | None",
-               window: Window) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
-    bounds = cu if cu is not None else (0, total)
-    doc_of = document_ids(bounds)
-    pos = [_positions(layout, total, r, world_size, cu) for r in range(world_size)]
-    diffs = [p[1:] - p[:-1] for p in pos if p.numel() > 1]
+def window_plans(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, docs: int, causal: bool, window: Window
+                 ) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
+    """Every rank's blocks per ring step under a (normalised, see :func:`normalize_window`) window:
+    ``plans[rank][step]``, from every rank's increasing ``positions`` and the document of every token.
+    The plans stop after the last step any rank computes, the same length on every rank: later K/V
+    are neither used nor sent."""
+    world_size = len(positions)
+    diffs = [p[1:] - p[:-1] for p in positions if p.numel() > 1]
     stride = int(torch.cat(diffs).min()) if diffs else 1
-    runs = [_runs(p, doc_of, stride) for p in pos]
-    docs = len(bounds) - 1
-    plans = [[_step_blocks(runs[r], runs[source_rank(r, world_size, s)], docs, stride, bool(causal),
-                           window) for s in range(world_size)] for r in range(world_size)]
-    # The ring stops after the last step any rank computes: later K/V are neither used nor sent.
+    runs = [_runs(p, doc_of, stride) for p in positions]
+    plans = [[_step_blocks(runs[r], runs[source_rank(r, world_size, s)], docs, stride, bool(causal), window)
+              for s in range(world_size)] for r in range(world_size)]
     length = 1 + max((s for plan in plans for s, blocks in enumerate(plan) if blocks), default=0)
     return tuple(tuple(plan[:length]) for plan in plans)
-
-
-def window_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, total: int,
-                window: Window, cu_seqlens: "CuSeqlens | None" = None) -> tuple[tuple[DocBlock, ...], ...]:
-    """One rank's blocks per ring step under a (normalised, see :func:`normalize_window`) window,
-    over ``total`` tokens, or packed documents ``cu_seqlens``. The plan has :func:`ring_length` steps,
-    the same on every rank. Cached.
-
-    Raises ``ValueError`` for a total the layout cannot split or bad ``cu_seqlens``, and
-    ``NotImplementedError`` for a layout whose positions do not increase on a rank.
-    """
-    lay = get_layout(layout)
-    lay.check(total, world_size)
-    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, total=total)
-    return _all_ranks(lay, bool(causal), world_size, total, cu, tuple(window))[rank]
-
-
-def plan_blocks(layout: "str | Layout", causal: bool, rank: int, world_size: int, total: int,
-                cu_seqlens: "CuSeqlens | None", window: Optional[Window]) -> tuple[tuple[DocBlock, ...], ...]:
-    """The document-block plan of one rank: :func:`window_plan` under a window, else the packed
-    documents' :func:`~cp_attention.doc_schedule.doc_plan` (which needs ``cu_seqlens``)."""
-    if window is not None:
-        return window_plan(layout, causal, rank, world_size, total, window, cu_seqlens)
-    return doc_plan(layout, causal, rank, world_size, cu_seqlens)
-
-
-def ring_length(layout: "str | Layout", causal: bool, total: int, world_size: int, window_size=None,
-                cu_seqlens: "CuSeqlens | None" = None) -> int:
-    """How many ring steps run for ``total`` tokens (packed as ``cu_seqlens`` if given) under
-    ``window_size`` (flash-attn's ``(left, right)``, or None): ``world_size`` without a window, fewer
-    when no rank's window reaches the farther shards. Each rank receives one K/V shard fewer than that.
-
-    Raises what :func:`normalize_window` and :func:`window_plan` raise.
-    """
-    window = normalize_window(window_size, causal, total, cu_seqlens)
-    if window is None:
-        return world_size
-    return len(window_plan(layout, causal, 0, world_size, total, window, cu_seqlens))

@@ -17,8 +17,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..dtypes import DTYPES, dtype_from_name
-from ..layout import get_layout
+from ..kernels.dtypes import DTYPES, dtype_from_name
+from ..layouts import get_layout
 from .cli import example_parser
 from .data import load_bytes
 from .device import all_reduce_, autocast, rank_device

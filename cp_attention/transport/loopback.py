@@ -2,7 +2,8 @@
 
 One GPU cannot host two NCCL ranks, so the GPU tests and the GPU benchmark run all N ranks' schedules
 in one process, on one device, with real kernels: each rank is a thread calling
-``ring_attention(..., group=LoopbackGroup.rank(r))``. The engine's ring exchanges become device copies
+``ring_attention(..., group=LoopbackGroup.rank(r))``: each rank handle is a
+:class:`~cp_attention.transport.base.Transport`. The engine's ring exchanges become device copies
 (every thread uses the same stream, so a copy is ordered after the kernels that produced its source),
 and validation's all-gather becomes a table in memory. It runs on CPU too, which lets CI test it.
 
@@ -122,14 +123,22 @@ class LoopbackGroup:
 
 
 class LoopbackRank:
-    """One rank of a :class:`LoopbackGroup`: what :class:`~cp_attention.comm.RingComm` and validation use
-    in place of a process group."""
+    """One rank of a :class:`LoopbackGroup`, a :class:`~cp_attention.transport.base.Transport`: pass it
+    as ``group`` wherever a process group is taken."""
+
+    host_agreement = True  # statuses live on the host: fault containment and fingerprints run here too
 
     def __init__(self, group: LoopbackGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
 
-    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], to: int, frm: int) -> _Posted:
-        """Post ``send`` to rank ``to`` and receives from rank ``frm``; ``wait()`` on the result fills ``recv``."""
+    @property
+    def token(self) -> LoopbackGroup:
+        return self.group
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Posted:
+        """Post ``send`` to the rank ``hop`` places on and receives from the rank ``hop`` places back;
+        ``wait()`` on the result fills ``recv``."""
+        to, frm = (self.rank + hop) % self.world_size, (self.rank - hop) % self.world_size
         for t in send:
             self.group._post(self.rank, to, t)
         return _Posted(self, recv, [self.group._reserve(frm, self.rank) for _ in recv])

@@ -1,28 +1,29 @@
-"""Ring exchange over a process group: send to rank r+1, receive from rank r-1 (batched P2P).
+"""The transport over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
 
-Works the same on gloo (CPU) and NCCL, and on a :class:`~cp_attention.loopback.LoopbackRank` (all
-ranks in one process). With no initialised process group the ring has one member and no exchange
-ever happens.
+The ring exchange is batched P2P (send to rank r+hop, receive from r-hop); the small blocking
+all-gather of integers that the checks use runs on the device the backend needs. With no initialised
+process group the group has one member and nothing is ever sent.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+import weakref
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .loopback import LoopbackRank
-
-__all__ = ["RingComm", "group_rank_and_size"]
+__all__ = ["ProcessGroupTransport", "group_rank_and_size", "group_token", "transport_for"]
 
 
 def group_rank_and_size(group=None) -> tuple[int, int]:
     """This process's rank in ``group`` and the group's size; (0, 1) without torch.distributed.
 
+    ``group`` may be a process group, ``None`` (the default group) or a :class:`~.base.Transport`.
     Raises ``ValueError`` if this process is not a member of ``group``.
     """
-    if isinstance(group, LoopbackRank):
+    if _is_transport(group):
         return group.rank, group.world_size
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
@@ -35,6 +36,11 @@ def group_rank_and_size(group=None) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
+def _is_transport(group: Any) -> bool:
+    # Duck-typed rather than isinstance(Transport): a Protocol check would test every member.
+    return hasattr(group, "exchange") and hasattr(group, "all_gather_ints")
+
+
 class _Pending:
     def __init__(self, works: list) -> None:
         self._works = works
@@ -44,37 +50,97 @@ class _Pending:
             w.wait()
 
 
-class RingComm:
-    """One ring over ``group``: posts non-blocking sends to the next rank and receives from the previous."""
+class ProcessGroupTransport:
+    """One rank's handle on a process group (``None``: the default group).
+
+    Holds the group only weakly where it can, so a cache or an autograd graph that keeps this object
+    does not keep the group alive past the user's ``destroy_process_group``.
+    """
 
     def __init__(self, group=None) -> None:
-        self.group = group
         self.rank, self.world_size = group_rank_and_size(group)
-        self.loopback = isinstance(group, LoopbackRank)
-        # Whether a status can be read on the host without a device sync (gloo and loopback): the
-        # fault agreement and the signature fingerprints run only there.
-        self.host_agreement = self.world_size > 1 and (self.loopback or dist.get_backend(group) == "gloo")
-        if self.world_size > 1 and not self.loopback:
-            self._pg = group if group is not None else dist.group.WORLD
-            self.next_rank = self.peer(1)
-            self.prev_rank = self.peer(-1)
+        self._group = None if group is None else weakref.ref(group)
+        self.backend = dist.get_backend(group) if self.world_size > 1 else None
+        self.host_agreement = self.world_size > 1 and self.backend == "gloo"
+        if self.world_size > 1:
+            pg = group if group is not None else dist.group.WORLD
+            self.next_rank, self.prev_rank = self.peer(1), self.peer(-1)
+            self._token = group_token(pg)
+        else:
+            self._token = None
+
+    @property
+    def group(self):
+        """The process group (``None``: the default group). Raises ``RuntimeError`` once it was destroyed."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this context-parallel call was destroyed; build a new plan "
+                               "(or patch the model again) with a live group")
+        return group
+
+    @property
+    def token(self) -> Any:
+        return self._token
 
     def peer(self, offset: int) -> int:
         """The global rank ``offset`` places on along the ring (P2P ops address peers globally)."""
-        if self.loopback:
-            return (self.rank + offset) % self.world_size
-        return dist.get_global_rank(self._pg, (self.rank + offset) % self.world_size)
+        pg = self.group if self._group is not None else dist.group.WORLD
+        return dist.get_global_rank(pg, (self.rank + offset) % self.world_size)
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Pending:
-        """Start sending ``send`` to the rank ``hop`` places on (the next one by default) and
-        receiving into ``recv`` from the rank ``hop`` places back.
-
-        All tensors must be contiguous; ``send`` must not be written and ``recv`` not read until
-        ``wait()`` on the returned handle. Every rank must post the same sequence of exchanges.
-        """
-        if self.loopback:
-            return self.group.exchange(send, recv, self.peer(hop), self.peer(-hop))
+        """See :meth:`~.base.Transport.exchange`: ``send`` must not be written nor ``recv`` read until
+        ``wait()`` on the returned handle."""
         to, frm = (self.next_rank, self.prev_rank) if hop == 1 else (self.peer(hop), self.peer(-hop))
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, frm, self.group) for t in recv]
+        group = self.group
+        ops = [dist.P2POp(dist.isend, t, to, group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, frm, group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops))
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` in rank order: one all-gather on the CPU (gloo) or the current CUDA
+        device (NCCL), the one device rule of every agreement in the library."""
+        if self.world_size == 1:
+            return [list(values)]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine, group=self.group)
+        return torch.stack(parts).tolist()
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place (a no-op alone)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+
+_TOKENS: "weakref.WeakKeyDictionary[Any, object]" = weakref.WeakKeyDictionary()
+
+
+_TOKENS_LOCK = threading.Lock()
+
+
+def group_token(group: Any) -> object:
+    """A stand-in for ``group`` in cache keys: one unique object per group, which does not keep the
+    group alive (a gloo group kept past ``destroy_process_group`` is freed at interpreter exit, where
+    its threads can abort the process: "terminate called without an active exception"). ``None``
+    stands for the default group; a transport gives its own token. Raises ``TypeError`` for an object
+    that cannot be weakly referenced."""
+    if _is_transport(group):
+        return group.token
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None  # no group: a world of one
+    pg = dist.group.WORLD if group is None else group
+    with _TOKENS_LOCK:
+        token = _TOKENS.get(pg)
+        if token is None:
+            token = _TOKENS[pg] = object()
+        return token
+
+
+def transport_for(group=None):
+    """The :class:`~.base.Transport` for ``group``: a transport (the loopback's ranks, a replay) is
+    returned as it is; a process group or ``None`` gets a :class:`ProcessGroupTransport`."""
+    return group if _is_transport(group) else ProcessGroupTransport(group)

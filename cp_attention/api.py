@@ -1,0 +1,156 @@
+"""The public entry points: :func:`plan` (one per batch) and :func:`ring_attention`."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Union
+
+import torch
+
+from .checks.agreement import in_agreed_forward
+from .checks.validation import tensor_codes, validate_call
+from .engine.plan import AttentionPlan, build_plan, host_cu_seqlens
+from .engine.ring import RingAttentionFunction, RingPlan
+from .layouts.base import Layout
+from .transport.process_group import transport_for
+
+__all__ = ["ring_attention", "plan"]
+
+plan = build_plan
+
+
+class _Default:
+    """A default argument's value that can tell whether the caller passed it (the plan then decides)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+_LAYOUT, _CAUSAL, _WINDOW, _GROUP = _Default("zigzag"), _Default(True), _Default((-1, -1)), _Default(None)
+
+# Plans of calls made without one, so a model's layers share one (the first layer builds it). Keyed
+# by what a plan holds; small, since a training step's batches come one after another.
+_PLANS: "OrderedDict[tuple, AttentionPlan]" = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+_MAX_PLANS = 8
+
+
+def _implicit_plan(group, layout, causal, cu_seqlens, window_size) -> AttentionPlan:
+    transport = transport_for(group)
+    cu = host_cu_seqlens(cu_seqlens)
+    try:
+        key = (transport.token, layout, bool(causal), cu, tuple(window_size))
+        hash(key)
+    except Exception:  # noqa: BLE001 - bad arguments: an uncached plan, refused by validation
+        return AttentionPlan(layout, transport, causal, cu, window_size)
+    with _PLANS_LOCK:
+        found = _PLANS.get(key)
+        if found is not None:
+            _PLANS.move_to_end(key)
+            return found
+    made = AttentionPlan(layout, transport, causal, cu, window_size)
+    with _PLANS_LOCK:
+        _PLANS[key] = made
+        while len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    return made
+
+
+def _refuse_contradictions(p: AttentionPlan, group, layout, causal, cu_seqlens, window_size) -> None:
+    """With a plan, an argument the plan fixes may only be left out. Same on every rank (SPMD)."""
+    given = [name for name, value, default in (("group", group, _GROUP), ("layout", layout, _LAYOUT),
+                                               ("causal", causal, _CAUSAL), ("window_size", window_size, _WINDOW))
+             if value is not default]
+    if cu_seqlens is not None:
+        given.append("cu_seqlens")
+    if given:
+        raise ValueError(f"ring_attention got plan= and also {', '.join(given)}, which the plan fixes ({p!r}); "
+                         "build the plan with them (cp_attention.plan(...)) and pass only plan=")
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group=_GROUP,
+    layout: Union[str, Layout] = _LAYOUT,
+    causal: bool = _CAUSAL,
+    softmax_scale: "float | None" = None,
+    kernel: str = "auto",
+    return_lse: bool = False,
+    sinks: "torch.Tensor | None" = None,
+    softcap: float = 0.0,
+    cu_seqlens: "torch.Tensor | None" = None,
+    window_size: "tuple[int, int]" = _WINDOW,
+    plan: "AttentionPlan | None" = None,
+):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: ``[batch, local_seq, heads, head_dim]``, this rank's query shard.
+        k, v: ``[batch, local_seq, kv_heads, head_dim]`` / ``[..., v_head_dim]``; ``heads`` must be a
+            multiple of ``kv_heads`` (GQA/MQA). K/V travel with their own heads.
+        group: process group; ``None`` is the default group, and without torch.distributed (or with
+            world size 1) this is plain attention.
+        layout: name or :class:`Layout` the caller used to shard q, k and v.
+        causal: causal mask over GLOBAL positions.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        kernel: ``"auto"`` (the fastest kernel for the device, dtype and head dim), ``"cpu_flash"`` (alias
+            ``"sdpa"``), ``"flash"``, ``"flash_attn"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
+        return_lse: also return the log-sum-exp, which is differentiable like ``out``.
+        sinks: ``[heads]``, one learned logit per query head added to every softmax denominator
+            (attention sinks: GPT-OSS ``s_aux``; a zero tensor is the "off-by-one" softmax). It is
+            differentiable; each rank's gradient is its own queries' share, so summing it over the
+            group (as for every other parameter) gives the gradient without CP.
+        softcap: flash-attn's logit softcapping (Gemma2's ``attn_logit_softcapping``): scaled scores
+            become ``softcap * tanh(scores / softcap)``; 0 disables it. ``kernel="auto"`` picks a
+            kernel that supports it; a named kernel that cannot raises, naming one that can.
+        cu_seqlens: packed documents, flash-attn's ``[0, l1, l1+l2, ..., T]`` over the full packed
+            sequence (the same on every rank; an int tensor or sequence, read on the host). A token
+            then attends only within its document (causal or not). q, k, v are ``[1, T/N, ...]``,
+            sharded with ``layout.shard(..., cu_seqlens=cu_seqlens)``; only T must split, never a document.
+        window_size: ``(left, right)`` sliding window, flash-attn's convention: a query at global
+            position i sees key j iff ``i - left <= j <= i + right`` (and ``j <= i`` when causal); -1
+            is unbounded. Positions are within documents when packed. Blocks and ring steps wholly
+            outside the window are skipped: the ring stops after the last shard any rank needs.
+        plan: the batch's :func:`plan`, built once per batch and passed to every layer's call: the
+            layout, group, causal, documents and window come from it (passing any of them too raises),
+            and nothing that depends only on them is derived again. Without it, the call finds (or
+            builds) a plan itself, reading ``cu_seqlens`` to the host on every call.
+
+    Returns:
+        ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k, v (and sinks); with
+        ``return_lse``, also ``lse [batch, heads, local_seq]`` (natural log; fp32, or fp64 for fp64 inputs;
+        the sinks included).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
+            an unknown layout or kernel, sinks of the wrong shape, a negative softcap or a kernel that
+            cannot apply it, bad ``cu_seqlens`` or a batch larger than 1 with them, a bad ``window_size``,
+            arguments that differ between ranks, or ``plan=`` together with an argument the plan fixes.
+            Raised on every rank of the group alike, before any ring communication.
+    """
+
+    if plan is None:
+        group = None if group is _GROUP else group
+        plan = _implicit_plan(group, layout.value if layout is _LAYOUT else layout,
+                              causal.value if causal is _CAUSAL else causal, cu_seqlens,
+                              window_size.value if window_size is _WINDOW else window_size)
+    else:
+        _refuse_contradictions(plan, group, layout, causal, cu_seqlens, window_size)
+    transport = plan.transport
+    codes = tensor_codes(q, k, v, softmax_scale, kernel, sinks, softcap)
+    # A plan the group agreed on needs no new agreement for a new batch's boundaries: see trust_key.
+    trusted = (*codes, *plan.trust_key) if plan.agreed else None
+    validate_call(codes + list(plan.codes), plan.layout, transport, in_agreed_forward(transport), trusted)
+    n = q.shape[1]
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    kern = plan.kernel(kernel, q.device, q.dtype, softcap > 0, q.shape[-1], v.shape[-1], n)
+    ring = RingPlan(transport, plan.steps(n, kern, q.device), kern, scale, float(softcap), packed=plan.packed,
+                    first_step_tiles=plan.first_step_tiles(n))
+    out, lse = RingAttentionFunction.apply(q, k, v, ring, sinks)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,180 @@
+"""One plan per batch: everything the attention calls of a batch share, derived and checked once.
+
+An :class:`AttentionPlan` holds the layout, this rank's transport (rank, world size), causal, the
+packed documents' boundaries (read to the host once) and the sliding window, with their agreed
+signature. This rank's ring steps, lowered to kernel tasks with their index tensors on the device,
+are built on the first call that needs them (they depend on the local length and on whether the
+kernel takes masks) and reused by every later layer; so are the window's normalisation and the
+kernel choice. ``ring_attention(q, k, v, plan=plan)`` then does no per-batch work at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..checks.agreement import VERDICTS, cache_enabled
+from ..checks.validation import check_plan_table, plan_codes
+from ..kernels import AttentionKernel, get_kernel
+from ..layouts.base import Layout
+from ..layouts.documents import cu_seqlens_tuple
+from ..layouts.registry import get_layout
+from ..schedules.blocks import BlockTask
+from ..schedules.causal import get_schedule, rank_plan
+from ..schedules.derived import block_plans
+from ..schedules.lowering import BatchSpec, lower_steps
+from ..schedules.windows import Window, normalize_window
+from ..transport.base import Transport
+from ..transport.process_group import transport_for
+from .doc_batch import DocBatch
+
+__all__ = ["AttentionPlan", "build_plan", "host_cu_seqlens"]
+
+Steps = tuple[tuple["BlockTask | DocBatch", ...], ...]
+
+
+def host_cu_seqlens(cu_seqlens: Any) -> Any:
+    """``cu_seqlens`` as a host tuple of ints when it can be read as one (a CUDA tensor costs one
+    device sync), else as given: validation judges it on every rank alike."""
+    if cu_seqlens is None:
+        return None
+    try:
+        return cu_seqlens_tuple(cu_seqlens)
+    except ValueError:
+        return cu_seqlens
+
+
+class AttentionPlan:
+    """What is fixed for a batch of attention calls on one rank. Build it with :func:`build_plan`
+    (``cp_attention.plan``) and pass it to every call: ``ring_attention(q, k, v, plan=plan)``.
+
+    Constructing one never raises and never communicates: bad arguments are encoded in
+    :attr:`codes` and judged by the group together (:func:`build_plan` does it at once, a call
+    without a plan in its validation).
+    """
+
+    def __init__(self, layout: Any, transport: Transport, causal: Any = True, cu_seqlens: Any = None,
+                 window_size: Any = (-1, -1), *, agreed: bool = False) -> None:
+        self.transport = transport
+        self.cu_seqlens = host_cu_seqlens(cu_seqlens)
+        self.codes: tuple[int, ...] = tuple(plan_codes(layout, causal, self.cu_seqlens, window_size))
+        try:
+            self.layout: Optional[Layout] = get_layout(layout)
+        except (ValueError, TypeError):
+            self.layout = None  # refused by validation, on every rank alike
+        self.causal = causal
+        self.window_size = window_size
+        # The group agreed on these fields: by build_plan, or by an adapter's per-forward check.
+        self.agreed = agreed
+        # The cache key of a call's agreed verdict, beyond its tensors: the plan's fields but the
+        # document boundaries' fingerprint, so a new batch of the same length needs no new agreement.
+        self.trust_key = self.codes[:2] + (min(self.codes[2], 1), self.codes[3]) + self.codes[5:]
+        self._windows: dict[int, Optional[Window]] = {}
+        self._steps: dict[tuple, Steps] = {}
+        self._kernels: dict[tuple, AttentionKernel] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def __repr__(self) -> str:
+        docs = f", documents={len(self.cu_seqlens) - 1}" if self.packed else ""
+        return (f"AttentionPlan(layout={getattr(self.layout, 'name', self.layout)!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, causal={self.causal}{docs}, window_size={self.window_size})")
+
+    def variant(self, causal: Any = None, window_size: Any = None) -> "AttentionPlan":
+        """The same batch with another ``causal`` or sliding window (a model whose layers differ), built
+        once per variant and shared by every layer that asks for it (None: this plan's value). The
+        variant is as agreed as this plan: every call's signature still carries causal and the window.
+        """
+        causal = self.causal if causal is None else causal
+        window_size = self.window_size if window_size is None else window_size
+        key = (bool(causal), tuple(window_size))
+        if key == (bool(self.causal), tuple(self.window_size)):
+            return self
+        variants = self.__dict__.setdefault("_variants", {})
+        found = variants.get(key)
+        if found is None:
+            found = variants[key] = AttentionPlan(self.layout, self.transport, causal, self.cu_seqlens, window_size,
+                                                  agreed=self.agreed)
+        return found
+
+    def window(self, local_len: int) -> Optional[Window]:
+        """The normalised window for a local length (None: no side restricts anything)."""
+        window = self._windows.get(local_len)
+        if window is None and local_len not in self._windows:
+            window = self._windows[local_len] = normalize_window(
+                self.window_size, bool(self.causal), local_len * self.world_size, self.cu_seqlens)
+        return window
+
+    def kernel(self, name: str, device: torch.device, dtype: torch.dtype, softcap: bool, head_dim: int,
+               v_head_dim: int, local_len: int) -> AttentionKernel:
+        """The kernel ``name`` resolves to for these inputs (see :func:`~cp_attention.kernels.get_kernel`), cached."""
+        key = (name, device, dtype, softcap, head_dim, v_head_dim, local_len)
+        kern = self._kernels.get(key)
+        if kern is None:
+            kern = self._kernels[key] = get_kernel(name, device, dtype, softcap=softcap,
+                                                   mask=self.window(local_len) is not None, head_dim=head_dim,
+                                                   v_head_dim=v_head_dim)
+        return kern
+
+    def steps(self, local_len: int, kernel: AttentionKernel, device: torch.device) -> Steps:
+        """This rank's tasks per ring step for ``local_len`` local tokens, packed-document batches on
+        ``device``: built once per (length, kernel kind, device), then reused by every call."""
+        batched = bool(getattr(kernel, "supports_mask", False))
+        key = (local_len, batched and self.packed, device)
+        steps = self._steps.get(key)
+        if steps is None:
+            steps = self._steps[key] = self._build_steps(local_len, batched, device)
+        return steps
+
+    def _build_steps(self, n: int, batched: bool, device: torch.device) -> Steps:
+        window = self.window(n)
+        causal = bool(self.causal)
+        schedule = get_schedule(self.layout)
+        if not self.packed and window is None and schedule is not None:
+            return tuple(rank_plan(self.layout, causal, self.rank, self.world_size, n))
+        total = n * self.world_size
+        blocks = block_plans(self.layout, causal, self.world_size, total, self.cu_seqlens, window)[self.rank]
+        lowered = lower_steps(blocks, batched=batched and self.packed, tiled=window is None, local_len=n)
+        return tuple(tuple(DocBatch(t, device) if isinstance(t, BatchSpec) else t for t in step)
+                     for step in lowered)
+
+    def first_step_tiles(self, local_len: int) -> bool:
+        """Whether step 0's tasks cover every query and key row exactly once (packed documents without a
+        window), so the engine writes its results instead of merging them."""
+        return self.packed and self.window(local_len) is None
+
+
+def build_plan(layout: "str | Layout" = "zigzag", group=None, causal: bool = True, cu_seqlens=None,
+               window_size: "tuple[int, int]" = (-1, -1)) -> AttentionPlan:
+    """The plan of one batch on this rank, agreed across ``group``: build it once per batch and pass
+    it to every attention call (``ring_attention(q, k, v, plan=plan)``).
+
+    Args mean what they mean for :func:`~cp_attention.ring_attention`. ``cu_seqlens`` is read to the
+    host here, once (one device sync for a CUDA tensor).
+
+    Raises ``ValueError`` on every rank of the group alike, after one small all-gather (skipped when
+    the group agreed on the same plan fields before), for an unknown layout, a non-bool ``causal``,
+    bad ``cu_seqlens`` or ``window_size``, a packed length the layout cannot split, or arguments that
+    differ between ranks.
+    """
+    transport = transport_for(group)
+    plan = AttentionPlan(layout, transport, causal, cu_seqlens, window_size)
+    key = ("plan", transport.token, plan.codes, plan.layout) if cache_enabled() else None
+    if key is None or key not in VERDICTS:
+        table = transport.all_gather_ints(plan.codes) if transport.world_size > 1 else [list(plan.codes)]
+        check_plan_table(table, plan.layout)
+        if key is not None:
+            VERDICTS.add(key)
+    plan.agreed = True
+    return plan

@@ -1,0 +1,8 @@
+"""Transports: how one rank talks to the others of its group (process group, loopback, replay)."""
+
+from .base import Pending, Transport, agree_by_doubling
+from .loopback import LoopbackGroup, LoopbackRank
+from .process_group import ProcessGroupTransport, group_rank_and_size, transport_for
+
+__all__ = ["Pending", "Transport", "agree_by_doubling", "LoopbackGroup", "LoopbackRank", "ProcessGroupTransport",
+           "group_rank_and_size", "transport_for"]

@@ -1,0 +1,66 @@
+"""The transport seam: what the engine, the checks and the adapters need from a group of ranks.
+
+A :class:`Transport` is one rank's handle on its group. Three implement it: the process-group ring
+(:class:`~cp_attention.transport.process_group.ProcessGroupTransport`, gloo or NCCL), the in-process
+loopback (:class:`~cp_attention.transport.loopback.LoopbackRank`, every rank a thread) and the GPU
+benchmark's replay of one rank. Nothing above this package asks which one it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = ["Pending", "Transport", "agree_by_doubling"]
+
+
+class Pending(Protocol):
+    """A posted exchange: ``wait()`` returns once the receive buffers are filled and the sends done."""
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """One rank's view of its group.
+
+    ``host_agreement`` is True where a status tensor can be read on the host without a device sync
+    (gloo, loopback): fault containment and signature fingerprints run only there. ``token`` stands
+    for the group in cache keys without keeping it alive (see :func:`~cp_attention.checks.agreement.group_token`).
+    """
+
+    rank: int
+    world_size: int
+    host_agreement: bool
+
+    @property
+    def token(self) -> Any: ...
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> Pending:
+        """Start sending ``send`` to the rank ``hop`` places on and receiving into ``recv`` from the rank
+        ``hop`` places back. Tensors contiguous; every rank posts the same sequence of exchanges."""
+        ...
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (int64, the same count on every rank), in rank order. Blocking."""
+        ...
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place and return it."""
+        ...
+
+
+def agree_by_doubling(transport: Transport, state: torch.Tensor,
+                      combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Fold every rank's ``state`` (a small CPU int64 tensor) with ``combine``, an associative and
+    commutative operation, in ceil(log2 N) rounds of P2P (recursive doubling: after round k each rank
+    has folded in the 2^k ranks before it). Every rank gets the same result; no collective is used,
+    so it costs no device sync on gloo."""
+    hop = 1
+    while hop < transport.world_size:
+        got = torch.empty_like(state)
+        transport.exchange((state,), (got,), hop).wait()
+        state = combine(state, got)
+        hop *= 2
+    return state
