@@ -11,7 +11,8 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.transport import group_rank_and_size
-from cp_attention.layouts.documents import cu_seqlens_from_position_ids, document_position_ids, pad_cu_seqlens
+from cp_attention.layouts.documents import (cu_seqlens_from_position_ids, document_position_ids, longest_document,
+                                            pad_cu_seqlens)
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from ._hf_checks import documents
@@ -209,5 +210,5 @@ def _shard_packed(batch: Mapping[str, torch.Tensor], rows, lay: cpa.Layout, rank
     out["position_ids"] = document_position_ids(positions, cu).to(ids.device)[None]
     out["shift_labels"] = shifted[positions.to(shifted.device)][None]
     out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(cu, dtype=torch.int32)
-    out["max_length_q"] = out["max_length_k"] = max(b - a for a, b in zip(cu, cu[1:]))
+    out["max_length_q"] = out["max_length_k"] = longest_document(cu, cu[-1])
     return out

@@ -19,7 +19,7 @@ import cp_attention as cpa
 from cp_attention.checks.agreement import AgreedScope
 from cp_attention.engine.plan import AttentionPlan
 from cp_attention.transport import transport_for
-from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids
+from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids, longest_document
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 
@@ -44,7 +44,7 @@ def documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
     if cu_seqlens_tuple(cu_k) != cu:
         raise NotImplementedError("cu_seq_lens_k differs from cu_seq_lens_q: context-parallel attention is "
                                   "self-attention over one packed stream; pass equal boundaries")
-    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    longest = longest_document(cu, total)
     for name, val in (("max_length_q", max_q), ("max_length_k", max_k)):
         if val is not None and int(val) != longest:
             raise ValueError(f"{name}={int(val)} disagrees with cu_seq_lens (longest document {longest}); "

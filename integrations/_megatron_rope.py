@@ -22,7 +22,7 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.transport import group_rank_and_size
-from cp_attention.layouts.documents import CuSeqlens, check_cu_seqlens, document_position_ids
+from cp_attention.layouts.documents import CuSeqlens, check_cu_seqlens, document_position_ids, longest_document
 
 __all__ = ["LayoutRotaryEmbedding"]
 
@@ -104,7 +104,7 @@ class LayoutRotaryEmbedding(torch.nn.Module):
 
         def make() -> torch.Tensor:
             positions = self.layout.positions(cu[-1], self.rank, self.world_size, cu)
-            longest = max(b - a for a, b in zip(cu, cu[1:]))
+            longest = longest_document(cu, cu[-1])
             return self._rows(document_position_ids(positions, cu), longest, 0)
 
         return self._cached(("packed", cu, device), make)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import cp_attention as cpa
 from cp_attention._extras import require_extra
 from cp_attention.kernels import check_kernel_name
+from cp_attention.layouts.documents import longest_document
 from cp_attention.transport import group_rank_and_size, transport_for
 
 from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
@@ -123,7 +124,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                   "set config.attention_dropout=0.0")
     if position_ids is not None and not state.checks.accepted_positions(position_ids):
         check_positions(position_ids, state.layout, total, state.rank, state.world_size, cu)
-    longest = total if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
+    longest = longest_document(cu, total)
     # A window covering every sequence (or document) is no window: the call stays the plain one.
     extra = {} if window is None or window >= longest else {
         "window_size": (window - 1, -1 if causal else window - 1)}

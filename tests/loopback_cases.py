@@ -29,10 +29,12 @@ def _reference(q, k, v, dout, causal: bool, scale: float, cu: list[int], window)
 def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.dtype = torch.float64,
                     device: str = "cpu", kernel: str = "auto", heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                     v_dim: "int | None" = None, local_len: int = 8, lengths: "list[int] | None" = None,
-                    window: tuple = (-1, -1), atol: float = 1e-10, rtol: float = 0.0, seed: int = 0) -> dict:
+                    window: tuple = (-1, -1), atol: float = 1e-10, rtol: float = 0.0, seed: int = 0,
+                    use_plan: bool = False) -> dict:
     """Excess error over tolerance (<= 0 passes) of out, lse, dq, dk, dv, the worst over the ranks.
 
     ``lengths``: packed documents (their sum must be ``local_len * world_size``); None: one sequence.
+    ``use_plan``: each rank builds the batch's plan and calls with it (twice: the second call reuses it).
     """
     total = local_len * world_size
     v_dim = v_dim or head_dim
@@ -49,9 +51,14 @@ def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.
     def rank_fn(group, r: int) -> tuple[torch.Tensor, ...]:
         shard = lambda t, dim=1: lay.shard(t, dim, r, world_size, **packed).to(device)  # noqa: E731
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-        out, lse = cpa.ring_attention(ql, kl, vl, group=group, layout=lay, causal=causal, kernel=kernel,
-                                      return_lse=True, window_size=tuple(window),
-                                      cu_seqlens=torch.tensor(cu) if lengths else None)
+        cu_arg = torch.tensor(cu) if lengths else None
+        if use_plan:
+            plan = cpa.plan(lay, group, causal=causal, cu_seqlens=cu_arg, window_size=tuple(window))
+            cpa.ring_attention(ql.detach(), kl.detach(), vl.detach(), kernel=kernel, plan=plan)  # a layer before
+            out, lse = cpa.ring_attention(ql, kl, vl, kernel=kernel, return_lse=True, plan=plan)
+        else:
+            out, lse = cpa.ring_attention(ql, kl, vl, group=group, layout=lay, causal=causal, kernel=kernel,
+                                          return_lse=True, window_size=tuple(window), cu_seqlens=cu_arg)
         out.backward(shard(dout))
         return out, lse, ql.grad, kl.grad, vl.grad
 

@@ -58,8 +58,12 @@ def test_verdicts_evict_least_recently_used():
     assert ("b",) not in cache and ("a",) in cache and ("c",) in cache and len(cache) == 2
 
 
+class _Group:
+    """A stand-in group: any object that can be weakly referenced, as process groups can."""
+
+
 def test_agreed_forward_nests_per_group():
-    g1, g2 = object(), object()
+    g1, g2 = _Group(), _Group()
     with agreed_forward(g1):
         assert in_agreed_forward(g1) and not in_agreed_forward(g2)
         with agreed_forward(g2):

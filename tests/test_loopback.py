@@ -43,8 +43,8 @@ def test_loopback_messages_match_in_posting_order():
         me = group.rank
         first = torch.empty(1)
         second = torch.empty(1)
-        a = group.exchange([torch.tensor([10.0 * me + 1])], [first], to=1 - me, frm=1 - me)
-        b = group.exchange([torch.tensor([10.0 * me + 2])], [second], to=1 - me, frm=1 - me)
+        a = group.exchange([torch.tensor([10.0 * me + 1])], [first], hop=1)
+        b = group.exchange([torch.tensor([10.0 * me + 2])], [second], hop=1)
         b.wait()
         a.wait()
         return first.item(), second.item()
@@ -57,7 +57,7 @@ def test_loopback_missing_message_times_out_instead_of_hanging():
 
     def body(group):
         if group.rank == 0:
-            group.exchange([], [torch.empty(1)], to=1, frm=1).wait()  # rank 1 never sends
+            group.exchange([], [torch.empty(1)], hop=1).wait()  # rank 1 never sends
 
     with pytest.raises(RuntimeError, match="did not arrive"):
         loop.run(body)

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .analysis import AttentionShape, flops_per_pair, min_pairs
 from ..kernels.dtypes import DTYPES
 from ..kernels import get_kernel
 from ..layouts import get_layout
@@ -96,12 +97,12 @@ class _Done:
 
 
 class ReplayComm:
-    """A ring of one: rank ``rank`` of ``world_size`` whose exchanges copy what it sends into what it
-    receives, so its schedule runs alone with the memory traffic of a real receive."""
+    """A :class:`~cp_attention.transport.base.Transport` for one rank replayed alone: rank ``rank`` of
+    ``world_size`` whose exchanges copy what it sends into what it receives, so its schedule runs with
+    the memory traffic of a real receive. Collectives see only this rank (its own values)."""
 
-    group = None
-    loopback = False
-    host_agreement = False
+    host_agreement = False  # statuses are never exchanged: there is no one to agree with
+    token = None
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -111,11 +112,22 @@ class ReplayComm:
             r.copy_(s)
         return _Done()
 
+    def all_gather_ints(self, values) -> "list[list[int]]":
+        return [list(values)] * self.world_size
+
+    def all_gather_tensor(self, tensor: torch.Tensor) -> "list[torch.Tensor]":
+        return [tensor] * self.world_size
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.mul_(self.world_size)
+
 
 def causal_flops(batch: int, heads: int, head_dim: int, seq: int, backward: bool) -> float:
-    """FLOPs of causal attention: 4·B·H·D per pair over S(S+1)/2 pairs; forward+backward 3.5x."""
-    fwd = 4.0 * batch * heads * head_dim * seq * (seq + 1) / 2
-    return fwd * (3.5 if backward else 1.0)
+    """FLOPs of causal attention over its S(S+1)/2 pairs, by the work model's per-pair count
+    (:func:`~.analysis.flops_per_pair`): forward, or forward+backward (3.5x for equal head dims)."""
+    shape = AttentionShape(batch=batch, heads=heads, kv_heads=heads, head_dim=head_dim)
+    per_pair = flops_per_pair(shape, False) + (flops_per_pair(shape, True) if backward else 0.0)
+    return per_pair * batch * heads * min_pairs(seq, True)
 
 
 def time_cuda(fn: Callable[[], object], repeats: int) -> float:

@@ -46,6 +46,10 @@ class Transport(Protocol):
         """Every rank's ``values`` (int64, the same count on every rank), in rank order. Blocking."""
         ...
 
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape, dtype and device type everywhere), in rank order. Blocking."""
+        ...
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group in place and return it."""
         ...

@@ -132,8 +132,10 @@ class LoopbackRank:
         self.group, self.rank, self.world_size = group, rank, group.world_size
 
     @property
-    def token(self) -> LoopbackGroup:
-        return self.group
+    def token(self) -> "LoopbackRank":
+        # Per rank, not per group: the ranks share this process's caches, and each must keep its own
+        # verdicts (a rank that saw another's verdict would skip an all-gather the others wait in).
+        return self
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Posted:
         """Post ``send`` to the rank ``hop`` places on and receives from the rank ``hop`` places back;
@@ -146,6 +148,10 @@ class LoopbackRank:
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values``, in rank order (validation's signature table, the adapters' verdicts)."""
         return self.group._all_gather(self.rank, list(values))
+
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (a copy of each), in rank order."""
+        return [t.clone() for t in self.group._all_gather(self.rank, tensor.detach().clone())]
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (in rank order, so every rank gets the same bits)."""

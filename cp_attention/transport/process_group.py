@@ -109,6 +109,14 @@ class ProcessGroupTransport:
         dist.all_gather(parts, mine, group=self.group)
         return torch.stack(parts).tolist()
 
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's contiguous ``tensor``, in rank order (one all-gather)."""
+        if self.world_size == 1:
+            return [tensor]
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return parts
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group in place (a no-op alone)."""
         if self.world_size > 1:

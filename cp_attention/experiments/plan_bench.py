@@ -1,0 +1,91 @@
+"""Host time per attention call, with a plan built once per batch against without one
+(``scripts/benchmark_plan.py``).
+
+What is measured is the host work of a ``ring_attention`` call before the engine starts: validation,
+the plan lookup, the kernel choice and the lowered steps. The engine itself is replaced by a stub for
+the timed calls (its work does not depend on the plan), so the figures are the per-layer overhead a
+model pays on top of attention. World size 1 (no process group), packed documents of random lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import time
+from typing import Iterator
+
+import torch
+
+from .. import api
+from ..api import plan as build_plan, ring_attention
+from ..layouts.documents import cu_seqlens_from_lengths
+
+__all__ = ["add_arguments", "run", "stub_engine"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=65536, help="packed length T")
+    p.add_argument("--documents", type=int, nargs="+", default=[1000, 8000])
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--calls", type=int, default=200, help="timed calls per measurement (one per layer)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+class _StubEngine:
+    """Stands in for the engine's autograd Function: returns at once (the output is q itself)."""
+
+    @staticmethod
+    def apply(q, k, v, ring, sinks):
+        return q, None
+
+
+@contextlib.contextmanager
+def stub_engine() -> Iterator[None]:
+    """Run ``ring_attention`` calls without the engine: only their host work before it is timed."""
+    saved = api.RingAttentionFunction
+    api.RingAttentionFunction = _StubEngine
+    try:
+        yield
+    finally:
+        api.RingAttentionFunction = saved
+
+
+def _boundaries(tokens: int, documents: int, seed: int) -> torch.Tensor:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, tokens), documents - 1))
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, tokens])]
+    return torch.tensor(cu_seqlens_from_lengths(lengths), dtype=torch.int32)
+
+
+def _per_call_us(fn, calls: int) -> float:
+    fn()  # warm: the first call of a batch builds what the others reuse
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Measure and print one row per document count; returns the rows."""
+    q = torch.randn(1, args.tokens, 2, 16)
+    rows = []
+    print(f"host time per attention call before the engine starts: T={args.tokens} tokens, world 1, "
+          f"layout {args.layout}, median of {args.calls} calls")
+    print(f"{'documents':>9} | {'plan build (ms)':>15} | {'with plan (us)':>14} | {'without plan (us)':>17} | ratio")
+    for docs in args.documents:
+        cu = _boundaries(args.tokens, docs, args.seed)
+        with stub_engine():
+            t0 = time.perf_counter()
+            p = build_plan(args.layout, None, causal=True, cu_seqlens=cu)
+            ring_attention(q, q, q, plan=p)  # its first call lowers the steps
+            build_ms = (time.perf_counter() - t0) * 1e3
+            with_plan = _per_call_us(lambda: ring_attention(q, q, q, plan=p), args.calls)
+            without = _per_call_us(lambda: ring_attention(q, q, q, layout=args.layout, cu_seqlens=cu), args.calls)
+        row = {"documents": docs, "plan_build_ms": build_ms, "with_plan_us": with_plan, "without_plan_us": without}
+        rows.append(row)
+        print(f"{docs:>9} | {build_ms:>15.1f} | {with_plan:>14.1f} | {without:>17.1f} | {with_plan / without:.3f}")
+    return rows
