@@ -27,20 +27,28 @@ SYNCS = ((torch.Tensor, "item"), (torch.Tensor, "tolist"), (torch, "equal"))
 
 @contextlib.contextmanager
 def counting() -> Iterator[Counter]:
-    """Count calls of the collectives, ``Tensor.item``/``tolist`` and ``torch.equal`` made directly from the
-    adapters' code (``integrations/``), as ``name``, and the collectives made from anywhere, as ``any:name``
-    (the ring's own validation included)."""
-    from cp_attention import integrations
+    """Count calls of the collectives, ``Tensor.item``/``tolist`` and ``torch.equal`` made by the
+    adapters' code (``integrations/``: directly, or for a collective through the transport it calls),
+    as ``name``, and the collectives made from anywhere, as ``any:name`` (the ring's own validation
+    included)."""
+    from cp_attention import integrations, transport
 
     root = os.path.dirname(integrations.__file__) + os.sep
+    seam = os.path.dirname(transport.__file__) + os.sep
     counts: Counter = Counter()
     saved = []
+
+    def caller(collective: bool) -> str:
+        frame = sys._getframe(2)
+        while collective and frame is not None and frame.f_code.co_filename.startswith(seam):
+            frame = frame.f_back  # a collective the adapter asked the transport for is the adapter's
+        return "" if frame is None else frame.f_code.co_filename
 
     def wrap(owner, name, collective):
         fn = getattr(owner, name)
 
         def counted(*args, **kwargs):
-            if sys._getframe(1).f_code.co_filename.startswith(root):
+            if caller(collective).startswith(root):
                 counts[name] += 1
             if collective:
                 counts["any:" + name] += 1
