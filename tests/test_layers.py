@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .import_graph import imported_names
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = "core"
 LAYERS = {  # layer -> the layers it must not import
@@ -36,21 +38,11 @@ def _package(path: Path) -> str:
 def _imported_layers(source: str, package: str) -> set[str]:
     """The optional cp_attention layers a module of ``package`` imports, absolutely or relatively."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([base] if base else []))
-            names = [f"{base}.{a.name}" for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training",
-                                                                              "experiments"):
-                found.add(parts[1])
+    for name in imported_names(source, package):
+        parts = name.split(".")
+        if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training",
+                                                                          "experiments"):
+            found.add(parts[1])
     return found
 
 

@@ -3,10 +3,11 @@ the rooms below it: kernels and transport < layouts < schedules < checks < engin
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from .import_graph import imported_names
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cp_attention"
@@ -29,22 +30,11 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, source: str, is_package: bool, known: set[str]) -> set[str]:
-    """The cp_attention modules ``name`` imports anywhere in its ``source`` (function bodies too)."""
+    """The cp_attention modules ``name`` imports anywhere in its ``source`` (function bodies too); a
+    name imported from a package counts as the package unless it is a submodule."""
     package = name if is_package else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        targets = []
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([base] if base else []))
-            # "from pkg import sub" imports the submodule when there is one, else a name of pkg
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
-        found |= {t for t in targets if t in known and t != name}
-    return found
+    targets = {t if t in known else t.rpartition(".")[0] for t in imported_names(source, package)}
+    return {t for t in targets if t in known and t != name}
 
 
 def _graph() -> dict[str, set[str]]:
