@@ -111,3 +111,21 @@ def test_pre_ampere_gpus_get_the_memory_efficient_kernel(monkeypatch):
         get_kernel("flash", "cuda", FP16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert get_kernel("auto", "cuda", FP16).name == "flash"
+
+
+def test_bf16_below_ampere_gets_no_fused_kernel(monkeypatch):
+    """PyTorch's CUTLASS kernels have no bf16 below sm80: auto must not pick one, and naming one says
+    which kernel can run the case (fp16 and fp32 keep the memory-efficient kernel there)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert get_kernel("auto", "cuda", torch.bfloat16).name == "math"
+    assert get_kernel("auto", "cuda", torch.float32).name == "efficient"
+    for name in ("efficient", "flash", "cudnn"):
+        with pytest.raises(ValueError, match=f"kernel '{name}' does not support device cuda with dtype "
+                                             r"torch.bfloat16 .*use kernel='math'"):
+            get_kernel(name, "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="use kernel='efficient'"):
+        get_kernel("flash", "cuda", FP16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert get_kernel("auto", "cuda", torch.bfloat16).name == "flash"
+    assert get_kernel("efficient", "cuda", torch.bfloat16).name == "efficient"

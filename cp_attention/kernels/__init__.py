@@ -85,13 +85,13 @@ def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, soft
         raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}"
                          + (" and softcap" if softcap else "") + (" and sliding windows" if mask else ""))
     kernel = _KERNELS[resolve_kernel_name(name)]
+    able = next((n for n in _AUTO_ORDER if fits(_KERNELS[n])), "math")
     if not kernel.supports(device, dtype):
         raise ValueError(
-            f"kernel {name!r} does not support device {device.type} with dtype {dtype}; "
-            f"use kernel='auto' or kernel='math'"
+            f"kernel {name!r} does not support device {device.type} with dtype {dtype} (on this GPU); "
+            f"use kernel={able!r} (or kernel='auto')"
         )
     if not fits(kernel):
-        able = next((n for n in _AUTO_ORDER if fits(_KERNELS[n])), "auto")
         if softcap and not getattr(kernel, "supports_softcap", False):
             problem = "cannot apply softcap"
         elif mask and not getattr(kernel, "supports_mask", False):

@@ -24,6 +24,8 @@ import torch
 from .base import pad_last, positive_scale
 from .math import MathKernel
 
+_BF16_CAPABILITY = (8, 0)
+
 __all__ = ["FusedKernel", "fold_heads", "pad_head", "repeat_heads", "round_up"]
 
 
@@ -82,14 +84,17 @@ class FusedKernel:
 
     def supports(self, device: "torch.device | str", dtype: torch.dtype) -> bool:
         device = torch.device(device)
-        return device.type == "cuda" and dtype in self.dtypes and self._capable(device)
+        return device.type == "cuda" and dtype in self.dtypes and self._capable(device, dtype)
 
-    def _capable(self, device: torch.device) -> bool:
+    def _capable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        # bf16 needs Ampere in every fused op (PyTorch's CUTLASS kernels have no bf16 below sm80: "no
+        # kernel found to launch"), whatever the op's own minimum.
+        need = max(self.min_capability or (0, 0), _BF16_CAPABILITY if dtype == torch.bfloat16 else (0, 0))
         # Asked only once CUDA is up (tensors live there), so resolving never initialises CUDA.
-        if self.min_capability is None or not torch.cuda.is_initialized():
+        if need == (0, 0) or not torch.cuda.is_initialized():
             return True
         try:
-            return torch.cuda.get_device_capability(device) >= self.min_capability
+            return torch.cuda.get_device_capability(device) >= need
         except (RuntimeError, AssertionError, ValueError):
             return True
 
