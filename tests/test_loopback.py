@@ -3,6 +3,8 @@ benchmark rely on it to run N ranks on one device."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -66,3 +68,32 @@ def test_loopback_missing_message_times_out_instead_of_hanging():
 def test_loopback_group_needs_a_positive_size():
     with pytest.raises(ValueError, match="world_size >= 1"):
         LoopbackGroup(0)
+
+
+def test_each_rank_runs_its_own_backward():
+    """By design no loopback backward can deadlock: each rank thread runs its autograd backward itself
+    (multithreading off in it), never queued behind another rank's on a shared device thread. Shown
+    here by the flag each rank sees and by the thread each rank's backward runs on."""
+    loop = LoopbackGroup(3)
+
+    class Where(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            ctx_thread.append(threading.current_thread().name)
+            return grad
+
+    ctx_thread: list = []
+
+    def body(group):
+        x = torch.ones(2, requires_grad=True)
+        Where.apply(x).sum().backward()
+        return torch._C._is_multithreading_enabled(), threading.current_thread().name
+
+    results = loop.run(body)
+    assert [flag for flag, _ in results] == [False] * 3
+    assert sorted(ctx_thread) == sorted(name for _, name in results)
+    assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched

@@ -98,7 +98,12 @@ class LoopbackGroup:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(rank_handle, *args, **kwargs)`` on every rank at once, one thread each; their results in
         rank order. Re-raises the lowest rank's exception, if any raised. CUDA work is issued on the
-        calling thread's current device."""
+        calling thread's current device.
+
+        Each rank's autograd backward runs on the rank's own thread (the engine's multithreading is off
+        in it): the engine would otherwise run every CUDA backward of a device on one worker thread, so
+        one rank's ring backward could wait in a receive that another rank's backward, queued behind
+        it on that thread, was to send; a deadlock until the timeout."""
         results: list[Any] = [None] * self.world_size
         errors: list["BaseException | None"] = [None] * self.world_size
         device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -107,7 +112,8 @@ class LoopbackGroup:
             if device is not None:
                 torch.cuda.set_device(device)
             try:
-                results[r] = fn(self._ranks[r], *args, **kwargs)
+                with torch.autograd.set_multithreading_enabled(False):  # thread-local: this rank only
+                    results[r] = fn(self._ranks[r], *args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors[r] = e
 
