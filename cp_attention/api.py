@@ -150,7 +150,8 @@ def ring_attention(
     n = q.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     kern = plan.kernel(kernel, q.device, q.dtype, softcap > 0, q.shape[-1], v.shape[-1], n)
-    ring = RingPlan(transport, plan.steps(n, kern, q.device), kern, scale, float(softcap), packed=plan.packed,
+    steps = plan.steps(n, kern, q.device, q.shape[-1], v.shape[-1])
+    ring = RingPlan(transport, steps, kern, scale, float(softcap), packed=plan.packed,
                     first_step_tiles=plan.first_step_tiles(n))
     out, lse = RingAttentionFunction.apply(q, k, v, ring, sinks)
     return (out, lse) if return_lse else out

@@ -6,7 +6,9 @@ flash_attn/flash_api.cpp, mem_eff_attention/kernel_backward.h, cudnn/MHA.cpp), a
 with the op's own masking convention:
 
 - flash: equal head dims, a multiple of 8, <= 256; causal aligned BOTTOM-RIGHT (off for one query
-  row in the forward); dense only (``cum_seq_q`` None); backward LSE a contiguous fp32 ``[B, H, Sq]``.
+  row in the forward); backward LSE a contiguous fp32 ``[B, H, Sq]``. Varlen (``cum_seq_q/k`` given,
+  mha_varlen_fwd/bwd): q/k/v ``[T, H, D]``, int32 offsets on q's device, sequences no longer than
+  ``max_q``/``max_k``, causal bottom-right per sequence, LSE ``[H, Tq]`` fp32.
 - efficient: no GQA, q/k head dims equal, 8-element aligned strides; mask type 1 top-left, 2
   bottom-right; LSE out padded with +inf to a multiple of 32, which the backward reads (torch 2.11's
   kernel_forward.h: "we pad logsumexp with inf ... avoids a few bound checks") and whose batch/head
@@ -105,7 +107,9 @@ class AtenStandIns:
     def _flash_attention_forward(self, *args, **kwargs):
         a = self._bind("_flash_attention_forward", args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
-        _require(a["cum_seq_q"] is None and a["cum_seq_k"] is None and a["dropout_p"] == 0.0, "dense, no dropout")
+        _require(a["dropout_p"] == 0.0, "no dropout")
+        if a["cum_seq_q"] is not None or a["cum_seq_k"] is not None:
+            return self._flash_varlen_forward(a)
         self._flash_checks(q, k, v)
         sq, sk = q.shape[1], k.shape[1]
         causal = a["is_causal"] and sq > 1  # mha_fwd: causal is the same as non-causal for one query row
@@ -115,8 +119,9 @@ class AtenStandIns:
     def _flash_attention_backward(self, *args, **kwargs):
         a = self._bind("_flash_attention_backward", args, kwargs)
         q, k, v, out, dout, lse = a["query"], a["key"], a["value"], a["out"], a["grad_out"], a["logsumexp"]
-        _require(a["cum_seq_q"] is None, "a defined cum_seq_q selects the varlen backward")
         _require(isinstance(a["rng_state"], torch.Tensor) and isinstance(a["unused"], torch.Tensor), "rng tensors")
+        if a["cum_seq_q"] is not None:  # a defined cum_seq_q selects the varlen backward
+            return self._flash_varlen_backward(a)
         self._flash_checks(q, k, v)
         b, sq, h, _ = q.shape
         _require(out.shape == q.shape and dout.shape == q.shape, "CHECK_SHAPE out/dout")
@@ -126,6 +131,48 @@ class AtenStandIns:
         allowed = band(sq, k.shape[1], -1, 0) if a["is_causal"] else None
         grads = attend_grads(dout, q, k, v, out, lse, _scale(a, q.shape[-1]), allowed)
         return tuple(g.to(q.dtype) for g in grads)
+
+    def _varlen_sequences(self, a: dict) -> list[tuple[slice, slice, "torch.Tensor | None"]]:
+        """Checks of mha_varlen_fwd/bwd; each sequence's query rows, key rows and mask."""
+        q, k, v, cu_q, cu_k = a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"]
+        _require(q.dim() == k.dim() == v.dim() == 3, "varlen flash takes [T, H, D]")
+        _require(cu_q is not None and cu_k is not None, "cu_seqlens_q and cu_seqlens_k are both needed")
+        _require(cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32, "cu_seqlens must have dtype int32")
+        _require(cu_q.device == q.device and cu_k.device == q.device, "cu_seqlens must be on q's device")
+        _require(cu_q.dim() == 1 and cu_q.shape == cu_k.shape and cu_q.is_contiguous(), "cu_seqlens [B + 1]")
+        self._flash_checks(q[None], k[None], v[None])
+        bq, bk = cu_q.tolist(), cu_k.tolist()  # a stand-in may read them; the real op does on the device
+        _require(bq[0] == 0 and bk[0] == 0 and bq[-1] == q.shape[0] and bk[-1] == k.shape[0], "offsets span T")
+        seqs = []
+        for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+            _require(0 < q1 - q0 <= a["max_q"] and 0 < k1 - k0 <= a["max_k"], "sequence longer than max_q/max_k")
+            causal = a["is_causal"] and a["max_q"] > 1
+            seqs.append((slice(q0, q1), slice(k0, k1), band(q1 - q0, k1 - k0, -1, 0) if causal else None))
+        return seqs
+
+    def _flash_varlen_forward(self, a: dict):
+        q, k, v = a["query"], a["key"], a["value"]
+        outs, lses = [], []
+        for rows, keys, allowed in self._varlen_sequences(a):
+            o, lse = attend(q[None, rows], k[None, keys], v[None, keys], _scale(a, q.shape[-1]), allowed)
+            outs.append(o[0])
+            lses.append(lse[0])
+        return (torch.cat(outs).to(q.dtype), torch.cat(lses, 1).float(), torch.zeros(2, dtype=torch.int64),
+                torch.empty(0), torch.empty(0))
+
+    def _flash_varlen_backward(self, a: dict):
+        q, k, v, out, dout, lse = a["query"], a["key"], a["value"], a["out"], a["grad_out"], a["logsumexp"]
+        _require(out.shape == q.shape and dout.shape == q.shape, "CHECK_SHAPE out/dout")
+        _require(lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous(),
+                 "varlen softmax_lse is a contiguous fp32 [H, Tq] buffer")
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows, keys, allowed in self._varlen_sequences(a):
+            g = attend_grads(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows],
+                             lse[None, :, rows], _scale(a, q.shape[-1]), allowed)
+            dq[rows] += g[0][0].to(q.dtype)
+            dk[keys] += g[1][0].to(k.dtype)
+            dv[keys] += g[2][0].to(v.dtype)
+        return dq, dk, dv
 
     # ---- memory-efficient -------------------------------------------------------------------------
     @staticmethod

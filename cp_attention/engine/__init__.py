@@ -6,6 +6,7 @@ from .fault import RingFault
 from .merge import merge_at, merge_block
 from .plan import AttentionPlan, build_plan
 from .ring import RingAttentionFunction, RingPlan
+from .varlen_batch import VarlenBatch
 
 __all__ = ["DocBatch", "RingFault", "merge_at", "merge_block", "AttentionPlan", "build_plan",
-           "RingAttentionFunction", "RingPlan"]
+           "RingAttentionFunction", "RingPlan", "VarlenBatch"]

@@ -23,15 +23,16 @@ from ..layouts.registry import get_layout
 from ..schedules.blocks import BlockTask
 from ..schedules.causal import get_schedule, rank_plan
 from ..schedules.derived import block_plans
-from ..schedules.lowering import BatchSpec, lower_steps
+from ..schedules.lowering import BatchSpec, VarlenSpec, lower_steps
 from ..schedules.windows import Window, normalize_window
 from ..transport.base import Transport
 from ..transport.process_group import transport_for
 from .doc_batch import DocBatch
+from .varlen_batch import VarlenBatch
 
 __all__ = ["AttentionPlan", "build_plan", "host_cu_seqlens"]
 
-Steps = tuple[tuple["BlockTask | DocBatch", ...], ...]
+Steps = tuple[tuple["BlockTask | DocBatch | VarlenBatch", ...], ...]
 
 
 def host_cu_seqlens(cu_seqlens: Any) -> Any:
@@ -127,17 +128,25 @@ class AttentionPlan:
                                                    v_head_dim=v_head_dim)
         return kern
 
-    def steps(self, local_len: int, kernel: AttentionKernel, device: torch.device) -> Steps:
+    def steps(self, local_len: int, kernel: AttentionKernel, device: torch.device, head_dim: int,
+              v_head_dim: int) -> Steps:
         """This rank's tasks per ring step for ``local_len`` local tokens, packed-document batches on
-        ``device``: built once per (length, kernel kind, device), then reused by every call."""
-        batched = bool(getattr(kernel, "supports_mask", False))
-        key = (local_len, batched and self.packed, device)
+        ``device``: built once per (length, kernel kind, device), then reused by every call. A kernel
+        that takes variable-length batches runs each step's documents as one call per mask kind; one
+        that takes masks, small documents as padded batches."""
+        mode = "plain"
+        if self.packed and self.window(local_len) is None and getattr(kernel, "supports_varlen", False) \
+                and kernel.supports_shape(head_dim, v_head_dim):
+            mode = "varlen"
+        elif self.packed and getattr(kernel, "supports_mask", False):
+            mode = "batched"
+        key = (local_len, mode, device)
         steps = self._steps.get(key)
         if steps is None:
-            steps = self._steps[key] = self._build_steps(local_len, batched, device)
+            steps = self._steps[key] = self._build_steps(local_len, mode, device)
         return steps
 
-    def _build_steps(self, n: int, batched: bool, device: torch.device) -> Steps:
+    def _build_steps(self, n: int, mode: str, device: torch.device) -> Steps:
         window = self.window(n)
         causal = bool(self.causal)
         schedule = get_schedule(self.layout)
@@ -145,14 +154,23 @@ class AttentionPlan:
             return tuple(rank_plan(self.layout, causal, self.rank, self.world_size, n))
         total = n * self.world_size
         blocks = block_plans(self.layout, causal, self.world_size, total, self.cu_seqlens, window)[self.rank]
-        lowered = lower_steps(blocks, batched=batched and self.packed, tiled=window is None, local_len=n)
-        return tuple(tuple(DocBatch(t, device) if isinstance(t, BatchSpec) else t for t in step)
-                     for step in lowered)
+        lowered = lower_steps(blocks, batched=mode == "batched", tiled=window is None, local_len=n,
+                              varlen=mode == "varlen")
+        return tuple(tuple(_ready(t, device) for t in step) for step in lowered)
 
     def first_step_tiles(self, local_len: int) -> bool:
         """Whether step 0's tasks cover every query and key row exactly once (packed documents without a
         window), so the engine writes its results instead of merging them."""
         return self.packed and self.window(local_len) is None
+
+
+def _ready(task: Any, device: torch.device) -> Any:
+    """A lowered task as the engine runs it: batch specs get their index tensors on ``device``."""
+    if isinstance(task, BatchSpec):
+        return DocBatch(task, device)
+    if isinstance(task, VarlenSpec):
+        return VarlenBatch(task, device)
+    return task
 
 
 def build_plan(layout: "str | Layout" = "zigzag", group=None, causal: bool = True, cu_seqlens=None,

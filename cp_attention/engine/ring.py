@@ -19,7 +19,6 @@ import torch
 from ..kernels.base import AttentionKernel, accumulation_dtype
 from ..schedules.blocks import BlockTask
 from ..transport.base import Transport
-from .doc_batch import DocBatch
 from .fault import RingFault
 from .merge import merge_at, merge_block
 
@@ -32,9 +31,10 @@ class RingPlan:
     per ring step (from the batch's :class:`~cp_attention.engine.plan.AttentionPlan`), the kernel."""
 
     comm: Transport
-    # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents DocBatches
-    # of small document blocks (one, and one more of documents folded in at this step)
-    steps: "list[tuple[BlockTask | DocBatch, ...]] | tuple[tuple[BlockTask | DocBatch, ...], ...]"
+    # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents batches of
+    # document blocks (engine.doc_batch.DocBatch, engine.varlen_batch.VarlenBatch) with the same
+    # forward/backward/first interface
+    steps: "list[tuple] | tuple[tuple, ...]"
     kernel: AttentionKernel
     scale: float
     softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
@@ -173,22 +173,22 @@ def _block_kwargs(plan: RingPlan, t: BlockTask, q: torch.Tensor) -> dict:
     return {**plan.kernel_kwargs, "mask": mask}
 
 
-def _task_forward(plan: RingPlan, t: "BlockTask | DocBatch", s: int, q: torch.Tensor, k: torch.Tensor,
+def _task_forward(plan: RingPlan, t, s: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor):
     """A task's results at step ``s``: (whether they are the first for their rows, a list of
     ``(rows, out, lse)``). ``k``/``v``: the shard held now; ``k_own``/``v_own``: this rank's own."""
-    if isinstance(t, DocBatch):
+    if not isinstance(t, BlockTask):  # a batch of document blocks (DocBatch, VarlenBatch)
         return t.first, t.forward(plan.kernel, q, k, v, k_own, v_own, plan.scale, plan.kernel_kwargs)
     o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
                                          **_block_kwargs(plan, t, q))
     return plan.first_step_tiles and s == 0, [(t.q, o_blk, lse_blk)]
 
 
-def _task_backward(plan: RingPlan, t: "BlockTask | DocBatch", s: int, dout, q, k, v, k_own, v_own, out, lse):
+def _task_backward(plan: RingPlan, t, s: int, dout, q, k, v, k_own, v_own, out, lse):
     """A task's gradients at step ``s``: (whether they are the first for their rows, a list of
     ``(q_rows, dq, keys)`` with ``keys`` a list of ``(own, kv_rows, dk, dv)``; ``own`` rows index
     this rank's own shard, the others the shard held now)."""
-    if isinstance(t, DocBatch):
+    if not isinstance(t, BlockTask):
         return t.first, t.backward(plan.kernel, dout, q, k, v, k_own, v_own, out, lse, plan.scale, plan.kernel_kwargs)
     dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
                                       t.causal, plan.scale, **_block_kwargs(plan, t, q))

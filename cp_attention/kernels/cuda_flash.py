@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_efficient import EfficientKernel
 from ._cuda import FusedKernel, pad_head, round_up
+from .base import positive_scale
+from .cuda_efficient import EfficientKernel
 
 __all__ = ["FlashKernel"]
 
@@ -40,6 +41,8 @@ class FlashKernel(FusedKernel):
     dtypes = (torch.float16, torch.bfloat16)
     wide_fallback = EfficientKernel()
     max_head_dim = 256
+    # Takes variable-length batches (forward_varlen/backward_varlen) for head dims supports_shape takes.
+    supports_varlen = True
 
     def _fwd(self, q, k, v, causal, scale):
         d = round_up(max(q.shape[-1], v.shape[-1]), 8)
@@ -58,3 +61,34 @@ class FlashKernel(FusedKernel):
             pad_head(out.to(q.dtype), d), lse.float().contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal,
             rng_state, unused, scale=scale)
         return dq[..., :dqk], dk[..., :dqk], dv[..., :dvd]
+
+    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                       cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences packed along dim 0: ``q [Tq, H, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]``, sequence
+        i at rows ``cu_q[i]:cu_q[i+1]`` / ``cu_k[i]:cu_k[i+1]`` (int32, on q's device), at most ``max_q`` /
+        ``max_k`` long (host ints: no sync). ``causal`` needs every sequence square. Returns
+        ``out [Tq, H, Dv]`` (q's dtype) and ``lse [H, Tq]`` (fp32, natural log)."""
+        q, scale, _ = positive_scale(q, scale)
+        d = round_up(max(q.shape[-1], v.shape[-1]), 8)
+        out, lse = _aten._flash_attention_forward(
+            pad_head(q, d), pad_head(k, d), pad_head(v, d), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+            scale=scale)[:2]
+        return out[..., :v.shape[-1]], lse
+
+    def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+                        max_k: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of :meth:`forward_varlen`'s sequences given the final ``out [Tq, H, Dv]`` and
+        ``lse [H, Tq]``: ``dq [Tq, H, D]``, ``dk [Tk, Hkv, D]``, ``dv [Tk, Hkv, Dv]``."""
+        q, scale, sign = positive_scale(q, scale)
+        dqk, dvd = q.shape[-1], v.shape[-1]
+        d = round_up(max(dqk, dvd), 8)
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = _aten._flash_attention_backward(
+            pad_head(dout.to(q.dtype), d), pad_head(q, d), pad_head(k, d), pad_head(v, d),
+            pad_head(out.to(q.dtype), d), lse.float().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal,
+            rng_state, unused, scale=scale)
+        dq = dq[..., :dqk]
+        return (dq if sign > 0 else -dq), dk[..., :dqk], dv[..., :dvd]

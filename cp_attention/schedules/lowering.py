@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 
 from .blocks import BlockTask, DocBlock
 
-__all__ = ["BatchSpec", "lower_steps", "split_doc_block", "SMALL_BLOCK", "BAND_TILE"]
+__all__ = ["BatchSpec", "VarlenSpec", "lower_steps", "split_doc_block", "square_pieces", "SMALL_BLOCK", "BAND_TILE"]
 
 # A block whose longer side is at most this joins a padded batch; longer ones run alone, where
 # per-call overhead is small against their work and gathering and padding would cost more than they
@@ -43,19 +43,59 @@ class BatchSpec(NamedTuple):
     first: bool
 
 
-def lower_steps(plan: Sequence[Sequence[DocBlock]], batched: bool, tiled: bool, local_len: int
-                ) -> tuple[tuple["BlockTask | BatchSpec", ...], ...]:
+class VarlenSpec(NamedTuple):
+    """Blocks of one ring step that run as ONE variable-length kernel call (flash's ``cum_seq_q/k``):
+    each piece is a full block or a square causal one (so the op's bottom-right causal alignment is
+    our top-left), all of one kind (``causal``), with disjoint query rows. ``first`` as in
+    :class:`BatchSpec`."""
+
+    pieces: tuple[BlockTask, ...]
+    causal: bool
+    first: bool
+
+
+def square_pieces(task: BlockTask) -> tuple[BlockTask, ...]:
+    """A block task as full and square causal tasks only: a top-left causal block with fewer rows than
+    keys sees only its first ``rows`` keys (a square); with more rows, its first ``keys`` rows are a
+    square and the rest see every key."""
+    rows, cols = task.q_stop - task.q_start, task.kv_stop - task.kv_start
+    if not task.causal or rows == cols:
+        return (task,)
+    if rows < cols:
+        return (BlockTask(task.q_start, task.q_stop, task.kv_start, task.kv_start + rows, True),)
+    return (BlockTask(task.q_start, task.q_start + cols, task.kv_start, task.kv_stop, True),
+            BlockTask(task.q_start + cols, task.q_stop, task.kv_start, task.kv_stop, False))
+
+
+def _varlen_step(blocks: Sequence[DocBlock], first: bool) -> tuple[VarlenSpec, ...]:
+    pieces = [p for b in blocks for t in split_doc_block(b) for p in square_pieces(t)]
+    specs = []
+    for causal in (True, False):
+        kind = [p for p in pieces if p.causal == causal]
+        specs += [VarlenSpec(tuple(group), causal, first) for group in _disjoint_rows(kind)]
+    return tuple(specs)
+
+
+def lower_steps(plan: Sequence[Sequence[DocBlock]], batched: bool, tiled: bool, local_len: int,
+                varlen: bool = False) -> tuple[tuple["BlockTask | BatchSpec | VarlenSpec", ...], ...]:
     """The engine's tasks for every ring step of one rank's block ``plan``.
 
-    ``batched`` (a kernel that takes a mask): small blocks join one :class:`BatchSpec` per step (or a
-    few, so query rows never overlap within one). ``tiled``: step 0 covers every query and key row of
-    the ``local_len`` exactly once (packed documents without a window); a small document's step-0
-    block is then folded into its first later small block. The rest run as plain tasks.
+    ``varlen`` (a kernel that takes variable-length batches; blocks without a window band): each step
+    is a few :class:`VarlenSpec` (one per mask kind, more only where query rows overlap), whatever
+    the number of documents. Else ``batched`` (a kernel that takes a mask): small blocks join one
+    :class:`BatchSpec` per step (or a few, so query rows never overlap within one); with ``tiled``, a
+    small document's step-0 block is folded into its first later small block. The rest run as plain
+    tasks. ``tiled``: step 0 covers every query and key row of the ``local_len`` exactly once (packed
+    documents without a window).
 
     Raises ``RuntimeError`` if ``tiled`` is claimed for a plan whose step 0 does not tile the rows.
     """
     if tiled:
         _check_first_step(plan[0], local_len)
+    if varlen:
+        if any(b.lo is not None for blocks in plan for b in blocks):
+            raise RuntimeError("internal error: sliding-window bands cannot run as variable-length batches")
+        return tuple(_varlen_step(blocks, tiled and s == 0) for s, blocks in enumerate(plan))
     small = [[i for i, b in enumerate(blocks) if batched and max(b.q_len, b.kv_len) <= SMALL_BLOCK]
              for blocks in plan]
     folds = _folds(plan, small) if tiled else [[] for _ in plan]
@@ -93,7 +133,7 @@ def _folds(plan: Sequence[Sequence[DocBlock]], small: Sequence[Sequence[int]]
     return folds
 
 
-def _disjoint_rows(blocks: Sequence[DocBlock]) -> list[list[DocBlock]]:
+def _disjoint_rows(blocks: Sequence["DocBlock | BlockTask"]) -> list[list["DocBlock | BlockTask"]]:
     """The blocks in as few groups as possible whose query rows do not overlap within a group (a
     batch's results merge by row without conflicts). Without a window every document has one block per
     step, so this is one group; a window can give a document's rows several blocks."""
