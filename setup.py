@@ -14,6 +14,8 @@ EXTRAS = {
     "gpu": ["flash-attn>=2.6,<2.9", "transformer-engine[pytorch]>=2.0"],
     "test": ["pytest>=7", "hypothesis>=6"],
 }
+# The core's rooms (sub-packages), then the layers above them.
+ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "training", "experiments")
 # Everything that installs on a CPU-only machine.
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
 
@@ -24,8 +26,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["cp_attention", "cp_attention.kernels", "cp_attention.training", "cp_attention.experiments",
-              "cp_attention.integrations"],
+    packages=["cp_attention", *(f"cp_attention.{room}" for room in ROOMS), "cp_attention.integrations"],
     package_dir={"cp_attention.integrations": "integrations"},
     install_requires=["torch>=2.4"],  # the core needs nothing else; see the extras
     extras_require=EXTRAS,
