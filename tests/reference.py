@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-# DESIGN.md tolerances (bf16 as TransformerEngine's CP tests use).
+# docs/design.md tolerances (bf16 as TransformerEngine's CP tests use).
 TOLERANCES = {
     torch.float64: dict(atol=1e-10, rtol=0.0),
     torch.float32: dict(atol=2e-6, rtol=0.0),

@@ -14,9 +14,9 @@ from . import hf_cases  # noqa: E402
 
 # gpt_oss: learned attention sinks (s_aux); gemma2_softcap: attention logit softcapping
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gemma2_softcap", "gpt_oss")
-FP64 = 1e-10  # DESIGN.md: fp64 models, fp64 reference
+FP64 = 1e-10  # docs/design.md: fp64 models, fp64 reference
 # Gemma2's RMSNorm computes in fp32 even in an fp64 model, so gradients summed over ranks differ from
-# the full-sequence ones at fp32 rounding (~2e-7 relative on the norm weights): DESIGN.md's fp32 bound.
+# the full-sequence ones at fp32 rounding (~2e-7 relative on the norm weights): docs/design.md's fp32 bound.
 # Gemma3's too.
 GRAD_TOL = {"gemma2": 2e-6, "gemma2_softcap": 2e-6, "gemma2_window": 2e-6, "gemma3_window": 2e-6}
 

@@ -10,7 +10,7 @@ import cp_attention as cpa
 
 
 def owner(layout: str, t: int, seq_len: int, n: int) -> int:
-    """Which rank holds global token t, written from DESIGN.md's table, not from the library."""
+    """Which rank holds global token t, written from docs/design.md's table, not from the library."""
     if layout == "contiguous":
         return t // (seq_len // n)
     if layout == "zigzag":

@@ -97,3 +97,19 @@ def test_each_rank_runs_its_own_backward():
     assert [flag for flag, _ in results] == [False] * 3
     assert sorted(ctx_thread) == sorted(name for _, name in results)
     assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
+
+
+def test_training_reduces_gradients_over_loopback_ranks():
+    """reduce_gradients takes a transport as its group: summed over CP, averaged over DP."""
+    from cp_attention.training import reduce_gradients
+
+    def body(group):
+        p = torch.nn.Parameter(torch.zeros(2))
+        p.grad = torch.full((2,), float(group.rank + 1))
+        reduce_gradients([p], cp_group=group)
+        q = torch.nn.Parameter(torch.zeros(2))
+        q.grad = torch.full((2,), float(group.rank + 1))
+        reduce_gradients([q], cp_group=LoopbackGroup(1).rank(0), dp_group=group)
+        return p.grad.tolist(), q.grad.tolist()
+
+    assert LoopbackGroup(2).run(body) == [([3.0, 3.0], [1.5, 1.5])] * 2

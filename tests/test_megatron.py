@@ -13,7 +13,7 @@ import cp_attention as cpa  # noqa: E402
 from . import megatron_cases as mc  # noqa: E402
 from . import megatron_packed_cases as mpc  # noqa: E402
 
-FP64 = 1e-10  # DESIGN.md: fp64 model, fp64 reference
+FP64 = 1e-10  # docs/design.md: fp64 model, fp64 reference
 FP32 = 2e-6  # megatron's own loss is computed in fp32
 
 _REFS: dict = {}
@@ -266,7 +266,7 @@ def test_example_tp_and_dp_compose_with_cp(pools):
     dp = pools(2).run(mc.example_losses, argv=EXAMPLE + ["--cp-size", "1"], timeout=180)
     cp_dp = pools(4).run(mc.example_losses, argv=EXAMPLE + ["--cp-size", "2", "--layout", "contiguous"],
                          timeout=180)
-    # megatron's cross-entropy runs in fp32 even for an fp64 model: DESIGN.md's fp32 bound.
+    # megatron's cross-entropy runs in fp32 even for an fp64 model: docs/design.md's fp32 bound.
     assert len(single) == 3 and single[-1] < single[0], single
     for rank, losses in enumerate(tp_cp):
         assert max(abs(a - b) for a, b in zip(losses, single)) <= FP32, (rank, losses, single)

@@ -146,3 +146,34 @@ def test_transports_share_one_protocol():
     for transport in (ProcessGroupTransport(None), LoopbackGroup(2).rank(1), ReplayComm(0, 4)):
         assert isinstance(transport, Transport), type(transport).__name__
     assert not isinstance(object(), Transport)
+
+
+class UnlistedLayout(cpa.ContiguousLayout):
+    """A Layout object its user never registered: it runs as it is, by object, not by name."""
+
+    name = "unlisted_contiguous"
+
+
+@pytest.mark.parametrize("use_plan", [False, True])
+def test_a_layout_known_to_no_registry_runs_as_an_object(use_plan):
+    with pytest.raises(ValueError, match="unknown layout"):
+        cpa.get_layout("unlisted_contiguous")
+    _assert_exact(loopback_errors(3, layout=UnlistedLayout(), causal=True, use_plan=use_plan))
+    _assert_exact(loopback_errors(2, layout=UnlistedLayout(), causal=True, use_plan=use_plan,
+                                  **_case("packed", 2)))
+
+
+def test_ranks_passing_different_layouts_are_told_apart_by_name():
+    loop = LoopbackGroup(2)
+    q = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+
+    def rank_fn(group):
+        layout = UnlistedLayout() if group.rank == 1 else "contiguous"
+        try:
+            cpa.ring_attention(q, q, q, group=group, layout=layout)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    messages = loop.run(rank_fn)
+    assert len(set(messages)) == 1 and "same layout" in messages[0] and "contiguous" in messages[0], messages

@@ -65,7 +65,7 @@ def test_tiny_shards(pools, world_size, layout, local_len):
 
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
 def test_long_sequence_fp32(pools, layout):
-    """A longer sequence in fp32 (tolerance scaled with sqrt of the length, as DESIGN.md allows)."""
+    """A longer sequence in fp32 (tolerance scaled with sqrt of the length, as docs/design.md allows)."""
     world_size, local_len = 4, 256
     atol = 2e-6 * (local_len * world_size / 64) ** 0.5
     errors = pools(world_size).run(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -102,13 +103,22 @@ def _window_codes(window_size) -> list[int]:
 PLAN_CODES = 7  # how many ints plan_codes returns
 
 
+def layout_code(name: str) -> int:
+    """A layout's name as an int every process computes alike: a registered layout and a Layout object
+    known to no registry are told apart by name, not by a registry index."""
+    return zlib.crc32(name.encode()) & ((1 << 62) - 1)
+
+
+def _layout_label(code: int) -> str:
+    """The name behind a :func:`layout_code`, for messages (the code itself for an unregistered one)."""
+    return next((n for n in layout_names() if layout_code(n) == code), f"a layout of code {code}")
+
+
 def plan_codes(layout, causal, cu_seqlens=None, window_size=None) -> list[int]:
     """What is fixed for a batch, as ints: layout, causal, packed documents (count, length,
     fingerprint) and window. Never raises (see :func:`tensor_codes`)."""
     try:
-        name = get_layout(layout).name
-        names = layout_names()
-        sig = [names.index(name) if name in names else _UNKNOWN]
+        sig = [layout_code(get_layout(layout).name)]
     except (ValueError, TypeError):
         sig = [_UNKNOWN]
     try:
@@ -251,7 +261,8 @@ def _raise_differing(what: str, fields: dict[str, str], rows: list) -> None:
     for field, label in fields.items():
         values = [row[field] if isinstance(row, dict) else getattr(row, field) for row in rows]
         if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            shown = [_layout_label(v) if field == "layout" else v for v in values]
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
             raise ValueError(
                 f"{what}: every rank of the group must pass the same {label}, got {per_rank}; "
                 "shard every tensor with the same layout and call with the same arguments on all ranks")
@@ -269,7 +280,7 @@ def check_plan_table(table: list[list[int]], layout: "Layout | None") -> None:
                                        for r in rows])
     _raise_differing("cp_attention.plan", {f: _FIELD_NAMES[f] for f in _PLAN_FIELDS}, rows)
     if rows[0]["documents"]:
-        layout = layout if layout is not None else get_layout(layout_names()[rows[0]["layout"]])
+        layout = layout if layout is not None else get_layout(_layout_label(rows[0]["layout"]))
         try:
             layout.check(rows[0]["packed_len"], world_size)
         except ValueError as e:
@@ -298,7 +309,7 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
     _raise_differing("ring_attention", _FIELD_NAMES, specs)
     sq = specs[0].shapes[0][1]
     if layout is None:
-        layout = get_layout(layout_names()[specs[0].layout])
+        layout = get_layout(_layout_label(specs[0].layout))
     try:
         layout.check(sq * world_size, world_size)
     except ValueError as e:

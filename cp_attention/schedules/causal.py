@@ -2,7 +2,7 @@
 
 Pure Python, no torch.distributed. At ring step ``s`` rank ``r`` holds the K/V shard of rank
 ``j = (r - s) mod N``. A schedule maps (causal, rank, world_size, step, local_len) to a tuple of
-:class:`BlockTask`. The rules are in DESIGN.md; ``tests/test_schedule.py`` proves against a mask
+:class:`BlockTask`. The rules are in docs/design.md; ``tests/test_schedule.py`` proves against a mask
 oracle that every allowed (query, key) pair is computed exactly once.
 """
 
@@ -84,12 +84,13 @@ def rank_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, 
               ) -> list[tuple[BlockTask, ...]]:
     """All ring steps for one rank without packed documents or windows: ``plan[step]`` is the tuple of
     tasks at that step. Raises ``ValueError`` for an unknown layout or one without a schedule of its
-    own (use :func:`~cp_attention.schedules.lowering.plain_steps`, which derives one)."""
+    own (:func:`~cp_attention.schedules.derived.block_plans` derives its blocks from its positions)."""
     fn = get_schedule(layout)
     if fn is None:
         name = get_layout(layout).name
         raise ValueError(f"layout {name!r} has no ring schedule of its own; its blocks derive from its positions "
-                         f"(cp_attention.schedules.plain_steps), or register one with register_schedule({name!r}, fn)")
+                         f"(cp_attention.schedules.block_plans; ring_attention does this itself), or register one with "
+                         f"register_schedule({name!r}, fn)")
     return [fn(causal, rank, world_size, s, local_len) for s in range(world_size)]
 
 

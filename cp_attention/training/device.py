@@ -24,6 +24,8 @@ from typing import ContextManager, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from ..transport import transport_for
+
 __all__ = ["DEVICES", "BACKENDS", "PRECISIONS", "Placement", "backend_for", "backend_device_type", "placement",
            "rank_device", "collective_device", "all_reduce_", "autocast"]
 
@@ -135,7 +137,10 @@ def collective_device(group=None) -> torch.device:
 
 def all_reduce_(tensor: torch.Tensor, group=None, op=None) -> torch.Tensor:
     """``dist.all_reduce`` (``op`` default: sum) on :func:`collective_device`, in place on ``tensor``
-    wherever it lives (a copy only when the two devices differ); returns ``tensor``."""
+    wherever it lives (a copy only when the two devices differ); returns ``tensor``. A sum goes
+    through the group's transport (:meth:`~cp_attention.transport.base.Transport.all_reduce_sum_`)."""
+    if op is None:
+        return transport_for(group).all_reduce_sum_(tensor)
     on = tensor.to(collective_device(group))
     dist.all_reduce(on, op=dist.ReduceOp.SUM if op is None else op, group=group)
     if on is not tensor:

@@ -10,16 +10,15 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .device import all_reduce_
+from ..transport import group_rank_and_size, transport_for
 
 __all__ = ["reduce_gradients", "train_step", "progress_line"]
 
 
 def _group_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return group_rank_and_size(group)[1]
 
 
 def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp_group=None, dp_group=None) -> None:
@@ -28,7 +27,7 @@ def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp
     ``cp_group=None`` is the default group, as in ``ring_attention``; ``dp_group=None`` means no data
     parallelism. Gradients travel as one flattened bucket per dtype and device, so each group costs
     one collective per bucket, on the device the group's backend needs (CUDA for NCCL, CPU for gloo).
-    Parameters without a gradient are left alone.
+    Parameters without a gradient are left alone. Either group may be a transport (the loopback's ranks).
     """
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
     buckets: dict[tuple, list[torch.Tensor]] = {}
@@ -41,9 +40,9 @@ def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp
     for grads in buckets.values():
         flat = _flatten_dense_tensors(grads)
         if cp_size > 1:
-            all_reduce_(flat, group=cp_group)
+            transport_for(cp_group).all_reduce_sum_(flat)
         if dp_size > 1:
-            all_reduce_(flat, group=dp_group)
+            transport_for(dp_group).all_reduce_sum_(flat)
             flat.div_(dp_size)
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)

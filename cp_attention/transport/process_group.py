@@ -118,10 +118,15 @@ class ProcessGroupTransport:
         return parts
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group in place (a no-op alone)."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
-        return tensor
+        """Sum ``tensor`` over the group in place, wherever it lives (a no-op alone): the reduction runs
+        on the device the backend needs (this rank's CUDA device for NCCL, the CPU for gloo), with a
+        copy only when the tensor lives elsewhere."""
+        if self.world_size == 1:
+            return tensor
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        on = tensor.to(device)
+        dist.all_reduce(on, group=self.group)
+        return tensor if on is tensor else tensor.copy_(on)
 
 
 _TOKENS: "weakref.WeakKeyDictionary[Any, object]" = weakref.WeakKeyDictionary()
