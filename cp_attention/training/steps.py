@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..transport import group_rank_and_size, transport_for
+from ..transport import group_rank_and_size
+from .device import all_reduce_
 
 __all__ = ["reduce_gradients", "train_step", "progress_line"]
 
@@ -40,9 +41,9 @@ def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp
     for grads in buckets.values():
         flat = _flatten_dense_tensors(grads)
         if cp_size > 1:
-            transport_for(cp_group).all_reduce_sum_(flat)
+            all_reduce_(flat, group=cp_group)
         if dp_size > 1:
-            transport_for(dp_group).all_reduce_sum_(flat)
+            all_reduce_(flat, group=dp_group)
             flat.div_(dp_size)
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
