@@ -7,9 +7,12 @@ process group the group has one member and nothing is ever sent.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,38 @@ def group_rank_and_size(group=None) -> tuple[int, int]:
 def _is_transport(group: Any) -> bool:
     # Duck-typed rather than isinstance(Transport): a Protocol check would test every member.
     return hasattr(group, "exchange") and hasattr(group, "all_gather_ints")
+
+
+_RELEASE_POLL_S = 1e-4
+_RELEASE_TIMEOUT_S = 10.0
+
+
+@contextlib.contextmanager
+def _released_by_gloo(tensors: Sequence[torch.Tensor], gloo: bool) -> Iterator[None]:
+    """Run one blocking collective on ``tensors`` inside; on gloo, leave only once gloo's worker thread
+    has let go of them.
+
+    A blocking gloo collective returns as soon as its work is done, but gloo's worker thread frees the
+    work (which holds the tensors) a moment later, and dropping a tensor with a Python object takes
+    the GIL there. If the user's script ends right after (its last collective was this one), the
+    interpreter is finalising by then: CPython ends the worker inside gloo's ``noexcept`` loop and the
+    process aborts after a successful run ("terminate called without an active exception"), with or
+    without ``destroy_process_group``. Waiting here, with the GIL released, until the tensors' C++
+    reference counts are back where they were lets the worker finish first. Warns if it has not
+    within ``_RELEASE_TIMEOUT_S``; the result is right either way.
+    """
+    if not gloo:
+        yield
+        return
+    before = [t._use_count() for t in tensors]
+    yield
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    while any(t._use_count() > n for t, n in zip(tensors, before)):
+        if time.monotonic() > deadline:
+            warnings.warn(f"gloo's worker still holds a finished collective's tensors after {_RELEASE_TIMEOUT_S} s; "
+                          "if the script ends now, the process may abort at exit", RuntimeWarning, stacklevel=3)
+            return
+        time.sleep(_RELEASE_POLL_S)
 
 
 class _Pending:
@@ -106,15 +141,18 @@ class ProcessGroupTransport:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine, group=self.group)
+        with _released_by_gloo([mine, *parts], self.backend == "gloo"):
+            dist.all_gather(parts, mine, group=self.group)
         return torch.stack(parts).tolist()
 
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's contiguous ``tensor``, in rank order (one all-gather)."""
         if self.world_size == 1:
             return [tensor]
+        tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        with _released_by_gloo([tensor, *parts], self.backend == "gloo"):
+            dist.all_gather(parts, tensor, group=self.group)
         return parts
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -125,7 +163,8 @@ class ProcessGroupTransport:
             return tensor
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         on = tensor.to(device)
-        dist.all_reduce(on, group=self.group)
+        with _released_by_gloo([on], self.backend == "gloo"):
+            dist.all_reduce(on, group=self.group)
         return tensor if on is tensor else tensor.copy_(on)
 
 
