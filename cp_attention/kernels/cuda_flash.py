@@ -45,20 +45,29 @@ class FlashKernel(FusedKernel):
     supports_varlen = True
 
     def _fwd(self, q, k, v, causal, scale):
+        return self._op_forward(q, k, v, None, None, q.shape[1], k.shape[1], causal, scale)
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        return self._op_backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], causal, scale)
+
+    @staticmethod
+    def _op_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+        # Dense bshd (cu_q None) or varlen [T, H, D]; head dims padded to one multiple of 8.
         d = round_up(max(q.shape[-1], v.shape[-1]), 8)
         out, lse = _aten._flash_attention_forward(
-            pad_head(q, d), pad_head(k, d), pad_head(v, d), None, None, q.shape[1], k.shape[1], 0.0, causal, False,
+            pad_head(q, d), pad_head(k, d), pad_head(v, d), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
             scale=scale)[:2]
         return out[..., :v.shape[-1]], lse
 
-    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+    @staticmethod
+    def _op_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
         dqk, dvd = q.shape[-1], v.shape[-1]
         d = round_up(max(dqk, dvd), 8)
-        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = _aten._flash_attention_backward(
             pad_head(dout.to(q.dtype), d), pad_head(q, d), pad_head(k, d), pad_head(v, d),
-            pad_head(out.to(q.dtype), d), lse.float().contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal,
+            pad_head(out.to(q.dtype), d), lse.float().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal,
             rng_state, unused, scale=scale)
         return dq[..., :dqk], dk[..., :dqk], dv[..., :dvd]
 
@@ -70,11 +79,7 @@ class FlashKernel(FusedKernel):
         ``max_k`` long (host ints: no sync). ``causal`` needs every sequence square. Returns
         ``out [Tq, H, Dv]`` (q's dtype) and ``lse [H, Tq]`` (fp32, natural log)."""
         q, scale, _ = positive_scale(q, scale)
-        d = round_up(max(q.shape[-1], v.shape[-1]), 8)
-        out, lse = _aten._flash_attention_forward(
-            pad_head(q, d), pad_head(k, d), pad_head(v, d), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-            scale=scale)[:2]
-        return out[..., :v.shape[-1]], lse
+        return self._op_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
     def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
@@ -82,13 +87,5 @@ class FlashKernel(FusedKernel):
         """Gradients of :meth:`forward_varlen`'s sequences given the final ``out [Tq, H, Dv]`` and
         ``lse [H, Tq]``: ``dq [Tq, H, D]``, ``dk [Tk, Hkv, D]``, ``dv [Tk, Hkv, Dv]``."""
         q, scale, sign = positive_scale(q, scale)
-        dqk, dvd = q.shape[-1], v.shape[-1]
-        d = round_up(max(dqk, dvd), 8)
-        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        unused = torch.empty(0, device=q.device)
-        dq, dk, dv = _aten._flash_attention_backward(
-            pad_head(dout.to(q.dtype), d), pad_head(q, d), pad_head(k, d), pad_head(v, d),
-            pad_head(out.to(q.dtype), d), lse.float().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal,
-            rng_state, unused, scale=scale)
-        dq = dq[..., :dqk]
-        return (dq if sign > 0 else -dq), dk[..., :dqk], dv[..., :dvd]
+        dq, dk, dv = self._op_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+        return (dq if sign > 0 else -dq), dk, dv
