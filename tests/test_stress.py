@@ -52,6 +52,18 @@ def test_every_target_is_a_command_that_exists():
                 assert not test or f"def {test.split('[')[0]}(" in (ROOT / path).read_text(), (name, part)
 
 
+
+def test_the_user_snippet_targets_run_the_readme_block(tmp_path):
+    """The snippet targets run the README's HuggingFace block as a file, with and without its
+    destroy_process_group(); both variants compile."""
+    destroy, keep = (stress._command(t, ROOT, tmp_path)[-1] for t in ("user_snippet", "user_snippet_no_destroy"))
+    assert "destroy_process_group()" in Path(destroy).read_text()
+    assert "destroy_process_group()" not in Path(keep).read_text()
+    assert "huggingface as cphf" in Path(keep).read_text()
+    for path in (destroy, keep):
+        compile(Path(path).read_text(), path, "exec")
+
+
 # --- pool workers exit cleanly (issue 12): exit code 0, no "terminate called" in their stderr ---
 
 def _ring_with_a_subgroup(rank: int, world_size: int) -> float:

@@ -26,6 +26,9 @@ jobs were running; the times vary by a third either way):
 - ``ring`` (~30 s): every case of tests/test_ring.py, test_faults.py and test_validation.py.
 - ``pools`` (~35 s): tests/test_stress.py, the pools' own exit paths (closed, timed out, a worker
   dead, the parent dead), each asserting exit code 0 and no "terminate called".
+- ``user_snippet``, ``user_snippet_no_destroy`` (~12 s): the README's HuggingFace snippet as a user
+  runs it, ``torchrun --nproc-per-node=2`` on gloo, ending with and without ``destroy_process_group``:
+  a user's script has no ``os._exit`` to protect it, so only the library's own clean exits count.
 - ``compare_smoke`` (~26 s): ``scripts/compare_layouts.py experiment=smoke packed=smoke``, whose
   four benchmarks spawn ranks that run torch's own CP ring (it keeps groups registered past their
   destroy) and many distinct ``ring_attention`` signatures; CI caught an abort here once.
@@ -68,7 +71,14 @@ TARGETS = {
     "compare_smoke": [sys.executable, "scripts/compare_layouts.py", "experiment=smoke", "packed=smoke",
                       f"out_dir={os.path.join(tempfile.gettempdir(), 'cp_attention_stress_compare')}"],
     "pools": [*_PYTEST, "tests/test_stress.py"],
+    # a user's script under torchrun: the README's HuggingFace block, written out by _snippet_file
+    "user_snippet": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                     "{snippet:destroy}"],
+    "user_snippet_no_destroy": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                "--nproc-per-node=2", "{snippet:keep}"],
 }
+_SNIPPET_MARK = "huggingface as cphf"  # the README block to run
+_DESTROY = "dist.destroy_process_group()\n"
 DEFAULT_TARGETS = ("finetune_hf", "pretrain_megatron", "dist")  # 100 runs: about an hour on 2 cores
 POOL_STDERR_ENV = "CP_ATTENTION_POOL_STDERR"  # tests/conftest.py imports it
 
@@ -105,6 +115,25 @@ def run_once(cmd: "list[str]", root: "str | Path", timeout: float) -> "tuple[str
         return classify(proc.returncode, output), proc.returncode, output
 
 
+def _snippet_file(root: "str | Path", variant: str, directory: "str | Path") -> str:
+    """The README's HuggingFace block written to ``directory``, ending with ``destroy_process_group()``
+    (``variant`` 'destroy') or without it ('keep'). Raises ``ValueError`` if the README has no such block."""
+    text = (Path(root) / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    block = next((b for b in blocks if _SNIPPET_MARK in b), None)
+    if block is None or _DESTROY not in block:
+        raise ValueError(f"README.md has no python block with {_SNIPPET_MARK!r} ending in destroy_process_group()")
+    path = Path(directory) / f"user_snippet_{variant}.py"
+    path.write_text(block if variant == "destroy" else block.replace(_DESTROY, ""))
+    return str(path)
+
+
+def _command(target: str, root: "str | Path", directory: "str | Path") -> "list[str]":
+    """The target's command, a snippet placeholder replaced by its file."""
+    return [_snippet_file(root, arg[9:-1], directory) if arg.startswith("{snippet:") else arg
+            for arg in TARGETS[target]]
+
+
 def _text(data: "str | bytes | None") -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
@@ -119,10 +148,12 @@ def main(argv: "list[str] | None" = None, root: "str | Path" = ".") -> int:
     args = parse_args(argv)
     counts = {t: {"ok": 0, "aborted": 0, "failed": 0, "timeout": 0, "seconds": 0.0} for t in args.targets}
     t_start = time.perf_counter()
+    snippets = tempfile.mkdtemp(prefix="cp_attention_stress_")
+    commands = {t: _command(t, root, snippets) for t in args.targets}
     for i in range(args.runs):
         for target in args.targets:
             t0 = time.perf_counter()
-            verdict, code, output = run_once(TARGETS[target], root, args.timeout)
+            verdict, code, output = run_once(commands[target], root, args.timeout)
             if verdict == "timeout":
                 print(f"  run {i + 1} {target}: timed out after {args.timeout} s", flush=True)
             elif verdict != "ok":
