@@ -10,9 +10,8 @@ Every case fails on a host sync (a read of device data on the host: ``.item()``,
 checks would reject, and on any blocking host->device copy or device->host read during the per-layer
 calls of a training step once the batch's plan is built. The first call of a batch builds the plan's
 steps; their index tensors may be uploaded then, from pinned memory without blocking, and never again.
-
-The matrix is covered pairwise rather than in full: per kernel and dtype, plain causal attention on
-every layout at N=2 and N=4, then one case per feature with N and the layout rotating.
+The matrix is pairwise: per kernel and dtype, plain causal on every layout at N=2 and 4, then one case
+per feature.
 """
 
 from __future__ import annotations
@@ -28,11 +27,10 @@ import cp_attention as cpa
 from cp_attention.kernels import cuda_flash_attn, get_kernel
 
 from . import flash_attn_standin
-from .fake_cuda_support import (FakeCuda, PreconditionError, SyncWatch, cuda_guard_problem, phase,
-                                register_flash_attn_fakes, summarize, tape)
+from .fake_cuda_checks import PreconditionError, register_flash_attn_fakes
+from .fake_cuda_support import FakeCuda, SyncWatch, cuda_guard_problem, phase, summarize, tape
 
-# pad_head reads data_ptr() for alignment: a fake tensor's is its storage offset in bytes (as a real
-# allocation's, which is 256-byte aligned)
+# pad_head reads data_ptr(): a fake tensor's is its storage offset in bytes (a real one's is 256-aligned)
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
 LAYOUTS = ("contiguous", "zigzag", "interleaved")
