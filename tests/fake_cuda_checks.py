@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .aten_standins import bind
+
 aten = torch.ops.aten
 _LIB_DIR = os.sep + "cp_attention" + os.sep
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,26 +36,6 @@ def where_in_library() -> str:
 # --------------------------------------------------------------------------- P7 precondition checks
 def round_up(n, m):
     return -(-n // m) * m
-
-
-def bind(name: str, args, kwargs) -> dict:
-    """The arguments of a call of ``aten.<name>`` by the op's schema; TypeError for what it rejects."""
-    schema = getattr(aten, name).default._schema
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    names = {a.name for a in schema.arguments}
-    if len(args) > len(positional):
-        raise TypeError(f"{name}: {len(args)} positional arguments, the schema has {len(positional)}")
-    bound = {a.name: v for a, v in zip(positional, args)}
-    for k, v in kwargs.items():
-        if k in bound or k not in names:
-            raise TypeError(f"{name}: bad keyword argument {k!r}")
-        bound[k] = v
-    for a in schema.arguments:
-        if a.name not in bound:
-            if not a.has_default_value():
-                raise TypeError(f"{name}: missing argument {a.name!r}")
-            bound[a.name] = a.default_value
-    return bound
 
 
 HALF = (torch.float16, torch.bfloat16)
