@@ -5,6 +5,7 @@ patched model takes from it. Re-exported by :mod:`cp_attention.integrations.hugg
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Mapping, Union
 
 import torch
@@ -57,17 +58,39 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
         local, problem, cause = None, (_BATCH_ERRORS.index(type(e)) if type(e) in _BATCH_ERRORS else 0, str(e)), e
     cu = local.get("cu_seq_lens_q") if local is not None else None
     header = shape_header(None if local is None else local["input_ids"]) + documents_header(
-        None if cu is None else tuple(cu.tolist()))
+        None if cu is None else tuple(cu.tolist())) + batch_fingerprint(batch)
     headers = agree(group, world_size, problem, _BATCH_ERRORS, "(on rank {first}; ranks refused: {bad})", header,
                     cause)
     if len(set(headers)) > 1:
         shapes = ", ".join(f"{show_shape(h[:SHAPE_DIMS + 1])} on rank {r}" for r, h in enumerate(headers))
         raise ValueError(f"shard_batch got different batches on the ranks of the group (local input_ids {shapes}, "
-                         "or other document boundaries); every rank must pass the same full batch")
+                         "or other document boundaries or token values); every rank of a CP group must pass the "
+                         "same full batch (with FSDP over dp x cp: the same batch within each dp rank's CP group)")
     return local
 
 
 _BATCH_ERRORS = (ValueError, NotImplementedError, TypeError)
+
+# Weights of the batch fingerprint: an LCG's multiplier and increment (any odd constants would do).
+_MUL, _ADD = 6364136223846793005, 1442695040888963407
+
+
+def batch_fingerprint(batch: Mapping[str, Any]) -> list[int]:
+    """Three integers that differ, but for a ~2**-64 chance, between batches with other entries, shapes or
+    values (order-sensitive): the names and shapes' CRC and two position-weighted sums of every tensor
+    entry's bits, computed on the entries' device with wrapping int64 arithmetic and read at once."""
+    names, sums = [], []
+    for key in sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)):
+        t = batch[key].detach().reshape(-1)
+        names.append(f"{key}{tuple(batch[key].shape)}{t.dtype}")
+        if t.numel() == 0:
+            continue
+        bits = t.double().view(torch.int64) if t.is_floating_point() else t.to(torch.int64)
+        index = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.int64)
+        weight = index * _MUL + _ADD
+        sums.append(torch.stack([(bits * weight).sum(), ((bits + index) * (weight * _MUL + _ADD)).sum()]))
+    total = torch.stack(sums).sum(0).tolist() if sums else [0, 0]
+    return [zlib.crc32(";".join(names).encode()), *total]
 
 
 def _shard_batch(batch: Mapping[str, torch.Tensor], lay: cpa.Layout, rank: int, world_size: int

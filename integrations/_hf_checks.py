@@ -168,6 +168,9 @@ class ForwardChecks:
             self.plan = AttentionPlan(self.layout, transport_for(self.group), True, self.cu, agreed=True)
 
     def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        """Forward hook (``with_kwargs=True, always_call=True``): the forward is over (or raised)."""
+        """Forward hook (``with_kwargs=True, always_call=True``): the forward is over (or raised).
+
+        The plan stays until the next forward: activation checkpointing runs the layers again in
+        backward, on the very tensors this forward accepted, and they reuse it (their calls are then
+        validated outside the agreed scope, as any call is)."""
         self._agreed.leave()
-        self.plan = None

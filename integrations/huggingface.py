@@ -36,13 +36,14 @@ import cp_attention as cpa
 from cp_attention._extras import require_extra
 from cp_attention.kernels import check_kernel_name
 from cp_attention.layouts.documents import longest_document
-from cp_attention.transport import group_rank_and_size, transport_for
+from cp_attention.transport import cp_group, group_rank_and_size, mesh_group, transport_for
 
 from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
 from ._hf_checks import ForwardChecks, check_positions, documents
 from ._hf_masks import RingMask, layer_window, ring_mask
+from ._hf_parallel import parallelize
 
-__all__ = ["apply_context_parallel", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
+__all__ = ["apply_context_parallel", "parallelize", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
            "ATTN_IMPLEMENTATION"]
 
 ATTN_IMPLEMENTATION = "cp_ring"
@@ -169,6 +170,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     data (its position ids, padding, document boundaries) is checked once per forward, before any layer,
     and agreed across the group in one small collective: every rank raises the same error.
     """
+    group = cp_group(group)  # a DeviceMesh: its "cp" dim
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
     rank, world_size = group_rank_and_size(group)
@@ -193,7 +195,10 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
 
     ``logits [batch, local_seq, vocab]``, ``shift_labels [batch, local_seq]`` from :func:`shard_batch`.
     The value is the global mean on every rank; its gradient is this rank's share, so gradients
-    summed over the CP group equal those of the model without CP.
+    summed over the CP group equal those of the model without CP. ``group``: the CP group (a process
+    group, ``None`` for the default one, or a 1-D mesh), or the ``(dp, cp)`` DeviceMesh of
+    :func:`parallelize`: then the mean is over every label token of ALL the mesh's ranks (the global
+    batch of every dp rank), which FSDP's summed gradients need.
     """
     # At least fp32 like HF's loss, but fp64 logits stay fp64.
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -201,9 +206,10 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
                                 ignore_index=IGNORE_INDEX, reduction="sum")
     count = (shift_labels != IGNORE_INDEX).sum().double().to(local_sum.device)  # NCCL needs both on the GPU
     stats = torch.stack([local_sum.detach().double(), count])
-    transport_for(group).all_reduce_sum_(stats)
+    transport_for(mesh_group(group)).all_reduce_sum_(stats)
     total, count = stats[0].to(local_sum.dtype), stats[1].clamp_min(1).to(local_sum.dtype)
-    return (local_sum + (total - local_sum.detach())) / count
+    # The value is exactly the reduced total on every rank (x - x == 0); the gradient is this rank's share.
+    return (total + (local_sum - local_sum.detach())) / count
 
 
 def gather_sequence(x: torch.Tensor, group=None, layout: Union[str, cpa.Layout] = "zigzag",

@@ -2,7 +2,9 @@
 
 from .base import Pending, Transport, agree_by_doubling
 from .loopback import LoopbackGroup, LoopbackRank
+from .mesh import CP_DIM, cp_group, is_device_mesh, mesh_group
 from .process_group import ProcessGroupTransport, group_rank_and_size, transport_for
 
 __all__ = ["Pending", "Transport", "agree_by_doubling", "LoopbackGroup", "LoopbackRank", "ProcessGroupTransport",
-           "group_rank_and_size", "transport_for"]
+           "group_rank_and_size", "transport_for",
+           "CP_DIM", "cp_group", "is_device_mesh", "mesh_group"]

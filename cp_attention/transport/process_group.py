@@ -17,15 +17,19 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .mesh import cp_group
+
 __all__ = ["ProcessGroupTransport", "group_rank_and_size", "group_token", "transport_for"]
 
 
 def group_rank_and_size(group=None) -> tuple[int, int]:
     """This process's rank in ``group`` and the group's size; (0, 1) without torch.distributed.
 
-    ``group`` may be a process group, ``None`` (the default group) or a :class:`~.base.Transport`.
-    Raises ``ValueError`` if this process is not a member of ``group``.
+    ``group`` may be a process group, ``None`` (the default group), a :class:`~.base.Transport` or a
+    ``DeviceMesh`` (its ``"cp"`` dim: :func:`.mesh.cp_group`). Raises ``ValueError`` if this process is
+    not a member of ``group``, or for a mesh without a ``"cp"`` dim.
     """
+    group = cp_group(group)
     if _is_transport(group):
         return group.rank, group.world_size
     if not dist.is_available() or not dist.is_initialized():
@@ -93,6 +97,7 @@ class ProcessGroupTransport:
     """
 
     def __init__(self, group=None) -> None:
+        group = cp_group(group)
         self.rank, self.world_size = group_rank_and_size(group)
         self._group = None if group is None else weakref.ref(group)
         self.backend = dist.get_backend(group) if self.world_size > 1 else None
@@ -179,7 +184,8 @@ def group_token(group: Any) -> object:
     group alive (a gloo group kept past ``destroy_process_group`` is freed at interpreter exit, where
     its threads can abort the process: "terminate called without an active exception"). ``None``
     stands for the default group; a transport gives its own token. Raises ``TypeError`` for an object
-    that cannot be weakly referenced."""
+    that cannot be weakly referenced. A ``DeviceMesh`` stands for its ``"cp"`` group."""
+    group = cp_group(group)
     if _is_transport(group):
         return group.token
     if group is None and not (dist.is_available() and dist.is_initialized()):
@@ -194,5 +200,7 @@ def group_token(group: Any) -> object:
 
 def transport_for(group=None):
     """The :class:`~.base.Transport` for ``group``: a transport (the loopback's ranks, a replay) is
-    returned as it is; a process group or ``None`` gets a :class:`ProcessGroupTransport`."""
+    returned as it is; a process group, ``None`` or a ``DeviceMesh`` (its ``"cp"`` dim) gets a
+    :class:`ProcessGroupTransport`."""
+    group = cp_group(group)
     return group if _is_transport(group) else ProcessGroupTransport(group)

@@ -1,0 +1,139 @@
+"""FSDP2 x CP cases run inside the gloo workers: ``parallelize`` over a (dp, cp) DeviceMesh against one
+process training the same fp64 model on the whole global batch (every dp rank's batch)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from .hf_cases import SEQ, VOCAB, WINDOW_SEQ, build
+
+_MESHES: dict = {}
+
+
+def mesh(dp: int, cp: int):
+    """The worker's (dp, cp) mesh, made once per shape (each makes process groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (dp, cp) not in _MESHES:
+        _MESHES[(dp, cp)] = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    return _MESHES[(dp, cp)]
+
+
+def dp_batch(step: int, dp_rank: int, packed: bool, seq: int) -> "tuple[dict, list[tuple]]":
+    """One dp rank's batch for ``step`` and its documents as ``(ids, labels)`` rows for the reference.
+
+    The dp ranks' batches hold different numbers of label tokens (a masked label span, or other
+    document lengths), so a loss averaged per dp rank would weigh tokens unequally."""
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    if packed:
+        lengths = ([1, 6, 2, seq - 9], [5, seq - 8, 3], [seq - 3, 2, 1])[(step + dp_rank) % 3]
+        rows = [lengths, lengths[::-1]] if dp_rank % 2 == 0 else [lengths]
+        ids = torch.randint(0, VOCAB, (len(rows), seq), generator=g)
+        pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+        docs = []
+        for r, row in enumerate(rows):
+            start = 0
+            for n in row:
+                docs.append((ids[r, start:start + n], ids[r, start:start + n]))
+                start += n
+        return {"input_ids": ids, "position_ids": pos}, docs
+    ids = torch.randint(0, VOCAB, (2, seq), generator=g)
+    labels = ids.clone()
+    labels[0, : 3 + 4 * dp_rank] = -100  # prompt tokens without a label: fewer on dp rank 0
+    return {"input_ids": ids, "labels": labels}, [(ids[r], labels[r]) for r in range(2)]
+
+
+def _reference_step(ref, docs) -> torch.Tensor:
+    """The global batch's mean next-token loss (every labelled token weighs alike), backpropagated."""
+    total, count = 0.0, 0
+    for ids, labels in docs:
+        logits = ref(input_ids=ids[None]).logits[0]
+        target = labels[1:]
+        total = total + torch.nn.functional.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")
+        count += int((target != -100).sum())
+    loss = total / count
+    loss.backward()
+    return loss.detach()
+
+
+def _optimizer(name: str, params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9) if name == "sgd" else torch.optim.AdamW(params, lr=1e-2)
+
+
+def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int, cp: int, packed: bool,
+                checkpointing: bool, optim: str, steps: int = 3) -> dict:
+    """Train ``steps`` steps with ``parallelize`` and, on every rank, the reference on the global batch;
+    return the largest relative differences of the losses and of the full parameters, and what each
+    rank holds of them."""
+    from torch.distributed.tensor import DTensor
+
+    from cp_attention.integrations import huggingface as cphf
+
+    m = mesh(dp, cp)
+    dp_rank = m["dp"].get_local_rank()
+    seq = WINDOW_SEQ if family.endswith("_window") else SEQ
+    ref = build(family)
+    model = cphf.parallelize(copy.deepcopy(ref), m, layout=layout, activation_checkpointing=checkpointing)
+    ref.train(), model.train()
+    opt_ref, opt = _optimizer(optim, ref.parameters()), _optimizer(optim, model.parameters())
+    losses, ref_losses = [], []
+    for step in range(steps):
+        batches = [dp_batch(step, r, packed, seq) for r in range(dp)]
+        ref_losses.append(_reference_step(ref, [d for _, docs in batches for d in docs]).item())
+        local = cphf.shard_batch(batches[dp_rank][0], group=m, layout=layout)
+        out = model(**cphf.model_inputs(local))
+        loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=m)
+        loss.backward()
+        losses.append(loss.item())
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    params, held, full_sizes, rel = dict(model.named_parameters()), 0, 0, 0.0
+    for name, p_ref in ref.named_parameters():
+        p = params[name]
+        assert isinstance(p, DTensor), f"{name} is not sharded"
+        full = p.full_tensor()
+        rel = max(rel, ((full - p_ref).abs().max() / p_ref.abs().max().clamp_min(1e-30)).item())
+        held += p.to_local().numel()
+        full_sizes += full.numel()
+        bound = -(-full.shape[0] // world_size) * full[0].numel()
+        assert p.to_local().numel() <= bound, f"{name}: rank {rank} holds {p.to_local().numel()} > {bound} elements"
+    moved = max(((p0 - p1).abs().max() / p1.abs().max()).item()
+                for p0, p1 in zip(build(family).parameters(), ref.parameters()))
+    return {"params": rel, "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "losses": losses,
+            "held": held, "full": full_sizes, "moved": moved,
+            "impl": model.config._attn_implementation}
+
+
+def refusal(rank: int, world_size: int, *, case: str) -> "tuple[str, str]":
+    """One input ``parallelize`` or ``shard_batch`` must refuse; the exception's type and message."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from cp_attention.integrations import huggingface as cphf
+
+    m = mesh(2, world_size // 2)
+    model = build("llama", seed=rank if case == "weights_differ" else 0)
+    try:
+        if case == "no_cp_dim":
+            cphf.parallelize(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)))
+        elif case == "cp_not_world":
+            cphf.parallelize(model, m["cp"])  # a cp mesh over some of the ranks only
+        elif case == "already_fsdp":
+            flat = mesh(1, world_size)["cp"]  # made on every rank (collective); used on one
+            if rank == 1:  # on one rank only: every rank must still refuse alike
+                fully_shard(model, mesh=flat)
+            cphf.parallelize(model, m)
+        elif case == "weights_differ":
+            cphf.parallelize(model, m)
+        elif case == "batch_differs":  # the cp ranks of one group were given different batches
+            ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(rank))
+            cphf.shard_batch({"input_ids": ids}, group=m, layout="zigzag")
+        else:
+            raise AssertionError(case)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        return type(e).__name__, str(e)
+    finally:
+        dist.barrier()
+    return "none", ""
