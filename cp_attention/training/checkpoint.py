@@ -6,6 +6,10 @@ A checkpoints directory holds, per saved step::
     step_0000006.pt.json   its manifest: step, payload size and SHA-256, world size, resolved config
     latest                 the name of the newest checkpoint, written last
 
+or, for a sharded (FSDP) run, a ``step_0000006/`` directory that ``torch.distributed.checkpoint`` wrote
+(each rank its own shards) with a manifest ``step_0000006.json`` holding every file's size and SHA-256
+(see :mod:`.sharded_checkpoint`).
+
 Each file is written to a temporary name, flushed to disk and renamed (atomic on POSIX), in the
 order payload, manifest, ``latest``: a reader sees a checkpoint whole or not at all. A checkpoint is
 *complete* when its payload matches its manifest (size and SHA-256); one that does not (truncated,
@@ -26,11 +30,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_info",
+__all__ = ["save_checkpoint", "load_checkpoint", "is_sharded", "file_digests", "write_manifest", "latest_checkpoint", "checkpoint_info",
            "find_complete_checkpoint", "check_resume_compatible", "CorruptCheckpointError", "RESUMABLE_CHANGES"]
 
 _LATEST = "latest"
-_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+_STEP_FILE = re.compile(r"^step_(\d+)(\.pt)?$")  # a file, or a sharded directory
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -66,9 +70,7 @@ def save_checkpoint(directory: "str | Path", step: int, state: dict[str, Any]) -
     _atomic_write(path, lambda tmp: tmp.write_bytes(payload))
     manifest = {"format": 1, "step": step, "file": path.name, "bytes": len(payload), "sha256": _sha256(payload),
                 "world_size": state.get("world_size"), "config": state.get("config")}
-    text = json.dumps(manifest, indent=1, default=str)
-    _atomic_write(_manifest_path(path), lambda tmp: tmp.write_text(text))
-    _atomic_write(directory / _LATEST, lambda tmp: tmp.write_text(path.name))
+    write_manifest(path, manifest)
     return path
 
 
@@ -78,14 +80,55 @@ def latest_checkpoint(path: "str | Path") -> Path:
     Raises ``FileNotFoundError`` with what was looked for.
     """
     path = Path(path)
-    if path.is_file():
+    if path.is_file() or is_sharded(path):
         return path
     if path.is_dir() and (path / _LATEST).is_file():
         return path / (path / _LATEST).read_text().strip()
     if path.is_dir() and (path / "checkpoints" / _LATEST).is_file():
         return latest_checkpoint(path / "checkpoints")
-    raise FileNotFoundError(f"no checkpoint at {str(path)!r}: expected a step_*.pt file, a checkpoints directory "
+    raise FileNotFoundError(f"no checkpoint at {str(path)!r}: expected a step_*.pt file, a sharded step_* directory, "
+                            "a checkpoints directory "
                             "with a 'latest' file, or a run directory containing one")
+
+
+def is_sharded(path: "str | Path") -> bool:
+    """Whether ``path`` is a sharded checkpoint: a ``step_*`` directory (complete or not)."""
+    path = Path(path)
+    return path.is_dir() and bool(_STEP_FILE.match(path.name)) and not path.name.endswith(".pt")
+
+
+def file_digests(directory: Path) -> dict[str, list]:
+    """``{name: [bytes, SHA-256]}`` of every file in ``directory`` (a sharded checkpoint's manifest)."""
+    return {p.name: [p.stat().st_size, _sha256(p.read_bytes())] for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def _verify_sharded(path: Path) -> dict:
+    """A sharded checkpoint's manifest, once every file it lists is there with its size and SHA-256."""
+    if not _manifest_path(path).is_file():
+        raise CorruptCheckpointError(f"sharded checkpoint {str(path)!r} has no manifest "
+                                     f"({_manifest_path(path).name}): its save did not finish")
+    try:
+        manifest = json.loads(_manifest_path(path).read_text())
+    except ValueError as e:
+        raise CorruptCheckpointError(f"checkpoint manifest {str(_manifest_path(path))!r} is unreadable: {e}") from e
+    found = file_digests(path)
+    for name, (size, digest) in manifest["files"].items():
+        if name not in found:
+            raise CorruptCheckpointError(f"sharded checkpoint {str(path)!r} lacks {name}, which its manifest lists")
+        if found[name][0] != size:
+            raise CorruptCheckpointError(f"checkpoint file {str(path / name)!r} is truncated or incomplete: "
+                                         f"{found[name][0]} bytes, its manifest records {size}")
+        if found[name][1] != digest:
+            raise CorruptCheckpointError(f"checkpoint file {str(path / name)!r} is corrupt: its SHA-256 differs "
+                                         "from the one its manifest records")
+    return manifest
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Write ``path``'s manifest atomically, then point its directory's ``latest`` at ``path``."""
+    text = json.dumps(manifest, indent=1, default=str)
+    _atomic_write(_manifest_path(path), lambda tmp: tmp.write_text(text))
+    _atomic_write(path.parent / _LATEST, lambda tmp: tmp.write_text(path.name))
 
 
 def _read_verified(path: Path) -> "tuple[bytes, Optional[dict]]":
@@ -122,6 +165,9 @@ def load_checkpoint(path: "str | Path") -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (file or directory), verified against its
     manifest. Raises ``FileNotFoundError`` (nothing there) or :class:`CorruptCheckpointError`."""
     path = latest_checkpoint(path)
+    if is_sharded(path):
+        raise ValueError(f"{str(path)!r} is a sharded (FSDP) checkpoint: resume it with trainer.fsdp=true, or read it "
+                         "with torch.distributed.checkpoint")
     data, _ = _read_verified(path)
     return _load_bytes(path, data)
 
@@ -130,6 +176,8 @@ def checkpoint_info(path: "str | Path") -> dict[str, Any]:
     """Verify one checkpoint file and return its manifest: ``step``, ``world_size`` and ``config``
     (None where the checkpoint did not record them). Raises :class:`CorruptCheckpointError`."""
     path = Path(path)
+    if is_sharded(path):
+        return _verify_sharded(path)
     data, manifest = _read_verified(path)
     if manifest is None:  # written before manifests existed: loading it is the only check
         state = _load_bytes(path, data)
@@ -144,7 +192,7 @@ def find_complete_checkpoint(directory: "str | Path") -> "tuple[Optional[Path], 
     if not directory.is_dir():
         return None, None, []
     steps = sorted(((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))),
-                   reverse=True)
+                   key=lambda x: x[0], reverse=True)
     skipped = []
     for _, path in steps:
         try:
@@ -159,7 +207,10 @@ def find_complete_checkpoint(directory: "str | Path") -> "tuple[Optional[Path], 
 # What may differ between a checkpoint's config and the run that resumes from it. Everything else
 # must be equal, because it changes what a step computes or which data it sees.
 RESUMABLE_CHANGES = ("nproc", "trainer.steps", "trainer.log_every", "trainer.ckpt_every", "trainer.resume_from",
-                     "trainer.stop_after", "trainer.dist_timeout_s", "trainer.device", "trainer.backend", "kernel")
+                     "trainer.stop_after", "trainer.dist_timeout_s", "trainer.device", "trainer.backend", "kernel",
+                     "trainer.activation_checkpointing")
+# A sharded (trainer.fsdp) checkpoint reshards on load: dp x cp may change too, with the same global batch.
+RESHARDABLE_CHANGES = ("cp_size", "trainer.micro_batch")
 
 
 def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
@@ -182,21 +233,35 @@ def check_resume_compatible(info: dict, cfg: dict, world_size: int, path: "str |
     through dp and cp_size, which must match), ``device`` and ``backend`` (a GPU job may continue on
     the CPU or back) and ``kernel`` (exact kernels agree up to rounding, not bit for bit);
     ``trainer.precision`` must match. A field that only one of the two configs has (a config from
-    another version) is not compared. Raises ``ValueError`` naming every differing field with both values.
+    another version) is not compared. A sharded checkpoint (``trainer.fsdp=true``) is resharded on load:
+    ``cp_size``, ``micro_batch`` and so dp may change, as long as the global batch (dp x
+    ``micro_batch`` rows) is the same. Raises ``ValueError`` naming every differing field with both values.
     """
+    sharded = is_sharded(path)
+    if sharded != bool(cfg["trainer"].get("fsdp", False)):
+        raise ValueError(f"cannot resume from {str(path)!r}: it is a {'sharded' if sharded else 'single-file'} "
+                         f"checkpoint, and this run has trainer.fsdp={not sharded}; resume with "
+                         f"trainer.fsdp={sharded}")
     saved = info.get("config")
     if saved is None:
         return
     old, new = _flatten(saved), _flatten(cfg)
-    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)  # noqa: E731
+    resumable = RESUMABLE_CHANGES + (RESHARDABLE_CHANGES if sharded else ())
+    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in resumable)  # noqa: E731
     diffs = [f"{key} (checkpoint: {old[key]!r}, this run: {new[key]!r})"
              for key in old if key in new and not allowed(key) and old[key] != new[key]]
     saved_world = info.get("world_size")
-    if saved_world and "cp_size" in saved and saved_world // saved["cp_size"] != world_size // cfg["cp_size"]:
+    if sharded and saved_world:
+        rows = (saved_world // saved["cp_size"] * saved["trainer"]["micro_batch"],
+                world_size // cfg["cp_size"] * cfg["trainer"]["micro_batch"])
+        if rows[0] != rows[1]:
+            diffs.append(f"the global batch = dp x trainer.micro_batch (checkpoint: {rows[0]} rows, this run: "
+                         f"{rows[1]}; dp = world size / cp_size)")
+    elif saved_world and "cp_size" in saved and saved_world // saved["cp_size"] != world_size // cfg["cp_size"]:
         diffs.append(f"dp = world size / cp_size (checkpoint: {saved_world} / {saved['cp_size']} = "
                      f"{saved_world // saved['cp_size']}, this run: {world_size} / {cfg['cp_size']} = "
                      f"{world_size // cfg['cp_size']})")
     if diffs:
         raise ValueError(f"cannot resume from {str(path)!r}: the config differs from the checkpoint's in "
-                         f"{', '.join(diffs)}. Only {', '.join(RESUMABLE_CHANGES)} may change on resume; restore "
+                         f"{', '.join(diffs)}. Only {', '.join(resumable)} may change on resume; restore "
                          "these values, or train in a new run directory (hydra.run.dir) without resume_from")

@@ -81,6 +81,9 @@ def validate_config(cfg: dict, world_size: int) -> None:
     for key in ("steps", "micro_batch", "grad_accum"):
         if t[key] < 1:
             raise ValueError(f"trainer.{key} must be >= 1, got {t[key]}")
+    for key in ("fsdp", "activation_checkpointing"):
+        if not isinstance(t.get(key, False), bool):
+            raise ValueError(f"trainer.{key} must be true or false, got {t[key]!r}")
     timeout = t.get("dist_timeout_s")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"trainer.dist_timeout_s must be a positive number of seconds (or null for torch's "

@@ -4,6 +4,9 @@ made from, checked, is in :mod:`.config`).
 Each data-parallel replica takes its rows of the global micro-batch; inside a replica the CP ranks
 hold 1/cp of every sequence. The CP loss is the replica's mean over all its tokens, so summing
 gradients over the whole world and dividing by dp gives exactly the gradient of a dp-only run.
+With ``trainer.fsdp=true`` the model is sharded by FSDP2 over dp x cp (``cphf.parallelize``), the loss
+is the mean over every token of the global micro-batch, and checkpoints are sharded
+(:mod:`.sharded_checkpoint`): a resume may change dp x cp, keeping the global batch.
 
 Failures: a rank that dies makes every other rank's next collective fail (gloo: at once, "Connection
 closed by peer"; a rank that hangs: after ``trainer.dist_timeout_s``); each survivor then raises
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from ..launch import run_on_ranks
 from .checkpoint import CorruptCheckpointError, load_checkpoint, save_checkpoint
 from .config import build_model, optimizer, resume_point, trainer_placement, validate_config
+from .sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from .data import ByteBatches, PackedBatches, load_bytes, load_documents
 from .device import all_reduce_, autocast, rank_device
 from .steps import train_step
@@ -111,7 +115,17 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     torch.manual_seed(t["seed"])
     random.seed(t["seed"])
     model = build_model(cfg["model"]).to(device)
-    cphf.apply_context_parallel(model, group=cp_group, layout=layout, kernel=cfg["kernel"]["name"])
+    fsdp, checkpointing = t.get("fsdp", False), t.get("activation_checkpointing", False)
+    if fsdp:  # parameters, gradients and optimizer state sharded over dp x cp; gradients summed by FSDP
+        cphf.parallelize(model, mesh, layout=layout, kernel=cfg["kernel"]["name"],
+                         activation_checkpointing=checkpointing)
+    else:
+        cphf.apply_context_parallel(model, group=cp_group, layout=layout, kernel=cfg["kernel"]["name"])
+        if checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # FSDP: the loss is the mean over the global batch (all dp x cp ranks); else over the replica's tokens
+    loss_group = mesh if fsdp else cp_group
     opt, sched = optimizer(model.parameters(), cfg["optim"], t["steps"])
     d = cfg["data"]
     packing = d.get("packing", False)
@@ -123,9 +137,12 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
                               t["seq_len"], t["seed"])
     start = 0
     if resume is not None:
-        state = load_checkpoint(resume)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        if fsdp:  # every rank reads its shards, resharded to this run's dp x cp
+            state = load_sharded_checkpoint(resume, model, opt)
+        else:
+            state = load_checkpoint(resume)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -163,7 +180,7 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
             inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
         with precision:  # use_cache=False: training never reads the KV cache HF would build each step
             out = model(**inputs, use_cache=False)
-            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=cp_group)
+            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=loss_group)
         return loss, loss.detach()
 
     def replica_rows(full):  # the same global batch on every rank; each dp replica takes its rows
@@ -182,7 +199,7 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
             _maybe_kill_self(rank, step + 1)
             micro = [replica_rows(batches.next(dp * t["micro_batch"])) for _ in range(t["grad_accum"])]
             stat = train_step(model, opt, micro, loss_fn, cp_group=cp_group, dp_group=dp_group, scheduler=sched,
-                              grad_clip=t.get("grad_clip"))
+                              grad_clip=t.get("grad_clip"), sharded=fsdp)
             all_reduce_(stat)
             loss_value = stat.item() / world  # equal on the CP ranks of a replica: the mean over replicas
             done = step + 1
@@ -196,14 +213,17 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
                 if done % t["log_every"] == 0 or done == t["steps"]:
                     with metrics_path.open("a") as f:
                         f.write(json.dumps(last) + "\n")
-            if is_main and ((t["ckpt_every"] and done % t["ckpt_every"] == 0) or done == end):
+            if (t["ckpt_every"] and done % t["ckpt_every"] == 0) or done == end:
                 rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
                 if device.type == "cuda":
                     rng["cuda"], rng["cuda_device"] = torch.cuda.get_rng_state_all(), device.index
-                save_checkpoint(ckpt_dir, done, {
-                    "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(), "data": batches.state_dict(), "rng": rng, "config": cfg,
-                    "world_size": world})
+                common = {"step": done, "scheduler": sched.state_dict(), "data": batches.state_dict(), "rng": rng}
+                if fsdp:  # collective: every rank writes its own shards
+                    save_sharded_checkpoint(ckpt_dir, done, model, opt, common, cfg, world)
+                elif is_main:
+                    save_checkpoint(ckpt_dir, done, {**common, "model": model.state_dict(),
+                                                     "optimizer": opt.state_dict(), "config": cfg,
+                                                     "world_size": world})
         where = f"after its last step ({end})"
         if bar is not None:
             bar.close()

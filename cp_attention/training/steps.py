@@ -33,6 +33,10 @@ def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
+        if p.grad is not None and _is_dtensor(p.grad):
+            raise ValueError("reduce_gradients got sharded (DTensor) gradients: a model sharded by FSDP "
+                             "(cphf.parallelize) already has its gradients summed over dp x cp after backward; "
+                             "do not call reduce_gradients on it")
         if p.grad is not None:
             buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     cp_size, dp_size = _group_size(cp_group), (_group_size(dp_group) if dp_group is not None else 1)
@@ -49,14 +53,20 @@ def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp
             g.copy_(reduced)
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[Any],
                loss_fn: Callable[[Any], "tuple[torch.Tensor, torch.Tensor]"], *, cp_group=None, dp_group=None,
-               scheduler: Optional[Any] = None, grad_clip: Optional[float] = None) -> torch.Tensor:
+               scheduler: Optional[Any] = None, grad_clip: Optional[float] = None,
+               sharded: bool = False) -> torch.Tensor:
     """One optimizer step over ``micro_batches`` (gradient accumulation); returns the mean loss value.
 
     ``loss_fn(batch)`` returns ``(objective, value)``: this rank's share of the batch's global mean
     loss, to back-propagate, and the value to report (detached). Gradients are reduced with
-    :func:`reduce_gradients`, clipped to ``grad_clip`` if given, then the optimizer and ``scheduler``
+    :func:`reduce_gradients` (not with ``sharded``: FSDP reduced them in backward), clipped to
+    ``grad_clip`` if given, then the optimizer and ``scheduler``
     step and the gradients are cleared. The result is an fp64 tensor, so nothing here syncs the host.
     """
     total = torch.zeros((), dtype=torch.float64)
@@ -64,7 +74,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         objective, value = loss_fn(batch)
         (objective / len(micro_batches)).backward()
         total = total.to(value.device) + value.detach().double() / len(micro_batches)
-    reduce_gradients(model, cp_group, dp_group)
+    if not sharded:
+        reduce_gradients(model, cp_group, dp_group)
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
