@@ -24,7 +24,7 @@ from cp_attention.transport import CP_DIM, is_device_mesh
 
 from ._agree import agree
 
-__all__ = ["parallelize", "fsdp_mesh"]
+__all__ = ["parallelize", "fsdp_mesh", "checkpoint_activations"]
 
 _KINDS = (ValueError, NotImplementedError)
 
@@ -76,6 +76,17 @@ def _fingerprint(model: torch.nn.Module) -> list[int]:
         sums = stats.tolist()  # once, at set-up
     bits = [struct.unpack("<q", struct.pack("<d", s))[0] for s in sums]
     return [len(params), sum(p.numel() for p in params), *bits]
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Turn on transformers' activation checkpointing (non-reentrant) on ``model``: each decoder layer
+    runs again in backward, reusing its forward's attention plan (see ``_hf_checks.ForwardChecks``)."""
+    model.config.use_cache = False  # training reads no KV cache; transformers warns on every forward else
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def fsdp_mesh(mesh):
@@ -134,8 +145,7 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
                          f"parallelize; per rank [params, elements, sum, sum of squares]: {headers}")
     apply_context_parallel(model, group=mesh, layout=lay, kernel=kernel)
     if activation_checkpointing:
-        model.config.use_cache = False  # training reads no KV cache; transformers warns on every forward else
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     flat = fsdp_mesh(mesh)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     blocks = set(getattr(model, "_no_split_modules", None) or ())

@@ -41,9 +41,9 @@ from cp_attention.transport import cp_group, group_rank_and_size, mesh_group, tr
 from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
 from ._hf_checks import ForwardChecks, check_positions, documents
 from ._hf_masks import RingMask, layer_window, ring_mask
-from ._hf_parallel import parallelize
+from ._hf_parallel import checkpoint_activations, parallelize
 
-__all__ = ["apply_context_parallel", "parallelize", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
+__all__ = ["apply_context_parallel", "parallelize", "checkpoint_activations", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
            "ATTN_IMPLEMENTATION"]
 
 ATTN_IMPLEMENTATION = "cp_ring"

@@ -59,6 +59,10 @@ NOT_RUN: dict[str, str] = {
     "torchrun --max-restarts=3 --nproc-per-node=2 scripts/train.py hydra.run.dir=runs/a trainer.resume_from=auto":
         f"{_TORCHRUN}; {_TRAIN}",
     "torchrun --nproc-per-node=8 scripts/train.py cp_size=4 trainer.precision=bf16": _GPU,
+    "python scripts/train.py trainer.fsdp=true cp_size=2 trainer.ckpt_every=2 trainer.steps=4 trainer.seq_len=64 "
+    "hydra.run.dir=runs/fsdp": "tests/test_train_fsdp.py runs this save and the resharded resume below, smaller",
+    "python scripts/train.py trainer.fsdp=true cp_size=1 trainer.micro_batch=2 trainer.steps=6 trainer.seq_len=64 "
+    "hydra.run.dir=runs/fsdp trainer.resume_from=auto": "tests/test_train_fsdp.py runs it, smaller",
     "python scripts/finetune_hf.py --world-size 1 --device cuda --precision bf16": _GPU,
     # docs/guides/huggingface.md, megatron.md
     "python scripts/finetune_hf.py": _EXAMPLE,

@@ -122,8 +122,7 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     else:
         cphf.apply_context_parallel(model, group=cp_group, layout=layout, kernel=cfg["kernel"]["name"])
         if checkpointing:
-            model.config.use_cache = False
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            cphf.checkpoint_activations(model)
     # FSDP: the loss is the mean over the global batch (all dp x cp ranks); else over the replica's tokens
     loss_group = mesh if fsdp else cp_group
     opt, sched = optimizer(model.parameters(), cfg["optim"], t["steps"])
