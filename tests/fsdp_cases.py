@@ -137,3 +137,60 @@ def refusal(rank: int, world_size: int, *, case: str) -> "tuple[str, str]":
     finally:
         dist.barrier()
     return "none", ""
+
+
+def mixed_precision(rank: int, world_size: int, *, steps: int = 2) -> dict:
+    """FSDP2's MixedPrecisionPolicy through parallelize: an fp64 model computing in fp32 with fp64
+    gradient reduction; relative differences from the fp64 single-process run."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from cp_attention.integrations import huggingface as cphf
+
+    m = mesh(1, world_size)
+    ref = build("llama")
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    model = cphf.parallelize(copy.deepcopy(ref), m, layout="zigzag", mp_policy=policy)
+    opt_ref, opt = _optimizer("sgd", ref.parameters()), _optimizer("sgd", model.parameters())
+    loss_err, dtypes = 0.0, set()
+    for step in range(steps):
+        batch, docs = dp_batch(step, 0, False, SEQ)
+        ref_loss = _reference_step(ref, docs).item()
+        local = cphf.shard_batch(batch, group=m, layout="zigzag")
+        out = model(**cphf.model_inputs(local))
+        dtypes.add(str(out.logits.dtype))
+        loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=m)
+        loss.backward()
+        dtypes.add(str(next(model.parameters()).grad.dtype))
+        loss_err = max(loss_err, abs(loss.item() - ref_loss) / ref_loss)
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    rel = max(((p.full_tensor() - q).abs().max() / q.abs().max()).item()
+              for p, q in zip(model.parameters(), ref.parameters()))
+    return {"loss": loss_err, "params": rel, "dtypes": sorted(dtypes)}
+
+
+def mesh_as_group(rank: int, world_size: int) -> dict:
+    """On a (2, 2) mesh, every CP entry point given the mesh does what it does given the mesh's cp group;
+    causal_lm_loss given the mesh averages over all four ranks' tokens."""
+    import cp_attention as cpa
+    from cp_attention.integrations import huggingface as cphf
+
+    m = mesh(2, world_size // 2)
+    cp, dp_rank = m["cp"].get_group(), m["dp"].get_local_rank()
+    g = torch.Generator().manual_seed(7 + dp_rank)  # one batch per dp rank
+    q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    same = {
+        "ring": torch.equal(cpa.ring_attention(q, k, v, group=m), cpa.ring_attention(q, k, v, group=cp)),
+        "plan": torch.equal(cpa.ring_attention(q, k, v, plan=cpa.plan("zigzag", m)),
+                            cpa.ring_attention(q, k, v, group=cp)),
+        "gather": torch.equal(cphf.gather_sequence(q, group=m), cphf.gather_sequence(q, group=cp)),
+    }
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=g)
+    a, b = cphf.shard_batch({"input_ids": ids}, group=m), cphf.shard_batch({"input_ids": ids}, group=cp)
+    same["shard_batch"] = all(torch.equal(a[key], b[key]) for key in a) and a.keys() == b.keys()
+    logits = torch.randn(1, SEQ // 2, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    loss = cphf.causal_lm_loss(logits, a["shift_labels"], group=m)
+    # the reference: every rank's token losses summed and counted, gathered over the whole world
+    token = torch.nn.functional.cross_entropy(logits[0], a["shift_labels"][0], ignore_index=-100, reduction="sum")
+    stats = torch.stack([token, (a["shift_labels"] != -100).sum().double()])
+    dist.all_reduce(stats)
+    return {**same, "loss": abs(loss.item() - (stats[0] / stats[1]).item())}

@@ -63,3 +63,17 @@ def test_bad_input_is_refused_alike_on_every_rank(pools, case):
     results = pools(4).run(fsdp_cases.refusal, case=case, timeout=180)
     assert len(set(results)) == 1, f"{case}: the ranks raised differently: {results}"
     assert results[0][0] == kind and words in results[0][1], f"{case}: got {results[0]}"
+
+
+def test_mixed_precision_policy(pools):
+    results = pools(2).run(fsdp_cases.mixed_precision, timeout=180)
+    for r in results:
+        # fp32 compute, fp64 gradients: close to the fp64 run at fp32 rounding, not equal
+        assert r["dtypes"] == ["torch.float32", "torch.float64"], r["dtypes"]
+        assert r["loss"] <= 1e-5 and r["params"] <= 1e-4, r
+
+
+def test_a_mesh_is_a_group_everywhere(pools):
+    for rank, r in enumerate(pools(4).run(fsdp_cases.mesh_as_group, timeout=180)):
+        assert all(r[key] for key in ("ring", "plan", "gather", "shard_batch")), (rank, r)
+        assert r["loss"] <= 1e-12, (rank, r)
