@@ -14,11 +14,13 @@ _MESHES: dict = {}
 
 
 def mesh(dp: int, cp: int):
-    """The worker's (dp, cp) mesh, made once per shape (each makes process groups)."""
+    """The worker's (dp, cp) mesh (dp=0: a 1-D mesh named "cp"), made once per shape (each makes
+    process groups)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if (dp, cp) not in _MESHES:
-        _MESHES[(dp, cp)] = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+        _MESHES[(dp, cp)] = (init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)) if dp == 0 else
+                             init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")))
     return _MESHES[(dp, cp)]
 
 
@@ -65,7 +67,7 @@ def _optimizer(name: str, params):
 
 def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int, cp: int, packed: bool,
                 checkpointing: bool, optim: str, steps: int = 3) -> dict:
-    """Train ``steps`` steps with ``parallelize`` and, on every rank, the reference on the global batch;
+    """On the (dp, cp) mesh (dp=0: a 1-D "cp" mesh), train ``steps`` steps with ``parallelize`` and, on every rank, the reference on the global batch;
     return the largest relative differences of the losses and of the full parameters, and what each
     rank holds of them."""
     from torch.distributed.tensor import DTensor
@@ -73,7 +75,8 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int
     from cp_attention.integrations import huggingface as cphf
 
     m = mesh(dp, cp)
-    dp_rank = m["dp"].get_local_rank()
+    dp_rank = m["dp"].get_local_rank() if dp else 0
+    dp = max(dp, 1)
     seq = WINDOW_SEQ if family.endswith("_window") else SEQ
     ref = build(family)
     model = cphf.parallelize(copy.deepcopy(ref), m, layout=layout, activation_checkpointing=checkpointing)
