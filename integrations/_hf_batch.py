@@ -40,7 +40,10 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
     and ``cu_seq_lens_q/k`` (the stream's document boundaries; pass them to the model, which hands them
     to the attention) and ``max_length_q/k`` are added; ``attention_mask`` is dropped.
 
-    Raises ``ValueError`` if the layout cannot split the sequence, for ``input_ids`` that are not
+    A plain batch whose length the layout cannot split (``seq`` not a multiple of its divisor) is
+    packed too, each row one document, so no length is refused.
+
+    Raises ``ValueError`` for ``input_ids`` that are not
     ``[batch, seq]``, ``labels``, ``attention_mask`` (0/1 values) or ``position_ids`` that do not fit
     them, for non-contiguous padding, for packed ``position_ids`` that do not count 0, 1, 2, ... within
     each document, or for bad ``cu_seq_lens_q/k``; ``NotImplementedError`` for padding combined with
@@ -105,9 +108,10 @@ def _shard_batch(batch: Mapping[str, torch.Tensor], lay: cpa.Layout, rank: int, 
     b, s = ids.shape
     _check_entries(batch, b, s)
     rows = _document_rows(batch, b, s)
+    if rows is None and s % lay.divisor(world_size):
+        rows = [(r, 0, s, (0, s)) for r in range(b)]  # each row a document, packed and padded to the divisor
     if rows is not None:
         return _shard_packed(batch, rows, lay, rank, world_size)
-    lay.check(s, world_size)
     positions = torch.arange(s, device=ids.device).expand(b, s)
     labels = batch.get("labels", ids)
     shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)], dim=1)

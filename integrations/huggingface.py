@@ -42,8 +42,9 @@ from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
 from ._hf_checks import ForwardChecks, check_positions, documents
 from ._hf_masks import RingMask, layer_window, ring_mask
 from ._hf_parallel import checkpoint_activations, parallelize
+from ._hf_trainer import context_parallel_trainer
 
-__all__ = ["apply_context_parallel", "parallelize", "checkpoint_activations", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
+__all__ = ["apply_context_parallel", "parallelize", "checkpoint_activations", "context_parallel_trainer", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
            "ATTN_IMPLEMENTATION"]
 
 ATTN_IMPLEMENTATION = "cp_ring"
@@ -72,6 +73,10 @@ class _CPState:
 # the attention values (what a layer returns besides them, or whether a cache object exists).
 # output_attentions is not one of them: the ring never holds the weights, so True is refused.
 _OUTPUT_FLAGS = frozenset({"use_cache", "output_hidden_states", "output_router_logits", "return_dict"})
+# The loss's own arguments, which transformers hands down to every layer with the rest of a forward's
+# kwargs (Trainer passes num_items_in_batch, a CP batch shift_labels); its own attention backends ignore
+# them, and so does the ring: they cannot change attention.
+_LOSS_ONLY = frozenset({"num_items_in_batch", "shift_labels", "ignore_index"})
 
 
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -94,10 +99,12 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Takes only what it implements. Any other argument that is not None (anything a future model
     adds) raises ``NotImplementedError``
     naming it, on every rank alike (they run the same model) and before any communication, instead of
-    being dropped. Only :data:`_OUTPUT_FLAGS` (and ``output_attentions=False``) are accepted without effect.
+    being dropped. Only :data:`_OUTPUT_FLAGS`, the loss's :data:`_LOSS_ONLY` (and
+    ``output_attentions=False``) are accepted without effect.
     """
     unknown = sorted(name for name, val in others.items()
-                     if val is not None and name not in _OUTPUT_FLAGS and not (name == "output_attentions" and not val))
+                     if val is not None and name not in _OUTPUT_FLAGS and name not in _LOSS_ONLY
+                     and not (name == "output_attentions" and not val))
     if unknown:
         raise NotImplementedError(
             f"context-parallel attention got argument(s) it does not implement: {', '.join(unknown)}; "
@@ -133,8 +140,9 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if torch.is_autocast_enabled(device_type):
         # Under autocast RoPE leaves q and k in fp32 while v comes out of its projection in the autocast
         # dtype; run attention in the autocast dtype, as transformers' flash-attention integration does.
+        # Autocast casts fp32 only: an fp64 model stays fp64 (its projections are not cast either).
         dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+        query, key, value = (t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     common = dict(softmax_scale=scaling, kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0)
     plan = state.checks.plan_for(cu_seq_lens_q, causal, extra.get("window_size", (-1, -1)))

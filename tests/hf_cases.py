@@ -326,6 +326,9 @@ def _documents_batch(mode: str, seed: int = 3):
             cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths[0]), 0).tolist()], dtype=torch.int32)
             b.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths[0]), max_length_k=max(lengths[0]))
         return b, docs
+    if mode == "unsplittable":  # a plain batch whose length no layout splits: each row a document
+        ids = torch.randint(0, VOCAB, (2, 13), generator=g)
+        return {"input_ids": ids}, [ids[0], ids[1]]
     real = [13, 5, 17]
     s = max(real) + 3
     ids = torch.randint(0, VOCAB, (len(real), s), generator=g)

@@ -147,10 +147,10 @@ def hf_case(draw, world_size: int):
         batch["cu_seq_lens_q"] = cu_q
         if bad != "only_q":
             batch["cu_seq_lens_k"] = cu_k
-    elif kind == "unsplittable":
+    elif kind == "unsplittable":  # a length the layout cannot split is packed (a document per row): valid
         layout = draw(st.sampled_from(("contiguous", "zigzag", "interleaved")))
         s = _layout(layout).divisor(world_size) * draw(st.integers(1, 2)) + 1
-        batch = {"input_ids": torch.zeros(draw(st.integers(1, 2)), s, dtype=torch.long)}
+        return "valid", layout, {"input_ids": torch.zeros(draw(st.integers(1, 2)), s, dtype=torch.long)}
     return kind, layout, batch
 
 

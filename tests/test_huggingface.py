@@ -114,6 +114,7 @@ def test_supported_features_do_not_trip_the_refusals(pools):
 DOC_MODES = ("packed_positions", "collator", "padded_right", "padded_left")
 DOC_CASES = [(2, fam, lay, mode) for fam in ("llama", "qwen2", "mistral") for lay in cpa.LAYOUT_NAMES
              for mode in DOC_MODES] + [(4, "llama", lay, mode) for lay in cpa.LAYOUT_NAMES for mode in DOC_MODES[::3]]
+DOC_CASES += [(2, "qwen2", "zigzag", "unsplittable"), (4, "llama", "interleaved", "unsplittable")]
 
 
 @pytest.mark.parametrize("world_size,family,layout,mode", DOC_CASES, ids=["-".join(map(str, c)) for c in DOC_CASES])

@@ -55,18 +55,23 @@ def test_dp_times_cp_gradients_match_dp_only(tmp_path):
     train(tmp_path / "dp2cp2", "nproc=4", "cp_size=2", *sgd)
     train(tmp_path / "dp2", "nproc=2", "cp_size=1", *sgd)
     a, b = weights(tmp_path / "dp2cp2"), weights(tmp_path / "dp2")
-    moved = max((a[k] - weights_at_init(tmp_path)[k]).abs().max().item() for k in a)
+    start = weights_at_init(tmp_path / "dp2")
+    moved = max((a[k] - start[k]).abs().max().item() for k in a)
     assert moved > 1e-3  # the step did something
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0, msg=k)
 
 
-def weights_at_init(tmp_path: Path) -> dict:
-    """The initial weights: a zero-step-sized SGD step from the same seed."""
-    run = tmp_path / "init"
-    if not run.exists():
-        train(run, "nproc=2", "cp_size=1", "optim=sgd", "optim.lr=0.0", "trainer.steps=1")
-    return weights(run)
+def weights_at_init(run_dir: Path) -> dict:
+    """The initial weights of the run in ``run_dir``: its model built here as the launcher builds it
+    (the same seed, the same CPU ops)."""
+    from omegaconf import OmegaConf
+
+    from cp_attention.training.config import build_model
+
+    cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    torch.manual_seed(cfg["trainer"]["seed"])
+    return build_model(cfg["model"]).state_dict()
 
 
 def test_resume_continues_exactly(tmp_path):

@@ -1,0 +1,252 @@
+"""Context parallelism inside ``transformers.Trainer`` and TRL's ``SFTTrainer``:
+:func:`context_parallel_trainer` (re-exported by :mod:`cp_attention.integrations.huggingface`).
+
+The Trainer stays in charge of everything it does; the subclass changes four things:
+
+- **data**: the Trainer's loaders are sharded over the dp ranks only (accelerate's own batch-sampler
+  shard, re-pointed from the world to dp), so every CP rank of a dp group draws the same batch;
+  :func:`shard_batch` then takes this rank's share and agrees a fingerprint of it across the CP group;
+- **the loss's token count**: each optimizer step's ``num_items_in_batch`` is counted from the
+  sharded ``shift_labels`` and summed over the world (one all-reduce, as the Trainer's own gather),
+  so the Trainer's own loss (``sum / num_items_in_batch``, times the world size that DDP's average
+  divides by again) weighs every label token of the global batch alike. The model gets
+  ``labels=shift_labels`` and ``shift_labels``: transformers' loss and TRL's fused head then do not
+  shift again;
+- **evaluation**: the loss is the CP group's token mean, the logits are gathered to the full batch,
+  and the metrics' all-gather keeps one copy per dp group;
+- ``get_cp_size()`` is cp, so the Trainer's batch-size arithmetic counts dp ranks.
+
+Why a subclass: accelerate's ``ParallelismConfig(cp_size=...)`` and the Trainer's CP path run
+PyTorch's own context parallelism only (``cp_backend="torch"``, SDPA, GPU, FSDP2); neither offers a
+hook through which a third-party CP backend can register. The subclass uses the Trainer's documented
+override points (``get_batch_samples``, ``get_*_dataloader``, ``prediction_step``,
+``evaluation_loop``, ``get_cp_size``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Union
+
+import torch
+
+import cp_attention as cpa
+from cp_attention.kernels import check_kernel_name
+from cp_attention.transport import transport_for
+
+__all__ = ["context_parallel_trainer"]
+
+
+def _refusals(trainer, cp_size: int, world: int) -> None:
+    """What a CP Trainer cannot honour exactly; raised before any communication (the same on every
+    rank: the Trainer's arguments are)."""
+    args = trainer.args
+    if cp_size < 1 or world % cp_size:
+        raise ValueError(f"cp_size={cp_size} must divide the world size {world} (dp = world / cp_size); set cp_size "
+                         f"to a divisor of {world} or change torchrun's --nproc-per-node")
+    if args.label_smoothing_factor:
+        raise NotImplementedError("label_smoothing_factor > 0 is not supported with context parallelism (the label "
+                                  "smoother shifts the labels again); set label_smoothing_factor=0")
+    if trainer.compute_loss_func is not None:
+        raise NotImplementedError("compute_loss_func is not supported with context parallelism: it would get this "
+                                  "rank's already shifted labels; compute the loss in a compute_loss override")
+    if args.n_gpu > 1:
+        raise NotImplementedError("torch.nn.DataParallel (n_gpu > 1 in one process) cannot run context parallelism; "
+                                  "run one process per GPU under torchrun")
+
+
+def _shard_over_dp(loader, dp: int, dp_rank: int):
+    """Re-point accelerate's shard of ``loader`` from the world to the dp ranks (the Trainer does the same
+    for its rebalancing sampler); returns ``loader``. Raises ``NotImplementedError`` for a loader it
+    does not know how to shard (iterable datasets dispatched from rank 0)."""
+    shard = getattr(loader, "batch_sampler", None)
+    if shard is not None and hasattr(shard, "num_processes"):
+        shard.num_processes, shard.process_index = dp, dp_rank
+        return loader
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and hasattr(dataset, "num_processes") and hasattr(dataset, "process_index"):
+        dataset.num_processes, dataset.process_index = dp, dp_rank
+        return loader
+    raise NotImplementedError(f"cannot shard the Trainer's {type(loader).__name__} over the dp ranks only; use a "
+                              "map-style dataset (or an iterable one with dispatch_batches=False)")
+
+
+def context_parallel_trainer(base: type) -> type:
+    """A subclass of ``base`` (``transformers.Trainer``, ``trl.SFTTrainer`` or a subclass of either)
+    whose constructor takes ``cp_size`` (default 1: the Trainer unchanged), ``cp_layout`` (default
+    ``"zigzag"``) and ``cp_kernel`` (default ``"auto"``) besides the base's own arguments.
+
+    Under ``torchrun --nproc-per-node=W`` the world is dp x cp, dp = W / cp_size: the model's attention
+    runs ring attention over each CP group, and training, evaluation and ``predict`` equal the Trainer
+    without CP on the same global batch. Raises ``TypeError`` for a base that is not a Trainer; the
+    constructor raises ``ValueError`` for a cp_size that does not divide the world or an unknown
+    layout or kernel, and ``NotImplementedError`` for label smoothing, ``compute_loss_func`` or
+    ``n_gpu > 1``.
+    """
+    from transformers import Trainer
+
+    if not (isinstance(base, type) and issubclass(base, Trainer)):
+        raise TypeError(f"context_parallel_trainer takes a transformers.Trainer class (or a subclass such as "
+                        f"trl.SFTTrainer), got {base!r}")
+    return type(f"ContextParallel{base.__name__}", (_ContextParallelMixin, base),
+                {"__doc__": f"{base.__name__} with context parallelism: see context_parallel_trainer."})
+
+
+class _ContextParallelMixin:
+    """The overrides of :func:`context_parallel_trainer` (placed before the Trainer in the MRO)."""
+
+    def __init__(self, *args: Any, cp_size: int = 1, cp_layout: Union[str, cpa.Layout] = "zigzag",
+                 cp_kernel: str = "auto", **kwargs: Any) -> None:
+        self.cp_layout, self.cp_size, self._cp_group, self._cp_mesh = cpa.get_layout(cp_layout), cp_size, None, None
+        check_kernel_name(cp_kernel)
+        super().__init__(*args, **kwargs)
+        world = self.args.world_size
+        _refusals(self, cp_size, world)
+        self._dp, self._dp_rank = world // cp_size, 0
+        if cp_size == 1:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .huggingface import apply_context_parallel
+
+        self._cp_mesh = init_device_mesh(self.args.device.type, (self._dp, cp_size), mesh_dim_names=("dp", "cp"))
+        self._cp_group = self._cp_mesh["cp"].get_group()
+        self._dp_rank = self._cp_mesh["dp"].get_local_rank()
+        apply_context_parallel(self.model, group=self._cp_group, layout=self.cp_layout, kernel=cp_kernel)
+        self.model.config.use_cache = False  # training and evaluation read no KV cache
+
+    # ---------------------------------------------------------------------------- data
+    def get_cp_size(self) -> int:
+        return self.cp_size
+
+    def get_train_dataloader(self):
+        return self._cp_loader(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._cp_loader(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._cp_loader(super().get_test_dataloader(test_dataset))
+
+    def _cp_loader(self, loader):
+        return loader if self._cp_group is None else _shard_over_dp(loader, self._dp, self._dp_rank)
+
+    def _cp_shard(self, batch: dict) -> dict:
+        """This rank's share of ``batch`` (see :func:`shard_batch`), as the model takes it: the shifted
+        labels both as ``labels`` and ``shift_labels`` (the loss must not shift them again)."""
+        from ._hf_batch import model_inputs, shard_batch
+
+        # seq_idx (TRL's padding-free collator) restates cu_seq_lens_q's documents per token; the ring
+        # takes the documents from cu_seq_lens_q
+        full = {k: v for k, v in batch.items() if k != "seq_idx"}
+        local = shard_batch(full, group=self._cp_group, layout=self.cp_layout)
+        inputs = {**model_inputs(local), **{k: v for k, v in full.items() if not isinstance(v, torch.Tensor)}}
+        if "labels" in batch:
+            inputs["labels"] = inputs["shift_labels"] = local["shift_labels"]
+        return inputs
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The Trainer's next ``num_batches`` batches, sharded, and the label tokens of the whole
+        global step (every rank's, each counted once) as ``num_items_in_batch``."""
+        if self._cp_group is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        refused = None
+        try:  # agreed within the CP group by shard_batch; across the dp groups below
+            batches = [self._cp_shard(b) for b in batches]
+        except (ValueError, NotImplementedError, TypeError) as e:
+            refused = e
+        counting = refused is None and bool(batches) and "labels" in batches[0] and self.model_accepts_loss_kwargs
+        # [this rank's label tokens, whether its batch was refused] summed over the world, in the one
+        # collective the Trainer's own count takes: a refusal stops every rank, none waits in DDP's all-reduce
+        stats = torch.zeros(2, dtype=torch.int64, device=device)
+        if counting:
+            stats[0] = sum((b["shift_labels"] != -100).sum() for b in batches)
+        stats[1] = refused is not None
+        transport_for(None).all_reduce_sum_(stats)
+        if refused is not None:
+            raise refused
+        if int(stats[1]):
+            raise RuntimeError("another dp group's batch was refused by shard_batch (its ranks raised the reason); "
+                               "every rank stops")
+        if not counting:
+            return batches, None
+        if self.args.average_tokens_across_devices:  # the Trainer then multiplies the loss by the world size
+            return batches, stats[0]
+        # each dp group's token mean, times cp (DDP averages over dp x cp ranks): the group's count / cp
+        count = (sum((b["shift_labels"] != -100).sum() for b in batches)).to(device)
+        transport_for(self._cp_group).all_reduce_sum_(count)
+        return batches, count / self.cp_size
+
+    # ---------------------------------------------------------------------------- evaluation
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None):
+        """The CP group's token-mean loss (the same on its ranks), and the logits gathered and unpacked to
+        the batch's ``[batch, seq, vocab]`` (zeros at padding) with the batch's labels."""
+        if self._cp_group is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        from .huggingface import causal_lm_loss, gather_sequence
+
+        inputs = self._prepare_inputs(inputs)
+        local = self._cp_shard(inputs)
+        labels = local.pop("labels", None)
+        shift = local.pop("shift_labels", None)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = model(**local).logits
+            loss = None if shift is None else causal_lm_loss(logits, shift, group=self._cp_group).detach()
+        if prediction_loss_only:
+            return loss, None, None
+        full = gather_sequence(logits, group=self._cp_group, layout=self.cp_layout,
+                               cu_seqlens=local.get("cu_seq_lens_q"))
+        return loss, _unpack(full, inputs), (inputs.get("labels") if labels is not None else None)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        if self._cp_group is None:
+            return super().evaluation_loop(*args, **kwargs)
+        accelerator = self.accelerator
+        accelerator.gather_for_metrics = functools.partial(_gather_one_copy, accelerator, self._dp, self.cp_size)
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            del accelerator.gather_for_metrics  # the class's method again
+
+
+def _unpack(stream: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Gathered logits ``[1, T, ...]`` of :func:`shard_batch`'s packed row (or ``[b, s, ...]``, unpacked)
+    back to the batch's ``[b, s, ...]``: padding (``attention_mask`` zeros) filled with zeros."""
+    b, s = batch["input_ids"].shape
+    if stream.shape[:2] == (b, s):
+        return stream
+    mask = batch.get("attention_mask")
+    if mask is None or bool(mask.all()):
+        return stream[0, : b * s].reshape(b, s, *stream.shape[2:])
+    out = stream.new_zeros(b, s, *stream.shape[2:])
+    real = mask.bool()
+    out[real] = stream[0, : int(real.sum())]  # rows of real tokens, in order, are the stream's start
+    return out
+
+
+def _gather_one_copy(accelerator, dp: int, cp: int, data, use_gather_object: bool = False):
+    """``accelerator.gather_for_metrics`` that keeps one copy per dp group (the CP ranks of a group hold
+    the same batch's results), then drops the last batch's repeated samples as accelerate does."""
+    from accelerate.utils import recursively_apply
+
+    if use_gather_object:
+        raise NotImplementedError("evaluation outputs that are not tensors cannot be gathered under context "
+                                  "parallelism; return tensors from compute_metrics' inputs")
+    gathered = accelerator.gather(data)
+
+    def one_copy(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            return x
+        return x.reshape(dp, cp, x.shape[0] // (dp * cp), *x.shape[1:])[:, 0].flatten(0, 1)
+
+    gathered = recursively_apply(one_copy, gathered)
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:
+        gathered = recursively_apply(lambda x: x[: state.remainder], gathered)
+    return gathered

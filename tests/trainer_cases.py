@@ -1,0 +1,121 @@
+"""transformers.Trainer and TRL's SFTTrainer cases run inside the gloo workers: the CP Trainer of
+``cphf.context_parallel_trainer`` on dp x cp ranks, and the plain Trainer in ONE process (a pool of
+one) on the same global batch, as the reference. Models are fp64; transformers' loss upcasts to fp32."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator
+
+import torch
+
+from .hf_cases import SEQ, VOCAB, WINDOW_SEQ, build
+
+ROWS = 16  # examples in the training set
+
+
+@contextlib.contextmanager
+def torchrun_env(rank: int, world_size: int) -> Iterator[None]:
+    """The variables torchrun sets, so accelerate sees the worker's (already initialised) process group."""
+    values = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Rows(torch.utils.data.Dataset):
+    """Examples as dicts of lists (what collators take)."""
+
+    def __init__(self, examples: list) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.examples[i]
+
+
+def examples(seq: int, varied: bool, seed: int = 5) -> list:
+    """``ROWS`` examples; prompts of several lengths carry no label (-100), so batches hold different
+    numbers of label tokens. ``varied``: lengths differ too (for packing collators)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(ROWS):
+        n = seq - (3 * i) % (seq // 2) if varied else seq
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        labels = [-100] * (i % 5) + ids[i % 5:]
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _tokenizer():
+    """A word-level tokenizer over the tiny vocabulary, built in memory (SFTTrainer wants one)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<pad>": VOCAB - 2, "<eos>": VOCAB - 1}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="<eos>")
+
+
+def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, steps: int, cp: int, layout: str,
+             eval_dataset=None, save_steps: int = 0):
+    """The Trainer of ``kind`` (``trainer``: default collator; ``flatten``: DataCollatorWithFlattening;
+    ``sft``: SFTTrainer with packing), CP when ``cp`` > 1; sequential sampling, constant-lr SGD."""
+    import transformers as tf
+
+    from cp_attention.integrations import huggingface as cphf
+
+    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+                  gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5, lr_scheduler_type="constant",
+                  optim="sgd", weight_decay=0.0, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True,
+                  train_sampling_strategy="sequential", seed=0, save_strategy="steps" if save_steps else "no",
+                  save_steps=save_steps or 500, dataloader_num_workers=0, disable_tqdm=True)
+    extra = {"cp_size": cp, "cp_layout": layout} if cp > 1 else {}
+    if kind == "sft":
+        import datasets
+        import trl
+
+        base = trl.SFTTrainer
+        args = trl.SFTConfig(**common, bf16=False, packing=True, max_length=SEQ, dataset_kwargs={"skip_prepare_dataset": False})
+        ds = datasets.Dataset.from_list([{"input_ids": e["input_ids"]} for e in dataset.examples])  # SFT labels: all
+        kwargs = dict(args=args, train_dataset=ds, processing_class=_tokenizer(),
+                      eval_dataset=None if eval_dataset is None else datasets.Dataset.from_list(eval_dataset.examples))
+    else:
+        base = tf.Trainer
+        collator = tf.DataCollatorWithFlattening() if kind == "flatten" else tf.default_data_collator
+        kwargs = dict(args=tf.TrainingArguments(**common, remove_unused_columns=False), train_dataset=dataset,
+                      data_collator=collator, eval_dataset=eval_dataset)
+    cls = cphf.context_parallel_trainer(base) if cp > 1 else base
+    return cls(model=model, **kwargs, **extra)
+
+
+def train(rank: int, world_size: int, *, kind: str, family: str, layout: str, cp: int, batch: int, accum: int = 1,
+          steps: int = 3) -> dict:
+    """Train ``steps`` steps; rank 0 returns the weights and the logged losses. ``batch`` is per
+    device: with cp > 1 each dp rank's; the global batch is ``batch * world_size / cp``."""
+    seq = WINDOW_SEQ if family.endswith("_window") else SEQ
+    model = build(family)
+    # No KV cache: with one, transformers does not separate packed documents (nor, ever, GPT-OSS's
+    # own attention: no packed case runs it as the reference)
+    model.config.use_cache = False
+    data = Rows(examples(seq, varied=kind != "trainer"))
+    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
+        trainer = _trainer(kind, model, data, out, batch=batch, accum=accum, steps=steps, cp=cp, layout=layout)
+        trainer.train()
+        losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"weights": weights if rank == 0 else None, "losses": losses,
+            "impl": model.config._attn_implementation}
