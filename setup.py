@@ -6,6 +6,9 @@ EXTRAS = {
     # Training (scripts/train.py and the examples) and experiments (benchmarks, layout comparison).
     "train": ["hydra-core>=1.3", "tqdm"],
     "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
+    # context_parallel_trainer: transformers' Trainer (needs accelerate) and TRL's SFTTrainer; tested on
+    # accelerate 1.15 and TRL 1.16
+    "trainer": ["transformers>=5.0", "accelerate>=1.10", "trl>=1.0"],
     "megatron": ["megatron-core>=0.16"],  # core_attention slot as a builder; tested on 0.16.1
     "plots": ["matplotlib>=3.7"],
     # Need a CUDA machine and compile there; never part of "all". flash-attn: kernel="flash_attn"

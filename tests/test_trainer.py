@@ -33,6 +33,9 @@ def _relative(a, b) -> float:
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_weights_equal_one_process_on_the_global_batch(pools, case):
     kind, family, layout, dp, cp, batch, accum = case
+    pytest.importorskip("accelerate", reason="needs the trainer extra: pip install -e '.[trainer]'")
+    if kind == "sft":
+        pytest.importorskip("trl", reason="needs the trainer extra: pip install -e '.[trainer]'")
     common = dict(kind=kind, family=family, layout=layout, accum=accum, timeout=300)
     ref = pools(1).run(trainer_cases.train, cp=1, batch=batch * dp, **common)[0]
     got = pools(dp * cp).run(trainer_cases.train, cp=cp, batch=batch, **common)
