@@ -66,6 +66,8 @@ NOT_RUN: dict[str, str] = {
     "python scripts/finetune_hf.py --world-size 1 --device cuda --precision bf16": _GPU,
     # docs/guides/huggingface.md, megatron.md
     "python scripts/finetune_hf.py": _EXAMPLE,
+    "python scripts/finetune_trainer.py": f"{_TORCHRUN}; {_EXAMPLE}",
+    "python scripts/finetune_trainer.py --sft": f"{_TORCHRUN}; {_EXAMPLE}",
     "torchrun --nproc-per-node=2 scripts/finetune_hf.py": f"{_TORCHRUN}; {_EXAMPLE}",
     "python scripts/pretrain_megatron.py": _EXAMPLE,
     "python scripts/pretrain_megatron.py --world-size 4 --tp-size 2 --layout interleaved": _EXAMPLE,

@@ -78,6 +78,16 @@ def test_example_smoke(script, needs):
     assert len(losses) == 3 and all(l == l and 0 < l < 10 for l in losses), proc.stdout
 
 
+def test_trainer_example_smoke():
+    """scripts/finetune_trainer.py starts itself under torchrun and trains with TRL's SFTTrainer, packed."""
+    pytest.importorskip("trl", reason="finetune_trainer.py --sft needs the trainer extra")
+    proc = subprocess.run([sys.executable, "scripts/finetune_trainer.py", "--sft", "--steps", "5", "--seq-len", "64",
+                           "--layout", "interleaved"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
+    assert "train_loss" in done and 0 < float(done.split("'train_loss': ")[1].split(",")[0].strip("'")) < 10, done
+
+
 def test_hf_example_bf16_on_cpu():
     """--precision bf16 on the CPU runs under CPU autocast (one rank: no ring, see test_train_device)."""
     pytest.importorskip("transformers", reason="finetune_hf.py needs transformers")

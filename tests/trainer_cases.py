@@ -119,3 +119,43 @@ def train(rank: int, world_size: int, *, kind: str, family: str, layout: str, cp
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"weights": weights if rank == 0 else None, "losses": losses,
             "impl": model.config._attn_implementation}
+
+
+def evaluate(rank: int, world_size: int, *, family: str, layout: str, cp: int) -> dict:
+    """``evaluate()`` and ``predict()`` on 13 examples, one per device per batch (so the per-batch
+    means the Trainer averages are per example in every layout of the run); rank 0's figures."""
+    model = build(family)
+    model.config.use_cache = False
+    data = Rows(examples(SEQ, varied=False))
+    held_out = Rows(examples(SEQ, varied=False, seed=9)[:13])  # 13: the last dp batch is short
+    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
+        trainer = _trainer("trainer", model, data, out, batch=1, accum=1, steps=1, cp=cp, layout=layout,
+                           eval_dataset=held_out)
+        loss = trainer.evaluate()["eval_loss"]
+        predicted = trainer.predict(held_out)
+    return {"loss": loss, "logits": torch.as_tensor(predicted.predictions) if rank == 0 else None,
+            "labels": torch.as_tensor(predicted.label_ids) if rank == 0 else None}
+
+
+def resume(rank: int, world_size: int, *, layout: str, cp: int) -> dict:
+    """Train 4 steps straight, and 2 + 2 from the step-2 checkpoint (``resume_from_checkpoint``); save the
+    model and load it without CP. Rank 0's weights of each, and what the loaded model runs."""
+    import transformers as tf
+
+    def run(out: str, steps: int, save: int, checkpoint=None):
+        model = build("llama")
+        model.config.use_cache = False
+        trainer = _trainer("trainer", model, Rows(examples(SEQ, varied=False)), out, batch=2, accum=1, steps=steps,
+                           cp=cp, layout=layout, save_steps=save)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return trainer, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        _, straight = run(a, 4, 0)
+        run(b, 2, 2)
+        trainer, resumed = run(b, 4, 0, checkpoint=f"{b}/checkpoint-2")
+        trainer.save_model(f"{b}/final")
+        loaded = tf.AutoModelForCausalLM.from_pretrained(f"{b}/final", dtype=torch.float64)
+        same = all(torch.equal(loaded.state_dict()[k], v) for k, v in resumed.items())
+    return {"straight": straight if rank == 0 else None, "resumed": resumed if rank == 0 else None,
+            "saved_equal": same, "loaded_impl": loaded.config._attn_implementation}

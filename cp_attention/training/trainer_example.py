@@ -1,0 +1,79 @@
+"""Fine-tune a tiny Llama with transformers' ``Trainer`` (or TRL's ``SFTTrainer``) and context
+parallelism, nothing downloaded (``scripts/finetune_trainer.py``).
+
+The one change to a Trainer script is the class: ``cphf.context_parallel_trainer(Trainer)`` and
+``cp_size``/``cp_layout`` in its constructor. The data are Python's bundled help topics as bytes (one
+example per topic, cut to ``--seq-len``); ``--packing`` flattens each batch's examples into one row of
+documents (``DataCollatorWithFlattening``), and ``--sft`` trains with TRL's ``SFTTrainer`` and its
+packing instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from .data import load_documents
+from .hf_example import build_model
+
+__all__ = ["parser", "train"]
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks torchrun starts (when not under torchrun already)")
+    p.add_argument("--cp-size", type=int, default=2, help="context-parallel group size; dp = ranks / cp-size")
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2, help="examples per dp rank per step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--packing", action="store_true", help="DataCollatorWithFlattening: one row of documents")
+    p.add_argument("--sft", action="store_true", help="TRL's SFTTrainer with its packing")
+    p.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary one)")
+    return p
+
+
+def _tokenizer():
+    """A byte-level tokenizer (SFTTrainer wants one): token i is byte i."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(256)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<0>")), pad_token="<0>",
+                                   eos_token="<10>")
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Train on this rank (under torchrun); returns the Trainer's last logged metrics."""
+    import transformers as tf
+
+    from cp_attention.integrations import huggingface as cphf
+
+    docs = [d[: args.seq_len].tolist() for d in load_documents("builtin") if d.numel() > 16]
+    if not (args.packing or args.sft):  # fixed-length rows for the default collator
+        docs = [d for d in docs if len(d) == args.seq_len]
+    rows = [{"input_ids": d, "labels": d} for d in docs]
+    common = dict(output_dir=args.output_dir or tempfile.mkdtemp(), per_device_train_batch_size=args.batch,
+                  max_steps=args.steps, learning_rate=args.lr, logging_steps=5, report_to=[], save_strategy="no",
+                  disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+    model = build_model(seed=0)
+    if args.sft:
+        import datasets
+        import trl
+
+        base, extra = trl.SFTTrainer, dict(
+            args=trl.SFTConfig(**common, bf16=False, packing=True, max_length=args.seq_len),
+            train_dataset=datasets.Dataset.from_list([{"input_ids": r["input_ids"]} for r in rows]),
+            processing_class=_tokenizer())
+    else:
+        collator = tf.DataCollatorWithFlattening() if args.packing else tf.default_data_collator
+        base, extra = tf.Trainer, dict(args=tf.TrainingArguments(**common, remove_unused_columns=False),
+                                       train_dataset=rows, data_collator=collator)
+    CPTrainer = cphf.context_parallel_trainer(base)  # the one change
+    trainer = CPTrainer(model=model, cp_size=args.cp_size, cp_layout=args.layout, **extra)
+    trainer.train()
+    return trainer.state.log_history[-1]
