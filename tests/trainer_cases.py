@@ -11,6 +11,8 @@ from typing import Iterator
 
 import torch
 
+from cp_attention.training.trainer_example import id_tokenizer
+
 from .hf_cases import SEQ, VOCAB, WINDOW_SEQ, build
 
 ROWS = 16  # examples in the training set
@@ -59,17 +61,6 @@ def examples(seq: int, varied: bool, seed: int = 5) -> list:
     return out
 
 
-def _tokenizer():
-    """A word-level tokenizer over the tiny vocabulary, built in memory (SFTTrainer wants one)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<pad>": VOCAB - 2, "<eos>": VOCAB - 1}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")),
-                                   pad_token="<pad>", eos_token="<eos>")
-
-
 def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, steps: int, cp: int, layout: str,
              eval_dataset=None, save_steps: int = 0):
     """The Trainer of ``kind`` (``trainer``: default collator; ``flatten``: DataCollatorWithFlattening;
@@ -91,7 +82,8 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
         base = trl.SFTTrainer
         args = trl.SFTConfig(**common, bf16=False, packing=True, max_length=SEQ, dataset_kwargs={"skip_prepare_dataset": False})
         ds = datasets.Dataset.from_list([{"input_ids": e["input_ids"]} for e in dataset.examples])  # SFT labels: all
-        kwargs = dict(args=args, train_dataset=ds, processing_class=_tokenizer(),
+        tokenizer = id_tokenizer(VOCAB, pad_id=VOCAB - 2, eos_id=VOCAB - 1)
+        kwargs = dict(args=args, train_dataset=ds, processing_class=tokenizer,
                       eval_dataset=None if eval_dataset is None else datasets.Dataset.from_list(eval_dataset.examples))
     else:
         base = tf.Trainer

@@ -18,7 +18,7 @@ import torch
 from .data import load_documents
 from .hf_example import build_model
 
-__all__ = ["parser", "train"]
+__all__ = ["parser", "train", "id_tokenizer"]
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -36,15 +36,16 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def _tokenizer():
-    """A byte-level tokenizer (SFTTrainer wants one): token i is byte i."""
+def id_tokenizer(vocab_size: int, pad_id: int, eos_id: int):
+    """A tokenizer whose token ``i`` is the word ``<i>``, built in memory (SFTTrainer wants one; the
+    examples' data are token ids already): ``vocab_size`` tokens, ``pad_id`` and ``eos_id`` among them."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"<{i}>": i for i in range(256)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<0>")), pad_token="<0>",
-                                   eos_token="<10>")
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token=f"<{pad_id}>")),
+                                   pad_token=f"<{pad_id}>", eos_token=f"<{eos_id}>")
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -68,7 +69,7 @@ def train(args: argparse.Namespace) -> dict:
         base, extra = trl.SFTTrainer, dict(
             args=trl.SFTConfig(**common, bf16=False, packing=True, max_length=args.seq_len),
             train_dataset=datasets.Dataset.from_list([{"input_ids": r["input_ids"]} for r in rows]),
-            processing_class=_tokenizer())
+            processing_class=id_tokenizer(256, pad_id=0, eos_id=10))  # bytes: newline ends
     else:
         collator = tf.DataCollatorWithFlattening() if args.packing else tf.default_data_collator
         base, extra = tf.Trainer, dict(args=tf.TrainingArguments(**common, remove_unused_columns=False),
