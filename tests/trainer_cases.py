@@ -80,7 +80,7 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
         import trl
 
         base = trl.SFTTrainer
-        args = trl.SFTConfig(**common, bf16=False, packing=True, max_length=SEQ, dataset_kwargs={"skip_prepare_dataset": False})
+        args = trl.SFTConfig(**common, bf16=False, packing=True, max_length=SEQ)
         ds = datasets.Dataset.from_list([{"input_ids": e["input_ids"]} for e in dataset.examples])  # SFT labels: all
         tokenizer = id_tokenizer(VOCAB, pad_id=VOCAB - 2, eos_id=VOCAB - 1)
         kwargs = dict(args=args, train_dataset=ds, processing_class=tokenizer,
