@@ -207,11 +207,15 @@ class _ContextParallelMixin:
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         if self._cp_group is None:
             return super().evaluation_loop(*args, **kwargs)
-        accelerator = self.accelerator
-        accelerator.gather_for_metrics = functools.partial(_gather_one_copy, accelerator, self._dp, self.cp_size)
+        # The Trainer gathers through self.gather_function (its accelerator's gather_for_metrics, bound
+        # at construction); the loop's own calls of the accelerator's method are covered too
+        accelerator, saved = self.accelerator, self.gather_function
+        one_copy = functools.partial(_gather_one_copy, accelerator, self._dp, self.cp_size)
+        accelerator.gather_for_metrics = self.gather_function = one_copy
         try:
             return super().evaluation_loop(*args, **kwargs)
         finally:
+            self.gather_function = saved
             del accelerator.gather_for_metrics  # the class's method again
 
 

@@ -10,6 +10,7 @@ import tempfile
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from cp_attention.training.trainer_example import id_tokenizer
 
@@ -142,11 +143,15 @@ def resume(rank: int, world_size: int, *, layout: str, cp: int) -> dict:
         trainer.train(resume_from_checkpoint=checkpoint)
         return trainer, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+    shared = [tempfile.mkdtemp() if rank == 0 else None]  # the Trainer's output_dir: one for all ranks
+    dist.broadcast_object_list(shared)
+    a, b = f"{shared[0]}/a", f"{shared[0]}/b"
+    with torchrun_env(rank, world_size):
         _, straight = run(a, 4, 0)
         run(b, 2, 2)
         trainer, resumed = run(b, 4, 0, checkpoint=f"{b}/checkpoint-2")
-        trainer.save_model(f"{b}/final")
+        trainer.save_model(f"{b}/final")  # rank 0 writes it
+        dist.barrier()
         loaded = tf.AutoModelForCausalLM.from_pretrained(f"{b}/final", dtype=torch.float64)
         same = all(torch.equal(loaded.state_dict()[k], v) for k, v in resumed.items())
     return {"straight": straight if rank == 0 else None, "resumed": resumed if rank == 0 else None,
