@@ -167,6 +167,7 @@ class _ContextParallelMixin:
         stats = torch.zeros(2, dtype=torch.int64, device=device)
         if counting:
             stats[0] = sum((b["shift_labels"] != -100).sum() for b in batches)
+        local_count = stats[0].clone()
         stats[1] = refused is not None
         transport_for(None).all_reduce_sum_(stats)
         if refused is not None:
@@ -179,9 +180,8 @@ class _ContextParallelMixin:
         if self.args.average_tokens_across_devices:  # the Trainer then multiplies the loss by the world size
             return batches, stats[0]
         # each dp group's token mean, times cp (DDP averages over dp x cp ranks): the group's count / cp
-        count = (sum((b["shift_labels"] != -100).sum() for b in batches)).to(device)
-        transport_for(self._cp_group).all_reduce_sum_(count)
-        return batches, count / self.cp_size
+        transport_for(self._cp_group).all_reduce_sum_(local_count)
+        return batches, local_count / self.cp_size
 
     # ---------------------------------------------------------------------------- evaluation
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None):

@@ -48,6 +48,16 @@ def test_weights_equal_one_process_on_the_global_batch(pools, case):
         assert max(abs(a - b) / b for a, b in zip(r["losses"], ref["losses"])) <= FP32, (r["losses"], ref["losses"])
 
 
+def test_without_averaging_tokens_across_devices(pools):
+    """average_tokens_across_devices=False: each dp rank's token mean (one dp rank here, so one process's)."""
+    pytest.importorskip("accelerate", reason="needs the trainer extra: pip install -e '.[trainer]'")
+    common = dict(kind="trainer", family="llama", layout="zigzag", accum=2, average_tokens=False, timeout=300)
+    ref = pools(1).run(trainer_cases.train, cp=1, batch=2, **common)[0]
+    got = pools(2).run(trainer_cases.train, cp=2, batch=2, **common)
+    assert _relative(got[0]["weights"], ref["weights"]) <= FP32
+    assert max(abs(a - b) / b for a, b in zip(got[1]["losses"], ref["losses"])) <= FP32
+
+
 @pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2)])
 def test_evaluate_and_predict_equal_one_process(pools, dp, cp):
     pytest.importorskip("accelerate", reason="needs the trainer extra: pip install -e '.[trainer]'")
