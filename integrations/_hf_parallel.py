@@ -68,7 +68,7 @@ def _fingerprint(model: torch.nn.Module) -> list[int]:
     """[parameter count, elements, sum, sum of squares as int64 bits]: equal on ranks holding the same
     weights (the same reduction over the same values), different when a rank initialised its own. Meta
     parameters (initialised after sharding) count by shape only."""
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     real = [p.detach() for p in params if p.device.type != "meta"]
     sums = [0.0, 0.0]
     if real:

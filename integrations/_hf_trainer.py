@@ -140,7 +140,9 @@ class _ContextParallelMixin:
         # takes the documents from cu_seq_lens_q
         full = {k: v for k, v in batch.items() if k != "seq_idx"}
         local = shard_batch(full, group=self._cp_group, layout=self.cp_layout)
-        inputs = {**model_inputs(local), **{k: v for k, v in full.items() if not isinstance(v, torch.Tensor)}}
+        # The batch's other (non-tensor) entries pass through, but shard_batch's win: max_length_q/k of the
+        # padded stream may differ from the collator's (the padding document can be the longest)
+        inputs = {**{k: v for k, v in full.items() if not isinstance(v, torch.Tensor)}, **model_inputs(local)}
         if "labels" in batch:
             inputs["labels"] = inputs["shift_labels"] = local["shift_labels"]
         return inputs

@@ -77,3 +77,28 @@ def test_checkpoints_resume_and_save_model(pools):
     assert _relative(got[0]["resumed"], got[0]["straight"]) <= FP32
     for r in got:  # the saved model loads without CP, with the trained weights
         assert r["saved_equal"] and r["loaded_impl"] != "cp_ring", r
+
+
+def test_shard_keeps_the_packed_streams_own_max_length():
+    """A collator's max_length_q/k (its documents') yield to shard_batch's: the padding document that
+    rounds the stream up to the layout's divisor can be the longest, and the model checks the values."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import cp_attention as cpa
+    from cp_attention.integrations._hf_trainer import _ContextParallelMixin
+    from cp_attention.transport import LoopbackGroup
+
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)  # two 1-token documents; zigzag over 2 ranks pads by 2
+    batch = {"input_ids": torch.arange(2)[None], "labels": torch.arange(2)[None], "cu_seq_lens_q": cu,
+             "cu_seq_lens_k": cu, "max_length_q": 1, "max_length_k": 1}
+
+    def shard(group):
+        fake = SimpleNamespace(_cp_group=group, cp_layout=cpa.get_layout("zigzag"))
+        return _ContextParallelMixin._cp_shard(fake, batch)
+
+    for local in LoopbackGroup(2).run(shard):
+        assert local["cu_seq_lens_q"].tolist() == [0, 1, 2, 4]
+        assert local["max_length_q"] == local["max_length_k"] == 2
+        assert local["labels"] is local["shift_labels"]
