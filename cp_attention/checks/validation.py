@@ -22,6 +22,7 @@ from ..layouts.documents import check_cu_seqlens
 from ..layouts.registry import get_layout, layout_names
 from ..schedules.windows import check_window_size
 from ..transport.base import Transport
+from ..transport.comm_types import CP_COMM_TYPES
 from .agreement import VERDICTS, cache_enabled, digests_agree
 
 __all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call", "PLAN_CODES"]
@@ -50,6 +51,7 @@ class CallSpec:
     needs_grad: bool
     sinks: int = 0  # 0: none; their length when a 1-D floating tensor on q's device; -1 otherwise
     softcap: "float | None" = 0.0  # None: a value float() cannot convert
+    comm_type: int = 0  # index into CP_COMM_TYPES, -1 unknown
     documents: int = 0  # packed documents: 0 without cu_seqlens, their count, -1 for bad cu_seqlens
     packed_len: int = 0  # cu_seqlens[-1]
     cu_hash: int = 0  # a fingerprint of cu_seqlens, so ranks that pass different boundaries are caught
@@ -129,7 +131,7 @@ def plan_codes(layout, causal, cu_seqlens=None, window_size=None) -> list[int]:
 
 
 def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: "float | None", kernel: str,
-                 sinks: "torch.Tensor | None" = None, softcap: float = 0.0) -> list[int]:
+                 sinks: "torch.Tensor | None" = None, softcap: float = 0.0, cp_comm_type: str = "p2p") -> list[int]:
     """This rank's tensors and per-call arguments as a fixed-length list of ints (see :class:`CallSpec`).
 
     Never raises: whatever is wrong with the arguments is encoded, so the rank still takes part in
@@ -161,6 +163,8 @@ def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: "floa
                                                    for t in (q, k, v))))
     sig.append(_sinks_code(q, sinks))
     sig.append(_float_code(softcap))
+    sig.append(CP_COMM_TYPES.index(cp_comm_type) if isinstance(cp_comm_type, str) and cp_comm_type in CP_COMM_TYPES
+               else _UNKNOWN)
     return sig
 
 
@@ -168,10 +172,11 @@ def _decode(sig: list[int]) -> CallSpec:
     shapes = tuple(None if sig[i * 5] == _NOT_A_TENSOR else
                    tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
                    for i in range(3))
-    dtype, device, kernel, scale, needs_grad, sinks, softcap, layout, causal, docs, length, cu_hash, w0, w1 = sig[15:]
+    (dtype, device, kernel, scale, needs_grad, sinks, softcap, comm, layout, causal, docs, length, cu_hash, w0,
+     w1) = sig[15:]
     causal = causal if causal == _UNKNOWN else bool(causal)
     return CallSpec(shapes, dtype, device, layout, kernel, causal, _bits_float(scale), bool(needs_grad), sinks,
-                    _bits_float(softcap), docs, length, cu_hash, (w0, w1))
+                    _bits_float(softcap), comm, docs, length, cu_hash, (w0, w1))
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -208,6 +213,9 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return problem
     if c.kernel == _UNKNOWN:
         return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
+    if c.comm_type == _UNKNOWN:
+        return (f"unknown cp_comm_type; expected one of {', '.join(CP_COMM_TYPES)} ('a2a+p2p' takes a 2-D "
+                "DeviceMesh as group: outer dim the ring, inner dim the all-to-all)")
     if c.scale is None:
         return ("softmax_scale must be a finite non-zero float or None (head_dim ** -0.5), got a value float() "
                 "cannot convert")
@@ -292,7 +300,8 @@ _PLAN_FIELDS = ("layout", "causal", "documents", "cu_hash", "window")
 _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
                 "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
                 "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)",
-                "softcap": "softcap", "documents": "cu_seqlens (given or not, and how many documents)",
+                "softcap": "softcap", "comm_type": "cp_comm_type",
+                "documents": "cu_seqlens (given or not, and how many documents)",
                 "cu_hash": "cu_seqlens (document boundaries)", "window": "window_size"}
 
 

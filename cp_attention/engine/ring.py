@@ -11,16 +11,15 @@ its last compute.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.base import AttentionKernel, accumulation_dtype
-from ..schedules.blocks import BlockTask
 from ..transport.base import Transport
 from .fault import RingFault
-from .merge import merge_at, merge_block
+from .sinks import fold_sinks, sinks_grad, with_lse_grad
+from .tasks import add_rows, merge_rows, set_rows, task_backward, task_forward
 
 __all__ = ["RingPlan", "RingAttentionFunction"]
 
@@ -108,93 +107,6 @@ class _KVRing:
             self._spare = sent
 
 
-def _covers(rows: slice, length: int) -> bool:
-    return rows.start == 0 and rows.stop == length
-
-
-def _add_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """``acc[:, rows] += block`` for a slice or a LongTensor of distinct rows. A missing accumulator
-    starts as the block itself when the block covers every row (every schedule's step 0 does without
-    packed documents), saving a zero fill and a read-modify-write."""
-    if acc is None:
-        if isinstance(rows, slice) and _covers(rows, length):
-            return block.to(dtype).contiguous()
-        acc = block.new_zeros((block.shape[0], length, *block.shape[2:]), dtype=dtype)
-    if isinstance(rows, slice):
-        acc[:, rows] += block
-    else:
-        acc.index_add_(1, rows, block.to(dtype))
-    return acc
-
-
-def _set_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """``acc[:, rows] = block``, allocating ``acc`` uninitialised: for a step whose tasks cover every row once."""
-    if acc is None:
-        acc = block.new_empty((block.shape[0], length, *block.shape[2:]), dtype=dtype)
-    if isinstance(rows, slice):
-        acc[:, rows] = block
-    else:
-        acc.index_copy_(1, rows, block.to(dtype))
-    return acc
-
-
-def _merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "slice | torch.Tensor",
-                o_blk: torch.Tensor, lse_blk: torch.Tensor, length: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LSE-merge a block into (out, lse) at a slice or LongTensor of rows; like :func:`_add_rows`, a
-    full first block is taken as is."""
-    if out is None:
-        if isinstance(rows, slice) and _covers(rows, length):
-            return o_blk.to(dtype).contiguous(), lse_blk.to(dtype).contiguous()
-        b, _, h, dv = o_blk.shape
-        out = o_blk.new_zeros((b, length, h, dv), dtype=dtype)
-        lse = o_blk.new_full((b, h, length), float("-inf"), dtype=dtype)
-    if isinstance(rows, slice):
-        merge_block(out, lse, o_blk, lse_blk, rows)
-    else:
-        merge_at(out, lse, o_blk, lse_blk, rows)
-    return out, lse
-
-
-@functools.lru_cache(maxsize=256)
-def band_mask(rows: int, cols: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-    """``[1, rows, cols]`` bool: query ``i`` may see key ``b`` iff ``lo <= b - i <= hi`` (cached, so
-    kernels that convert masks do it once)."""
-    offset = torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
-    return ((offset >= lo) & (offset <= hi))[None]
-
-
-def _block_kwargs(plan: RingPlan, t: BlockTask, q: torch.Tensor) -> dict:
-    if t.band is None:
-        return plan.kernel_kwargs
-    mask = band_mask(t.q_stop - t.q_start, t.kv_stop - t.kv_start, *t.band, q.device)
-    return {**plan.kernel_kwargs, "mask": mask}
-
-
-def _task_forward(plan: RingPlan, t, s: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor):
-    """A task's results at step ``s``: (whether they are the first for their rows, a list of
-    ``(rows, out, lse)``). ``k``/``v``: the shard held now; ``k_own``/``v_own``: this rank's own."""
-    if not isinstance(t, BlockTask):  # a batch of document blocks (DocBatch, VarlenBatch)
-        return t.first, t.forward(plan.kernel, q, k, v, k_own, v_own, plan.scale, plan.kernel_kwargs)
-    o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
-                                         **_block_kwargs(plan, t, q))
-    return plan.first_step_tiles and s == 0, [(t.q, o_blk, lse_blk)]
-
-
-def _task_backward(plan: RingPlan, t, s: int, dout, q, k, v, k_own, v_own, out, lse):
-    """A task's gradients at step ``s``: (whether they are the first for their rows, a list of
-    ``(q_rows, dq, keys)`` with ``keys`` a list of ``(own, kv_rows, dk, dv)``; ``own`` rows index
-    this rank's own shard, the others the shard held now)."""
-    if not isinstance(t, BlockTask):
-        return t.first, t.backward(plan.kernel, dout, q, k, v, k_own, v_own, out, lse, plan.scale, plan.kernel_kwargs)
-    dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
-                                      t.causal, plan.scale, **_block_kwargs(plan, t, q))
-    return plan.first_step_tiles and s == 0, [(t.q, dq, [(False, t.kv, dk, dv)])]
-
-
 def _backward_pass(plan: RingPlan, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, acc: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,7 +138,7 @@ def _backward_pass(plan: RingPlan, dout: torch.Tensor, q: torch.Tensor, k: torch
                     kc, vc = kv.views()
                 else:  # our own shard; head-major copies where the kernel runs faster on them
                     kc, vc = _KVRing(comm, (k, v), 0, head_major=plan.kernel_head_major).views()
-                grads = [_task_backward(plan, t, s, dout, q, kc, vc, k, v, out, lse) for t in plan.steps[s]]
+                grads = [task_backward(plan, t, s, dout, q, kc, vc, k, v, out, lse) for t in plan.steps[s]]
             except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
                 fault.fail(e)
         if s < last:
@@ -235,16 +147,16 @@ def _backward_pass(plan: RingPlan, dout: torch.Tensor, q: torch.Tensor, k: torch
         for first, results in grads:
             for q_rows, dq_blk, keys in results:
                 # Reverse order: dq rows may already hold a later step's part, so always add.
-                dq = _add_rows(dq, q_rows, dq_blk, n, acc)
+                dq = add_rows(dq, q_rows, dq_blk, n, acc)
                 for home, kv_rows, dk_blk, dv_blk in keys:
                     if home or s == 0:
                         # This rank's own rows: step 0's tasks and folded documents each cover
                         # different rows, so a first result writes them, whichever comes first.
-                        update = _set_rows if first else _add_rows
+                        update = set_rows if first else add_rows
                         own = (update(own[0], kv_rows, dk_blk, n, acc), update(own[1], kv_rows, dv_blk, n, acc))
                     else:
-                        travelling = (_add_rows(travelling[0], kv_rows, dk_blk, n, acc),
-                                      _add_rows(travelling[1], kv_rows, dv_blk, n, acc))
+                        travelling = (add_rows(travelling[0], kv_rows, dk_blk, n, acc),
+                                      add_rows(travelling[1], kv_rows, dv_blk, n, acc))
         if s > 0:
             if dkv is None:  # the step that starts the accumulator
                 travelling = tuple(torch.zeros_like(t, dtype=acc) if a is None else a for t, a in zip((k, v), travelling))
@@ -288,14 +200,14 @@ class RingAttentionFunction(torch.autograd.Function):
                 try:
                     kc, vc = ring.views()
                     for t in tasks:
-                        first, results = _task_forward(plan, t, s, q, kc, vc, k, v)
+                        first, results = task_forward(plan, t, s, q, kc, vc, k, v)
                         for rows, o_blk, lse_blk in results:
                             if first:  # the rows' first result: written, not merged
-                                out = _set_rows(out, rows, o_blk, n, acc)
-                                lse = _set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
+                                out = set_rows(out, rows, o_blk, n, acc)
+                                lse = set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
                                                 lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
                             else:
-                                out, lse = _merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
+                                out, lse = merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
                 except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
                     fault.fail(e)
             if s < last:
@@ -304,12 +216,7 @@ class RingAttentionFunction(torch.autograd.Function):
         if out is None:  # no task at all: every row attends to nothing
             out = q.new_zeros(b, n, h, v.shape[-1], dtype=acc)
             lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
-        if sinks is not None:
-            # One extra logit per head in every denominator (a key with a zero value), merged once:
-            # the kernels' backward then sees the final probabilities through the final LSE.
-            with_sink = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
-            out = out * torch.exp(lse - with_sink).transpose(1, 2).unsqueeze(-1)
-            lse = with_sink
+        out, lse = fold_sinks(out, lse, sinks, acc)
         out = out.to(q.dtype)
         ctx.plan = plan
         # The shard held last is kept for backward, which starts with it (see _backward_pass): at N=2
@@ -324,25 +231,10 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, sinks, *held = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[4]:
-            # d lse/d sink = p_sink = exp(sink - lse); d out/d sink = -p_sink * out, so per head
-            # dsink = sum over batch and rows of p_sink * (dlse - rowsum(dout * out)).
-            delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, n]
-            if dlse is not None:
-                delta = delta - dlse.to(acc)
-            p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)
-            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        dsinks = sinks_grad(dout, out, lse, dlse, sinks, acc) if sinks is not None and ctx.needs_input_grad[4] else None
         dv_dim = v.shape[-1]
         if dlse is not None:
-            # A gradient on the LSE adds dlse * p to every score's gradient, i.e. the kernels' rowsum
-            # D = rowsum(dout * out) becomes D - dlse. One extra channel does it for any kernel,
-            # exactly: out gets a column of ones, dout a column of -dlse, v a column of zeros
-            # (so dout @ v^T, hence every dP, is unchanged; the extra dv column is dropped).
-            out = torch.cat([out, out.new_ones(*out.shape[:-1], 1)], dim=-1)
-            dout = torch.cat([dout, (-dlse).transpose(1, 2).unsqueeze(-1).to(dout.dtype)], dim=-1)
-            zero_col = lambda t: torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)  # noqa: E731
-            v = zero_col(v)
-            held = [held[0], zero_col(held[1])] if held else []
+            out, dout, v, *held_v = with_lse_grad(out, dout, dlse, v, *held[1:])
+            held = [*held[:1], *held_v]  # the held shard's V gets the column, its K not
         dq, dk, dv = _backward_pass(plan, dout, q, k, v, tuple(held), out, lse, acc)
         return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

@@ -1,14 +1,10 @@
-"""The communication strategies' names (megatron-core's ``cp_comm_type`` values) and their check."""
+"""The check of a ``cp_comm_type`` name (the names live in :mod:`cp_attention.transport.comm_types`)."""
 
 from __future__ import annotations
 
-__all__ = ["CP_COMM_TYPES", "STRATEGIES", "check_comm_type_name"]
+from ..transport.comm_types import CP_COMM_TYPES, STRATEGIES
 
-# What runs: the ring, all-gather of K/V, Ulysses all-to-all, and all-to-all inside a 2-D mesh's inner
-# dim with a ring across its outer dim.
-STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-# What a caller may ask for: a strategy, or "auto" (the cost model picks one per call shape).
-CP_COMM_TYPES = STRATEGIES + ("auto",)
+__all__ = ["CP_COMM_TYPES", "STRATEGIES", "check_comm_type_name"]
 
 
 def check_comm_type_name(cp_comm_type: object) -> str:

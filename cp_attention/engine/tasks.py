@@ -1,0 +1,100 @@
+"""A rank's block tasks at one step, and the accumulators they fold into: shared by the ring and by
+the other strategies (:mod:`cp_attention.strategies`), which run the same tasks with K/V from
+elsewhere."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..schedules.blocks import BlockTask
+from .merge import merge_at, merge_block
+
+__all__ = ["add_rows", "set_rows", "merge_rows", "band_mask", "task_forward", "task_backward"]
+
+
+def _covers(rows: slice, length: int) -> bool:
+    return rows.start == 0 and rows.stop == length
+
+
+def add_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``acc[:, rows] += block`` for a slice or a LongTensor of distinct rows. A missing accumulator
+    starts as the block itself when the block covers every row (every schedule's step 0 does without
+    packed documents), saving a zero fill and a read-modify-write."""
+    if acc is None:
+        if isinstance(rows, slice) and _covers(rows, length):
+            return block.to(dtype).contiguous()
+        acc = block.new_zeros((block.shape[0], length, *block.shape[2:]), dtype=dtype)
+    if isinstance(rows, slice):
+        acc[:, rows] += block
+    else:
+        acc.index_add_(1, rows, block.to(dtype))
+    return acc
+
+
+def set_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``acc[:, rows] = block``, allocating ``acc`` uninitialised: for a step whose tasks cover every row once."""
+    if acc is None:
+        acc = block.new_empty((block.shape[0], length, *block.shape[2:]), dtype=dtype)
+    if isinstance(rows, slice):
+        acc[:, rows] = block
+    else:
+        acc.index_copy_(1, rows, block.to(dtype))
+    return acc
+
+
+def merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "slice | torch.Tensor",
+                o_blk: torch.Tensor, lse_blk: torch.Tensor, length: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE-merge a block into (out, lse) at a slice or LongTensor of rows; like :func:`add_rows`, a
+    full first block is taken as is."""
+    if out is None:
+        if isinstance(rows, slice) and _covers(rows, length):
+            return o_blk.to(dtype).contiguous(), lse_blk.to(dtype).contiguous()
+        b, _, h, dv = o_blk.shape
+        out = o_blk.new_zeros((b, length, h, dv), dtype=dtype)
+        lse = o_blk.new_full((b, h, length), float("-inf"), dtype=dtype)
+    if isinstance(rows, slice):
+        merge_block(out, lse, o_blk, lse_blk, rows)
+    else:
+        merge_at(out, lse, o_blk, lse_blk, rows)
+    return out, lse
+
+
+@functools.lru_cache(maxsize=256)
+def band_mask(rows: int, cols: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """``[1, rows, cols]`` bool: query ``i`` may see key ``b`` iff ``lo <= b - i <= hi`` (cached, so
+    kernels that convert masks do it once)."""
+    offset = torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+    return ((offset >= lo) & (offset <= hi))[None]
+
+
+def _block_kwargs(plan, t: BlockTask, q: torch.Tensor) -> dict:
+    if t.band is None:
+        return plan.kernel_kwargs
+    mask = band_mask(t.q_stop - t.q_start, t.kv_stop - t.kv_start, *t.band, q.device)
+    return {**plan.kernel_kwargs, "mask": mask}
+
+
+def task_forward(plan, t, s: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor):
+    """A task's results at step ``s``: (whether they are the first for their rows, a list of
+    ``(rows, out, lse)``). ``k``/``v``: the shard held now; ``k_own``/``v_own``: this rank's own."""
+    if not isinstance(t, BlockTask):  # a batch of document blocks (DocBatch, VarlenBatch)
+        return t.first, t.forward(plan.kernel, q, k, v, k_own, v_own, plan.scale, plan.kernel_kwargs)
+    o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
+                                         **_block_kwargs(plan, t, q))
+    return plan.first_step_tiles and s == 0, [(t.q, o_blk, lse_blk)]
+
+
+def task_backward(plan, t, s: int, dout, q, k, v, k_own, v_own, out, lse):
+    """A task's gradients at step ``s``: (whether they are the first for their rows, a list of
+    ``(q_rows, dq, keys)`` with ``keys`` a list of ``(own, kv_rows, dk, dv)``; ``own`` rows index
+    this rank's own shard, the others the shard held now)."""
+    if not isinstance(t, BlockTask):
+        return t.first, t.backward(plan.kernel, dout, q, k, v, k_own, v_own, out, lse, plan.scale, plan.kernel_kwargs)
+    dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
+                                      t.causal, plan.scale, **_block_kwargs(plan, t, q))
+    return plan.first_step_tiles and s == 0, [(t.q, dq, [(False, t.kv, dk, dv)])]
