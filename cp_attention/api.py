@@ -13,6 +13,7 @@ from .checks.validation import tensor_codes, validate_call
 from .engine.plan import AttentionPlan, build_plan, host_cu_seqlens
 from .engine.ring import RingAttentionFunction, RingPlan
 from .layouts.base import Layout
+from .strategies.dispatch import run_strategy, strategy_problem
 from .transport.process_group import transport_for
 
 __all__ = ["ring_attention", "plan"]
@@ -72,6 +73,22 @@ def _refuse_contradictions(p: AttentionPlan, group, layout, causal, cu_seqlens, 
                          "build the plan with them (cp_attention.plan(...)) and pass only plan=")
 
 
+def _strategy(plan: AttentionPlan, cp_comm_type: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The strategy a validated call runs: ``"p2p"`` alone (nothing travels), the cost model's pick for
+    ``"auto"``, else the one named. Raises ``ValueError`` (on every rank alike) for one the group or
+    the head count cannot run."""
+    if plan.world_size == 1:
+        return "p2p"
+    if cp_comm_type == "auto":
+        from .strategies.auto import auto_comm_type
+
+        return auto_comm_type(plan, q, k, v)
+    problem = strategy_problem(plan.transport, cp_comm_type, q.shape[2])
+    if problem is not None:
+        raise ValueError(f"ring_attention: {problem}")
+    return cp_comm_type
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,6 +104,7 @@ def ring_attention(
     cu_seqlens: "torch.Tensor | None" = None,
     window_size: "tuple[int, int]" = _WINDOW,
     plan: "AttentionPlan | None" = None,
+    cp_comm_type: str = "p2p",
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -121,6 +139,15 @@ def ring_attention(
             layout, group, causal, documents and window come from it (passing any of them too raises),
             and nothing that depends only on them is derived again. Without it, the call finds (or
             builds) a plan itself, reading ``cu_seqlens`` to the host on every call.
+        cp_comm_type: how K/V travel (megatron-core's names); inputs, outputs and every feature above are
+            the same for all. ``"p2p"``: the ring. ``"all_gather"``: every other shard's K/V gathered
+            at once (more memory, no per-step latency); the backward sends dK/dV home in one
+            reduce-scatter. ``"a2a"``: Ulysses; an all-to-all swaps sequence shards for head shards,
+            attention runs over the whole sequence for heads/N heads, and a second all-to-all swaps back
+            (needs heads divisible by N; K/V heads are repeated when fewer). ``"a2a+p2p"``: ``group`` is
+            a 2-D ``DeviceMesh``: all-to-all inside dim 1, the ring across dim 0; the CP rank is the
+            flattened (row-major) mesh rank, so shard with ``rank=mesh_rank, world_size=mesh.size()``.
+            ``"auto"``: the cost model (:mod:`cp_attention.strategies.cost`) picks one per call shape.
 
     Returns:
         ``out [batch, local_seq, heads, v_head_dim]`` in q's dtype, differentiable in q, k, v (and sinks); with
@@ -131,7 +158,8 @@ def ring_attention(
         ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
             an unknown layout or kernel, sinks of the wrong shape, a negative softcap or a kernel that
             cannot apply it, bad ``cu_seqlens`` or a batch larger than 1 with them, a bad ``window_size``,
-            arguments that differ between ranks, or ``plan=`` together with an argument the plan fixes.
+            arguments that differ between ranks, ``plan=`` together with an argument the plan fixes, an
+            unknown ``cp_comm_type``, or one the group or the head count cannot run.
             Raised on every rank of the group alike, before any ring communication.
     """
 
@@ -143,13 +171,17 @@ def ring_attention(
     else:
         _refuse_contradictions(plan, group, layout, causal, cu_seqlens, window_size)
     transport = plan.transport
-    codes = tensor_codes(q, k, v, softmax_scale, kernel, sinks, softcap)
+    codes = tensor_codes(q, k, v, softmax_scale, kernel, sinks, softcap, cp_comm_type)
     # A plan the group agreed on needs no new agreement for a new batch's boundaries: see trust_key.
     trusted = (*codes, *plan.trust_key) if plan.agreed else None
     validate_call(codes + list(plan.codes), plan.layout, transport, in_agreed_forward(transport), trusted)
     n = q.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     kern = plan.kernel(kernel, q.device, q.dtype, softcap > 0, q.shape[-1], v.shape[-1], n)
+    strategy = _strategy(plan, cp_comm_type, q, k, v)
+    if strategy != "p2p":
+        out, lse = run_strategy(q, k, v, plan, strategy, kern, scale, float(softcap), sinks, return_lse)
+        return (out, lse) if return_lse else out
     steps = plan.steps(n, kern, q.device, q.shape[-1], v.shape[-1])
     ring = RingPlan(transport, steps, kern, scale, float(softcap), packed=plan.packed,
                     first_step_tiles=plan.first_step_tiles(n))

@@ -36,8 +36,11 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
                      heads: int = 4, kv_heads: int = 4, head_dim: int = 16, v_dim: int | None = None,
                      batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
                      rtol: float, seed: int = 0, sinks: bool = False, lse_grad: bool = False,
-                     softcap: float = 0.0, window: tuple = (-1, -1)) -> dict:
+                     softcap: float = 0.0, window: tuple = (-1, -1), cp_comm_type: str = "p2p",
+                     mesh_shape: "tuple[int, int] | None" = None) -> dict:
     """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard.
+
+    ``mesh_shape``: the group is a two-level ``DeviceMesh`` of that shape (for ``cp_comm_type="a2a+p2p"``).
 
     With ``sinks``, learned per-head sink logits join every softmax, and ``dsinks`` is the error of
     their gradient summed over the group (each rank holds its queries' share). With ``lse_grad``,
@@ -62,9 +65,14 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
     shard = lambda t: lay.shard(t, 1, rank, world_size)  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     sink_l = sink.clone().requires_grad_() if sinks else None
-    out, lse = cpa.ring_attention(ql, kl, vl, layout=layout, causal=causal, softmax_scale=scale,
+    group = None
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh("cpu", tuple(mesh_shape))
+    out, lse = cpa.ring_attention(ql, kl, vl, group=group, layout=layout, causal=causal, softmax_scale=scale,
                                   kernel=kernel, return_lse=True, sinks=sink_l, softcap=softcap,
-                                  window_size=tuple(window))
+                                  window_size=tuple(window), cp_comm_type=cp_comm_type)
     loss = (out * shard(dout)).sum() + ((lse * lay.shard(dlse, 2, rank, world_size).to(lse.dtype)).sum()
                                         if lse_grad else 0.0)
     loss.backward()

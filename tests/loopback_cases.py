@@ -15,26 +15,36 @@ from cp_attention.transport.loopback import LoopbackGroup
 from .reference import excess_error, reference_attention
 
 
-def _reference(q, k, v, dout, causal: bool, scale: float, cu: list[int], window) -> tuple[torch.Tensor, ...]:
-    """out, lse, dq, dk, dv in fp64 on the CPU; per document when ``cu`` has several."""
+def _reference(q, k, v, dout, causal: bool, scale: float, cu: list[int], window, sinks=None, softcap: float = 0.0,
+               dlse=None) -> tuple[torch.Tensor, ...]:
+    """out, lse, dq, dk, dv (and dsinks with ``sinks``) in fp64 on the CPU; per document when ``cu`` has
+    several. ``dlse``: a gradient on the LSE too."""
     qr, kr, vr = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    parts = [reference_attention(qr[:, a:b], kr[:, a:b], vr[:, a:b], causal, scale, window=window)
-             for a, b in zip(cu, cu[1:])]
+    sr = None if sinks is None else sinks.detach().cpu().double().requires_grad_()
+    parts = [reference_attention(qr[:, a:b], kr[:, a:b], vr[:, a:b], causal, scale, sinks=sr, softcap=softcap,
+                                 window=window) for a, b in zip(cu, cu[1:])]
     out = torch.cat([o for o, _ in parts], 1)
     lse = torch.cat([s for _, s in parts], 2)
-    (out * dout.cpu().double()).sum().backward()
-    return out, lse, qr.grad, kr.grad, vr.grad
+    loss = (out * dout.cpu().double()).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.cpu().double()).sum()
+    loss.backward()
+    return (out, lse, qr.grad, kr.grad, vr.grad) + (() if sr is None else (sr.grad,))
 
 
 def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.dtype = torch.float64,
                     device: str = "cpu", kernel: str = "auto", heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                     v_dim: "int | None" = None, local_len: int = 8, lengths: "list[int] | None" = None,
                     window: tuple = (-1, -1), atol: float = 1e-10, rtol: float = 0.0, seed: int = 0,
-                    use_plan: bool = False) -> dict:
-    """Excess error over tolerance (<= 0 passes) of out, lse, dq, dk, dv, the worst over the ranks.
+                    use_plan: bool = False, cp_comm_type: str = "p2p", mesh_shape: "tuple | None" = None,
+                    sinks: bool = False, softcap: float = 0.0, lse_grad: bool = False) -> dict:
+    """Excess error over tolerance (<= 0 passes) of out, lse, dq, dk, dv (and dsinks, summed over the
+    ranks as data parallelism would), the worst over the ranks.
 
     ``lengths``: packed documents (their sum must be ``local_len * world_size``); None: one sequence.
     ``use_plan``: each rank builds the batch's plan and calls with it (twice: the second call reuses it).
+    ``mesh_shape``: a two-level group (outer, inner), for ``cp_comm_type="a2a+p2p"``. ``lse_grad``: the
+    loss also weighs the LSE, so its gradient flows back.
     """
     total = local_len * world_size
     v_dim = v_dim or head_dim
@@ -43,32 +53,42 @@ def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.
     q, k, v = (torch.randn(1, total, h, d, generator=g).to(dtype)
                for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, v_dim)))
     dout = torch.randn(1, total, heads, v_dim, generator=g).to(dtype)
+    dlse = torch.randn(1, heads, total, generator=g).double() if lse_grad else None
+    sink_logits = torch.randn(heads, generator=g).to(dtype) if sinks else None
     scale = head_dim ** -0.5
-    ref = _reference(q, k, v, dout, causal, scale, cu, window)
+    ref = _reference(q, k, v, dout, causal, scale, cu, window, sink_logits, softcap, dlse)
     lay = cpa.get_layout(layout)
     packed = dict(cu_seqlens=cu) if lengths else {}
 
     def rank_fn(group, r: int) -> tuple[torch.Tensor, ...]:
         shard = lambda t, dim=1: lay.shard(t, dim, r, world_size, **packed).to(device)  # noqa: E731
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        sl = None if sink_logits is None else sink_logits.to(device).clone().requires_grad_()
         cu_arg = torch.tensor(cu) if lengths else None
+        common = dict(kernel=kernel, cp_comm_type=cp_comm_type, sinks=sl, softcap=softcap, return_lse=True)
         if use_plan:
             plan = cpa.plan(lay, group, causal=causal, cu_seqlens=cu_arg, window_size=tuple(window))
-            cpa.ring_attention(ql.detach(), kl.detach(), vl.detach(), kernel=kernel, plan=plan)  # a layer before
-            out, lse = cpa.ring_attention(ql, kl, vl, kernel=kernel, return_lse=True, plan=plan)
+            cpa.ring_attention(ql.detach(), kl.detach(), vl.detach(), plan=plan,  # a layer before
+                               **{**common, "sinks": None if sl is None else sl.detach()})
+            out, lse = cpa.ring_attention(ql, kl, vl, plan=plan, **common)
         else:
-            out, lse = cpa.ring_attention(ql, kl, vl, group=group, layout=lay, causal=causal, kernel=kernel,
-                                          return_lse=True, window_size=tuple(window), cu_seqlens=cu_arg)
-        out.backward(shard(dout))
-        return out, lse, ql.grad, kl.grad, vl.grad
+            out, lse = cpa.ring_attention(ql, kl, vl, group=group, layout=lay, causal=causal,
+                                          window_size=tuple(window), cu_seqlens=cu_arg, **common)
+        loss = (out * shard(dout)).sum()
+        if dlse is not None:
+            loss = loss + (lse * shard(dlse, 2).to(lse.dtype)).sum()
+        loss.backward()
+        return (out, lse, ql.grad, kl.grad, vl.grad) + (() if sl is None else (sl.grad,))
 
-    loop = LoopbackGroup(world_size)
+    loop = LoopbackGroup(world_size, mesh_shape=mesh_shape)
     results = loop.run(lambda group: rank_fn(group, group.rank))
     errors = {}
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         dim = 2 if name == "lse" else 1
         errors[name] = max(excess_error(results[r][i].cpu(), lay.shard(ref[i], dim, r, world_size, **packed),
                                         atol, rtol) for r in range(world_size))
+    if sinks:  # each rank's gradient is its own rows' (or heads') share: summed, the whole
+        errors["dsinks"] = excess_error(sum(res[5].cpu() for res in results), ref[5], atol, rtol)
     return errors
 
 

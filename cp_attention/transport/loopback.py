@@ -40,9 +40,17 @@ class LoopbackGroup:
     """``world_size`` ranks in this process; :meth:`rank` gives each one's handle, :meth:`run` runs a
     function on all of them at once (one thread each)."""
 
-    def __init__(self, world_size: int, timeout_s: float = _DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, world_size: int, timeout_s: float = _DEFAULT_TIMEOUT_S,
+                 mesh_shape: "tuple[int, int] | None" = None) -> None:
+        """``mesh_shape=(outer, inner)`` makes it a two-level CP group (as a 2-D ``DeviceMesh``): each
+        rank's handle then has ``levels``, the (outer, inner) groups of row-major mesh rank r.
+        Raises ``ValueError`` for a bad world size or a mesh shape that does not multiply to it."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"a loopback group needs world_size >= 1, got {world_size!r}")
+        if mesh_shape is not None and (len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != world_size
+                                       or min(mesh_shape) < 1):
+            raise ValueError(f"mesh_shape must be (outer, inner) with outer * inner = world_size={world_size}, "
+                             f"got {mesh_shape!r}")
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._cv = threading.Condition()
@@ -53,6 +61,12 @@ class LoopbackGroup:
         self._readers: defaultdict[int, int] = defaultdict(int)
         self._gathers = [0] * world_size
         self._ranks = [LoopbackRank(self, r) for r in range(world_size)]
+        if mesh_shape is not None:
+            outer, inner = mesh_shape
+            for r, handle in enumerate(self._ranks):
+                row, col = divmod(r, inner)
+                handle.levels = (_LoopbackLevel(handle, [col + inner * i for i in range(outer)]),
+                                 _LoopbackLevel(handle, [row * inner + i for i in range(inner)]))
 
     def rank(self, r: int) -> "LoopbackRank":
         """The handle of rank ``r``: pass it as ``group`` to :func:`cp_attention.ring_attention`."""
@@ -136,6 +150,7 @@ class LoopbackRank:
 
     def __init__(self, group: LoopbackGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
+        self.levels: "tuple[_LoopbackLevel, _LoopbackLevel] | None" = None
 
     @property
     def token(self) -> "LoopbackRank":
@@ -169,3 +184,39 @@ class LoopbackRank:
 
     def __repr__(self) -> str:
         return f"LoopbackRank({self.rank} of {self.world_size})"
+
+
+class _LoopbackLevel:
+    """One dim of a two-level loopback group, seen from one rank: a transport over ``members`` (global
+    loopback ranks, in this dim's order) that only exchanges; the group's checks run on the whole."""
+
+    host_agreement = True
+
+    def __init__(self, handle: LoopbackRank, members: list[int]) -> None:
+        self._handle, self._members = handle, members
+        self.rank, self.world_size = members.index(handle.rank), len(members)
+
+    @property
+    def token(self) -> tuple:
+        return (self._handle, tuple(self._members))
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Posted:
+        """As :meth:`LoopbackRank.exchange`, with ``hop`` counted along this dim."""
+        me, group = self._handle.rank, self._handle.group
+        to = self._members[(self.rank + hop) % self.world_size]
+        frm = self._members[(self.rank - hop) % self.world_size]
+        for t in send:
+            group._post(me, to, t)
+        return _Posted(self._handle, recv, [group._reserve(frm, me) for _ in recv])
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        raise NotImplementedError("a loopback mesh dim only exchanges; agree over the whole group")
+
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError("a loopback mesh dim only exchanges; agree over the whole group")
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a loopback mesh dim only exchanges; agree over the whole group")
+
+    def __repr__(self) -> str:
+        return f"_LoopbackLevel(rank {self.rank} of {self.world_size}, members {self._members})"

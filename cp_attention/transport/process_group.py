@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .mesh import cp_group
+from .mesh import cp_group, mesh_levels
 
 __all__ = ["ProcessGroupTransport", "group_rank_and_size", "group_token", "transport_for"]
 
@@ -108,6 +108,7 @@ class ProcessGroupTransport:
             self._token = group_token(pg)
         else:
             self._token = None
+        self.levels: "tuple[ProcessGroupTransport, ProcessGroupTransport] | None" = None
 
     @property
     def group(self):
@@ -201,6 +202,15 @@ def group_token(group: Any) -> object:
 def transport_for(group=None):
     """The :class:`~.base.Transport` for ``group``: a transport (the loopback's ranks, a replay) is
     returned as it is; a process group, ``None`` or a ``DeviceMesh`` (its ``"cp"`` dim) gets a
-    :class:`ProcessGroupTransport`."""
+    :class:`ProcessGroupTransport`. A two-level mesh (:func:`.mesh.is_two_level`) gets one over all its
+    ranks whose ``levels`` are the transports of its (outer, inner) dims."""
+    levels = mesh_levels(group)
     group = cp_group(group)
-    return group if _is_transport(group) else ProcessGroupTransport(group)
+    if _is_transport(group):
+        return group
+    transport = ProcessGroupTransport(group)
+    if levels is not None:
+        transport.levels = tuple(ProcessGroupTransport(g) for g in levels)
+        # A plan made on the flattened group alone must not serve this one (it has no levels).
+        transport._token = (transport._token, "levels", *(t.token for t in transport.levels))
+    return transport

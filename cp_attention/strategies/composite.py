@@ -1,0 +1,214 @@
+"""The executor of the strategies other than the ring: the layout's own per-rank tasks, run by
+"virtual ranks" against K/V that come from an all-gather or from a ring over fewer, larger shards.
+
+After Ulysses' all-to-all a process holds, for its H/A heads, the tokens of A ranks of the layout
+("virtual ranks" a = 0..A-1, flattened rank f = p*A + a, rows a*n:(a+1)*n of its tensors). A ring
+over the P = N/A processes then brings every other process's A shards. At outer step s, virtual rank
+a meets virtual rank a' of process p - s; that is the layout's ring step t = (s*A + a - a') mod N of
+flat rank f, so running that step's tasks (the same exact blocks the ring runs: causal, packed
+documents, windows) covers every (query, key) pair once. All-gather is the case A = 1 with every
+shard gathered at once instead of passed round; pure Ulysses is P = 1 (no ring at all).
+
+Every block is LSE-merged into accumulators that start empty (the ring's "first write" shortcuts
+depend on its step order, which virtual ranks do not keep). Backward: the gathered shards' dK/dV go
+home by one reduce-scatter (exchanges posted as each step ends); on a ring, a dK/dV accumulator
+travels with its shard and makes one last hop home.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.fault import RingFault
+from ..engine.ring import RingPlan
+from ..engine.sinks import fold_sinks, sinks_grad, with_lse_grad
+from ..engine.tasks import add_rows, merge_rows, task_backward, task_forward
+from ..kernels.base import accumulation_dtype
+from ..transport.base import Transport
+
+__all__ = ["CompositePlan", "CompositeAttentionFunction", "pair_steps"]
+
+
+def pair_steps(step_counts: "tuple[int, ...]", world_size: int, inner: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """``pairs[s]``: the ``(a, a', t)`` that run at outer step ``s``: virtual rank ``a``'s ring step ``t``
+    against virtual rank ``a'`` of the shard held, for steps ``t`` below ``step_counts[a]`` (a window can
+    end the ring early). Outer steps after the last that has work are left out (the same on every
+    process: ``t`` depends on ``s``, ``a`` and ``a'`` only)."""
+    outer = world_size // inner
+    pairs = [tuple((a, b, (s * inner + a - b) % world_size) for a in range(inner) for b in range(inner)
+                   if (s * inner + a - b) % world_size < step_counts[a]) for s in range(outer)]
+    while len(pairs) > 1 and not pairs[-1]:
+        pairs.pop()
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class CompositePlan:
+    """One call's execution: ``ring`` (kernel, scale, softcap, packed) for the task helpers; ``comm``
+    the outer group (P ranks) that the shards travel or are gathered over; ``fault_comm`` the whole
+    group, which agrees on failures; ``virtual[a][t]`` virtual rank a's tasks at ring step t;
+    ``pairs`` from :func:`pair_steps`; ``gather``: all-gather the shards instead of a ring."""
+
+    ring: RingPlan
+    comm: Transport
+    fault_comm: Transport
+    virtual: tuple
+    pairs: tuple
+    inner: int
+    gather: bool
+
+    @property
+    def steps(self) -> int:
+        return len(self.pairs)
+
+
+class _Shards:
+    """The K/V shard held at each outer step: gathered up front, or passed round the ring."""
+
+    def __init__(self, plan: CompositePlan, own: tuple[torch.Tensor, ...]) -> None:
+        self.plan, self.own = plan, tuple(t.contiguous() for t in own)
+        last = plan.steps - 1
+        self.held = self.own
+        self._pending = None
+        if plan.gather:
+            self.gathered = [self.own] + [tuple(torch.empty_like(t) for t in self.own) for _ in range(last)]
+            posted = [plan.comm.exchange(self.own, self.gathered[s], s) for s in range(1, last + 1)]
+            for p in posted:
+                p.wait()
+
+    def at(self, s: int) -> tuple[torch.Tensor, ...]:
+        """The shard held at step ``s`` (call in order; on a ring the next one is already on its way)."""
+        if self.plan.gather:
+            return self.gathered[s]
+        if s > 0:
+            sent, recv, handle = self._pending
+            handle.wait()
+            self.held = recv
+        if s < self.plan.steps - 1:
+            recv = tuple(torch.empty_like(t) for t in self.held)
+            self._pending = (self.held, recv, self.plan.comm.exchange(self.held, recv, 1))
+        return self.held
+
+
+def _rows(t: torch.Tensor, a: int, n: int) -> torch.Tensor:
+    return t[:, a * n:(a + 1) * n]
+
+
+def _forward_blocks(plan: CompositePlan, s: int, q, kc, vc, k, v, out, lse, n: int, acc) -> None:
+    for a, b, t in plan.pairs[s]:
+        qa, oa, la = _rows(q, a, n), _rows(out, a, n), lse[:, :, a * n:(a + 1) * n]
+        for task in plan.virtual[a][t]:
+            _, results = task_forward(plan.ring, task, t, qa, _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
+                                      _rows(v, a, n))
+            for rows, o_blk, lse_blk in results:
+                merge_rows(oa, la, rows, o_blk, lse_blk, n, acc)
+
+
+def _backward_blocks(plan: CompositePlan, s: int, dout, q, kc, vc, k, v, out, lse, dq, own, held, n: int,
+                     acc) -> None:
+    """Add step ``s``'s gradients: ``dq``, this process's own shard's ``own`` (dk, dv) and the held
+    shard's ``held`` (dk, dv), all accumulators of full rows."""
+    for a, b, t in plan.pairs[s]:
+        args = (_rows(dout, a, n), _rows(q, a, n), _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
+                _rows(v, a, n), _rows(out, a, n), lse[:, :, a * n:(a + 1) * n])
+        for task in plan.virtual[a][t]:
+            _, results = task_backward(plan.ring, task, t, *args)
+            for q_rows, dq_blk, keys in results:
+                add_rows(_rows(dq, a, n), q_rows, dq_blk, n, acc)
+                for home, kv_rows, dk_blk, dv_blk in keys:
+                    target, at = (own, a) if home else (held, b)
+                    add_rows(_rows(target[0], at, n), kv_rows, dk_blk, n, acc)
+                    add_rows(_rows(target[1], at, n), kv_rows, dv_blk, n, acc)
+
+
+def _backward_pass(plan: CompositePlan, dout, q, k, v, out, lse, acc):
+    n = q.shape[1] // plan.inner
+    last = plan.steps - 1
+    comm = plan.comm
+    dq = torch.zeros_like(q, dtype=acc)
+    own = (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
+    shards = _Shards(plan, (k, v))
+    fault = RingFault(plan.fault_comm)
+    posted = []  # gather: each step's partial on its way home; ring: the accumulator on its way on
+    travelling = None
+    for s in range(last + 1):
+        kc, vc = shards.at(s)
+        if s == 0:
+            held = own
+        elif plan.gather or s == 1:
+            held = (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
+        else:  # the accumulator of the shard held now, from the rank it came from
+            posted.pop().wait()
+            held = travelling
+        if fault.ok:
+            try:
+                _backward_blocks(plan, s, dout, q, kc, vc, k, v, out, lse, dq, own, held, n, acc)
+            except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
+                fault.fail(e)
+        if s == 0:
+            continue
+        if plan.gather:  # home now: to the rank s back, whose shard it is
+            home = tuple(torch.empty_like(t) for t in held)
+            posted.append((comm.exchange(held, home, -s), home))
+        else:
+            travelling = tuple(torch.empty_like(t) for t in held)
+            # on round the ring, or after the last step home: the shard held at step s is rank p - s's
+            posted.append(comm.exchange(held, travelling, 1 if s < last else -s))
+    if plan.gather:
+        for handle, home in posted:
+            handle.wait()
+            own[0].add_(home[0])
+            own[1].add_(home[1])
+    elif posted:
+        posted.pop().wait()
+        own[0].add_(travelling[0])
+        own[1].add_(travelling[1])
+    fault.raise_if_failed("backward")
+    return dq, own[0], own[1]
+
+
+class CompositeAttentionFunction(torch.autograd.Function):
+    """Attention over ``q [B, A*n, H, D]``, ``k [B, A*n, Hkv, D]``, ``v [B, A*n, Hkv, Dv]`` (this
+    process's A virtual ranks' rows) under a :class:`CompositePlan`. Returns ``out [B, A*n, H, Dv]``
+    in q's dtype and ``lse [B, H, A*n]`` (fp32, fp64 for fp64), both differentiable; ``sinks [H]``
+    as for :class:`~cp_attention.engine.ring.RingAttentionFunction` (this process's rows' share)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CompositePlan,
+                sinks: "torch.Tensor | None" = None):
+        acc = accumulation_dtype(q.dtype)
+        b, m, h, _ = q.shape
+        n = m // plan.inner
+        out = q.new_zeros(b, m, h, v.shape[-1], dtype=acc)
+        lse = q.new_full((b, h, m), float("-inf"), dtype=acc)
+        shards = _Shards(plan, (k, v))
+        fault = RingFault(plan.fault_comm)
+        for s in range(plan.steps):
+            kc, vc = shards.at(s)
+            if fault.ok:
+                try:
+                    _forward_blocks(plan, s, q, kc, vc, k, v, out, lse, n, acc)
+                except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
+                    fault.fail(e)
+        fault.raise_if_failed("forward")
+        out, lse = fold_sinks(out, lse, sinks, acc)
+        out = out.to(q.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.set_materialize_grads(False)  # an unused LSE must cost nothing in backward
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: "torch.Tensor | None", dlse: "torch.Tensor | None"):
+        plan: CompositePlan = ctx.plan
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        acc = accumulation_dtype(q.dtype)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dsinks = sinks_grad(dout, out, lse, dlse, sinks, acc) if sinks is not None and ctx.needs_input_grad[4] else None
+        dv_dim = v.shape[-1]
+        if dlse is not None:
+            out, dout, v = with_lse_grad(out, dout, dlse, v)
+        dq, dk, dv = _backward_pass(plan, dout, q, k, v, out, lse, acc)
+        return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

@@ -1,0 +1,110 @@
+"""Running one attention call with a strategy other than the ring: all-gather, Ulysses all-to-all, or
+all-to-all inside a ring (``cp_comm_type`` ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``).
+
+The layout contract is the ring's: q, k, v are this rank's shard, the result is too. The strategies
+differ only in where K/V (and, for all-to-all, the heads) travel; each runs the layout's exact tasks
+(see :mod:`.composite`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..engine.plan import AttentionPlan
+from ..engine.ring import RingPlan
+from ..kernels.base import AttentionKernel
+from ..transport.base import Transport
+from .alltoall import heads_to_seq, seq_to_heads
+from .composite import CompositeAttentionFunction, CompositePlan, pair_steps
+
+__all__ = ["a2a_degree", "strategy_problem", "run_strategy"]
+
+
+class _Seat:
+    """A rank's place in the group, without communication: what a virtual rank's plan needs."""
+
+    host_agreement = False
+    token = None
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+
+def a2a_degree(transport: Transport, cp_comm_type: str) -> int:
+    """How many ranks an all-to-all spans: the whole group for ``"a2a"``, the inner dim for
+    ``"a2a+p2p"``, 1 otherwise."""
+    if cp_comm_type == "a2a":
+        return transport.world_size
+    if cp_comm_type == "a2a+p2p":
+        levels = getattr(transport, "levels", None)
+        return levels[1].world_size if levels else 0
+    return 1
+
+
+def strategy_problem(transport: Transport, cp_comm_type: str, heads: int) -> Optional[str]:
+    """Why ``cp_comm_type`` cannot run ``heads`` query heads on this group, or None. Depends only on
+    what every rank agreed on (the heads) and on the group's shape, so every rank answers alike."""
+    if cp_comm_type == "a2a+p2p" and not getattr(transport, "levels", None):
+        return ("cp_comm_type='a2a+p2p' needs a two-level group: pass a 2-D DeviceMesh as group (dim 0 the ring, "
+                "dim 1 the all-to-all, e.g. init_device_mesh('cuda', (nodes, gpus_per_node))) and shard the inputs "
+                "with the flattened mesh rank; or use cp_comm_type='a2a' or 'p2p'")
+    degree = a2a_degree(transport, cp_comm_type)
+    if degree > 1 and heads % degree:
+        where = "the group" if cp_comm_type == "a2a" else "the mesh's inner dim"
+        return (f"cp_comm_type={cp_comm_type!r} splits the query heads over the {degree} ranks of {where}, so it "
+                f"needs heads divisible by {degree}, got {heads}; use cp_comm_type='p2p' or 'all_gather', or an "
+                f"all-to-all degree that divides {heads} ('a2a+p2p' with a smaller inner dim)")
+    return None
+
+
+def _virtual_plan(plan: AttentionPlan, rank: int) -> AttentionPlan:
+    """The batch's plan as rank ``rank`` of the group sees it (cached on ``plan``)."""
+    seats = plan.__dict__.setdefault("_seats", {})
+    found = seats.get(rank)
+    if found is None:
+        found = seats[rank] = AttentionPlan(plan.layout, _Seat(rank, plan.world_size), plan.causal, plan.cu_seqlens,
+                                            plan.window_size, agreed=True)
+    return found
+
+
+def _repeat_kv(t: torch.Tensor, degree: int) -> torch.Tensor:
+    """K/V heads repeated so ``degree`` divides them (each query head keeps its own K/V head)."""
+    heads = t.shape[2]
+    if heads % degree == 0:
+        return t
+    return t.repeat_interleave(math.lcm(heads, degree) // heads, dim=2)
+
+
+def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, cp_comm_type: str,
+                 kern: AttentionKernel, scale: float, softcap: float, sinks: "torch.Tensor | None",
+                 return_lse: bool = True) -> tuple[torch.Tensor, "torch.Tensor | None"]:
+    """``(out [B, n, H, Dv], lse [B, H, n])`` of a validated call with ``cp_comm_type`` in
+    ``("all_gather", "a2a", "a2a+p2p")``; :func:`strategy_problem` must have passed. Without
+    ``return_lse`` an all-to-all strategy does not send the LSE back (``lse`` is None)."""
+    transport = plan.transport
+    n, device = q.shape[1], q.device
+    ring = RingPlan(transport, (), kern, scale, softcap, packed=plan.packed)
+    if cp_comm_type == "all_gather":
+        steps = plan.steps(n, kern, device, q.shape[-1], v.shape[-1])
+        cplan = CompositePlan(ring, transport, transport, (steps,), pair_steps((len(steps),), plan.world_size, 1),
+                              1, gather=True)
+        return CompositeAttentionFunction.apply(q, k, v, cplan, sinks)
+    outer, inner = transport.levels if cp_comm_type == "a2a+p2p" else (None, transport)
+    degree = inner.world_size
+    p = outer.rank if outer is not None else 0
+    virtual = tuple(_virtual_plan(plan, p * degree + a).steps(n, kern, device, q.shape[-1], v.shape[-1])
+                    for a in range(degree))
+    pairs = pair_steps(tuple(len(s) for s in virtual), plan.world_size, degree)
+    cplan = CompositePlan(ring, outer if outer is not None else inner, transport, virtual, pairs, degree, gather=False)
+    heads = q.shape[2] // degree
+    qh = seq_to_heads(q, inner)
+    kh, vh = (seq_to_heads(_repeat_kv(t, degree), inner) for t in (k, v))
+    sinks_h = None if sinks is None else sinks[inner.rank * heads:(inner.rank + 1) * heads]
+    out_h, lse_h = CompositeAttentionFunction.apply(qh, kh, vh, cplan, sinks_h)
+    out = heads_to_seq(out_h, inner)
+    if not return_lse:
+        return out, None
+    return out, heads_to_seq(lse_h.transpose(1, 2).unsqueeze(-1), inner).squeeze(-1).transpose(1, 2)
