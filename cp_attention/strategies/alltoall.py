@@ -16,64 +16,70 @@ from ..transport.base import Transport
 __all__ = ["all_to_all", "seq_to_heads", "heads_to_seq"]
 
 
-def all_to_all(comm: Transport, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Send ``chunks[d]`` to rank ``d`` of ``comm``; return what every rank sent this one, in rank
-    order. Every rank's chunk ``d`` must have the shape and dtype of every other rank's chunk for it."""
+def all_to_all(comm: Transport, chunks: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Send ``chunks[d]`` (a list of tensors) to rank ``d`` of ``comm``; return what every rank sent this
+    one, in rank order. One exchange per peer carries all the tensors. Every rank's chunks for rank
+    ``d`` have the shapes and dtypes of every other rank's chunks for it."""
     a, r = comm.world_size, comm.rank
-    got: list["torch.Tensor | None"] = [None] * a
-    got[r] = chunks[r]
+    got: list[list[torch.Tensor]] = [[] for _ in range(a)]
+    got[r] = list(chunks[r])
     pending = []
     for hop in range(1, a):
         src = (r - hop) % a
-        # Every rank's chunk for rank r has the shape this rank's chunk for itself has.
-        got[src] = torch.empty_like(chunks[r])
-        pending.append(comm.exchange([chunks[(r + hop) % a].contiguous()], [got[src]], hop))
+        # Every rank's chunks for rank r have the shapes of this rank's chunks for itself.
+        got[src] = [torch.empty_like(t) for t in chunks[r]]
+        pending.append(comm.exchange([t.contiguous() for t in chunks[(r + hop) % a]], got[src], hop))
     for p in pending:
         p.wait()
     return got
 
 
-def _split_heads(x: torch.Tensor, comm: Transport) -> torch.Tensor:
-    heads = x.shape[2] // comm.world_size
-    parts = all_to_all(comm, [x[:, :, d * heads:(d + 1) * heads].contiguous() for d in range(comm.world_size)])
-    return torch.cat(parts, dim=1)
+def _split_heads(xs: Sequence[torch.Tensor], comm: Transport) -> tuple[torch.Tensor, ...]:
+    a = comm.world_size
+    parts = all_to_all(comm, [[x[:, :, d * (x.shape[2] // a):(d + 1) * (x.shape[2] // a)].contiguous() for x in xs]
+                              for d in range(a)])
+    return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(len(xs)))
 
 
-def _split_seq(x: torch.Tensor, comm: Transport) -> torch.Tensor:
-    n = x.shape[1] // comm.world_size
-    parts = all_to_all(comm, [x[:, d * n:(d + 1) * n].contiguous() for d in range(comm.world_size)])
-    return torch.cat(parts, dim=2)
+def _split_seq(xs: Sequence[torch.Tensor], comm: Transport) -> tuple[torch.Tensor, ...]:
+    a = comm.world_size
+    parts = all_to_all(comm, [[x[:, d * (x.shape[1] // a):(d + 1) * (x.shape[1] // a)].contiguous() for x in xs]
+                              for d in range(a)])
+    return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(len(xs)))
 
 
 class _SeqToHeads(torch.autograd.Function):
+    # Gradients are materialised (autograd's default): an unused output sends zeros, so every rank
+    # posts the same exchanges.
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Transport) -> torch.Tensor:
+    def forward(ctx, comm: Transport, *xs: torch.Tensor):
         ctx.comm = comm
-        return _split_heads(x, comm)
+        return _split_heads(xs, comm)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split_seq(grad, ctx.comm), None
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, *_split_seq([g.contiguous() for g in grads], ctx.comm))
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Transport) -> torch.Tensor:
+    def forward(ctx, comm: Transport, *xs: torch.Tensor):
         ctx.comm = comm
-        return _split_seq(x, comm)
+        return _split_seq(xs, comm)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split_heads(grad, ctx.comm), None
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, *_split_heads([g.contiguous() for g in grads], ctx.comm))
 
 
-def seq_to_heads(x: torch.Tensor, comm: Transport) -> torch.Tensor:
-    """``[B, n, H, D]`` sequence shard -> ``[B, A*n, H/A, D]``: every rank's n tokens (in rank order) for
-    this rank's H/A heads (heads ``[r*H/A, (r+1)*H/A)``); A = ``comm.world_size`` must divide H.
-    Differentiable (the backward is :func:`heads_to_seq`)."""
-    return x if comm.world_size == 1 else _SeqToHeads.apply(x, comm)
+def seq_to_heads(comm: Transport, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each ``[B, n, H, D]`` sequence shard -> ``[B, A*n, H/A, D]``: every rank's n tokens (in rank order)
+    for this rank's H/A heads (heads ``[r*H/A, (r+1)*H/A)``); A = ``comm.world_size`` must divide each
+    H. All tensors travel in one exchange per peer. Differentiable (the backward is
+    :func:`heads_to_seq`)."""
+    return tuple(xs) if comm.world_size == 1 else _SeqToHeads.apply(comm, *xs)
 
 
-def heads_to_seq(x: torch.Tensor, comm: Transport) -> torch.Tensor:
-    """The inverse of :func:`seq_to_heads`: ``[B, A*n, h, D]`` -> ``[B, n, A*h, D]``. Differentiable."""
-    return x if comm.world_size == 1 else _HeadsToSeq.apply(x, comm)
+def heads_to_seq(comm: Transport, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inverse of :func:`seq_to_heads`: each ``[B, A*n, h, D]`` -> ``[B, n, A*h, D]``. Differentiable."""
+    return tuple(xs) if comm.world_size == 1 else _HeadsToSeq.apply(comm, *xs)

@@ -100,11 +100,10 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
     pairs = pair_steps(tuple(len(s) for s in virtual), plan.world_size, degree)
     cplan = CompositePlan(ring, outer if outer is not None else inner, transport, virtual, pairs, degree, gather=False)
     heads = q.shape[2] // degree
-    qh = seq_to_heads(q, inner)
-    kh, vh = (seq_to_heads(_repeat_kv(t, degree), inner) for t in (k, v))
+    qh, kh, vh = seq_to_heads(inner, q, _repeat_kv(k, degree), _repeat_kv(v, degree))
     sinks_h = None if sinks is None else sinks[inner.rank * heads:(inner.rank + 1) * heads]
     out_h, lse_h = CompositeAttentionFunction.apply(qh, kh, vh, cplan, sinks_h)
-    out = heads_to_seq(out_h, inner)
     if not return_lse:
-        return out, None
-    return out, heads_to_seq(lse_h.transpose(1, 2).unsqueeze(-1), inner).squeeze(-1).transpose(1, 2)
+        return heads_to_seq(inner, out_h)[0], None
+    out, lse = heads_to_seq(inner, out_h, lse_h.transpose(1, 2).unsqueeze(-1))
+    return out, lse.squeeze(-1).transpose(1, 2)
