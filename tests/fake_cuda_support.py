@@ -362,27 +362,27 @@ class FakeCuda:
 
     def close(self) -> None:
         import cp_attention.api as api
-        from cp_attention.engine import ring
+        from cp_attention.engine import tasks
         if self.meta_lib is not None:
             self.meta_lib._destroy()
             self.meta_lib = None
         # caches that may hold fake tensors keyed by the cuda device
-        ring.band_mask.cache_clear()
+        tasks.band_mask.cache_clear()
         with api._PLANS_LOCK:
             api._PLANS.clear()
         self.host_values.clear()
 
     # ------------------------------------------------------------------ ring on the loopback
-    def group(self, world: int, timeout_s: float = 60.0):
+    def group(self, world: int, timeout_s: float = 60.0, mesh_shape=None):
         from cp_attention.transport.loopback import LoopbackGroup
-        group = LoopbackGroup(world, timeout_s=timeout_s)
+        group = LoopbackGroup(world, timeout_s=timeout_s, mesh_shape=mesh_shape)
         group._cv = threading.Condition(self.lock)  # P4
         return group
 
-    def run(self, world: int, fn: Callable[[Any, SyncWatch], Any], timeout_s: float = 60.0) -> list:
-        """``fn(rank_handle, watch)`` on every rank of a new loopback group, one rank at a time, under
-        the fake mode with a :class:`SyncWatch`; the ranks' results in rank order."""
-        group = self.group(world, timeout_s)
+    def run(self, world: int, fn: Callable[[Any, SyncWatch], Any], timeout_s: float = 60.0, mesh_shape=None) -> list:
+        """``fn(rank_handle, watch)`` on every rank of a new loopback group (two-level with ``mesh_shape``),
+        one rank at a time, under the fake mode with a :class:`SyncWatch`; the ranks' results in rank order."""
+        group = self.group(world, timeout_s, mesh_shape)
 
         def body(rank):
             with self.lock:

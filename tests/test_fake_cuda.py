@@ -327,8 +327,8 @@ def _calls_per_step(env, kernel: str, docs: int) -> tuple[int, int]:
                     steps[s] = steps.get(s, 0) + sum(env.aten.calls.values()) - before
         return wrapped
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ring, "_task_forward", counting(ring._task_forward, fwd_steps))
-        mp.setattr(ring, "_task_backward", counting(ring._task_backward, bwd_steps))
+        mp.setattr(ring, "task_forward", counting(ring.task_forward, fwd_steps))
+        mp.setattr(ring, "task_backward", counting(ring.task_backward, bwd_steps))
         res = ring_case(env, 2, kernel, "zigzag", torch.bfloat16, n=docs * 16 // 2, lengths=[16] * docs, layers=1)
     check_clean(res, kernel)
     print(f"\n[issue 23] {kernel}: {docs} documents x 16 tokens, N=2: fused-op calls per ring step on rank 0: "
