@@ -42,3 +42,14 @@ def test_ring_packed_and_windowed_on_cuda(layout):
     _assert_within(loopback_errors(4, layout=layout, causal=True, dtype=torch.bfloat16, device="cuda", heads=8,
                                    kv_heads=8, head_dim=64, local_len=128, window=(100, -1),
                                    **TOLERANCES[torch.bfloat16]))
+
+
+@pytest.mark.parametrize("comm,mesh", [("all_gather", None), ("a2a", None), ("a2a+p2p", (2, 2))])
+@pytest.mark.parametrize("layout", ["zigzag", "interleaved"])
+def test_strategies_on_cuda(comm, mesh, layout):
+    """all_gather, Ulysses and a2a+p2p with the real CUDA kernels: plain, packed, windowed, sinks + LSE grad."""
+    common = dict(layout=layout, causal=True, dtype=torch.bfloat16, device="cuda", heads=8, kv_heads=2, head_dim=64,
+                  cp_comm_type=comm, mesh_shape=mesh, **BF16_GQA)
+    _assert_within(loopback_errors(4, local_len=128, **common))
+    _assert_within(loopback_errors(4, local_len=96, lengths=[1, 100, 7, 200, 3, 73], **common))
+    _assert_within(loopback_errors(4, local_len=128, window=(100, -1), sinks=True, lse_grad=True, **common))
