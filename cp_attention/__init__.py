@@ -4,8 +4,10 @@ Each rank of a process group holds 1/N of every sequence, sharded by a :class:`L
 :func:`ring_attention` computes exact attention over the whole sequence, forward and backward.
 Build one :func:`plan` per batch and pass it to every layer's call.
 
+``cp_comm_type`` picks how K/V travel (the ring, all-gather, Ulysses all-to-all, or both on a 2-D mesh).
+
 The rooms, from the bottom up: ``kernels`` and ``transport``, ``layouts``, ``schedules``, ``checks``,
-``engine``; then this API, the adapters (``integrations``), ``training`` and ``experiments``.
+``engine``, ``strategies``; then this API, the adapters (``integrations``), ``training`` and ``experiments``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from .kernels import KERNEL_NAMES, get_kernel
 from .layouts import (LAYOUT_NAMES, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout, document_position_ids,
                       get_layout, pad_cu_seqlens, register_layout)
 from .schedules import BlockTask, get_schedule, rank_plan, register_schedule, ring_length, work_model
+from .strategies import CP_COMM_TYPES, check_comm_type_name
 
 __version__ = "0.1.0"
 
@@ -31,6 +34,8 @@ __all__ = [
     "InterleavedLayout",
     "LAYOUT_NAMES",
     "KERNEL_NAMES",
+    "CP_COMM_TYPES",
+    "check_comm_type_name",
     "BlockTask",
     "get_schedule",
     "register_schedule",

@@ -28,6 +28,9 @@ class Transport(Protocol):
     ``host_agreement`` is True where a status tensor can be read on the host without a device sync
     (gloo, loopback): fault containment and signature fingerprints run only there. ``token`` stands
     for the group in cache keys without keeping it alive (see :func:`~cp_attention.checks.agreement.group_token`).
+    A transport of a two-level group (a 2-D ``DeviceMesh``, ``cp_comm_type="a2a+p2p"``) also has
+    ``levels = (outer, inner)``: transports of its two dims that need only :meth:`exchange`; others
+    have no ``levels`` or ``None``.
     """
 
     rank: int
