@@ -22,6 +22,7 @@ from cp_attention.transport import transport_for
 from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids, longest_document
 
 from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
+from ._hf_gen_state import active_generation
 
 __all__ = ["ForwardChecks", "documents", "expected_positions", "check_positions"]
 
@@ -133,11 +134,29 @@ class ForwardChecks:
         self._cu_q = weakref.ref(cu_q) if isinstance(cu_q, torch.Tensor) else None
         return None
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+                 ) -> "tuple[tuple, dict[str, Any]] | None":
         """Forward pre-hook (``with_kwargs=True``). Raises the same ``ValueError`` or
-        ``NotImplementedError`` on every rank if any rank's data is refused."""
+        ``NotImplementedError`` on every rank if any rank's data is refused.
+
+        Inside :func:`~._hf_generate.generate`, the prefill's prompt batch is swapped for this rank's
+        shard of the packed prompt (then checked as any forward), and a decoding step's forward (the
+        same token on every rank) is let through: its layers merge their partial results themselves."""
         self._agreed.leave()  # a forward that ended without its post-hook (not on a normal path)
         self._positions = self._cu_q = self.cu = self.plan = None
+        gen = active_generation(getattr(module, "_cp_attention", None))
+        if gen is not None:
+            if gen.prefilled:
+                gen.step += 1
+                return None
+            args, kwargs = (), gen.prefill_inputs(kwargs)
+            self._check(args, kwargs)
+            return args, kwargs
+        self._check(args, kwargs)
+        return None
+
+    def _check(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Check one forward's data, agreed over the group; on success build the forward's plan."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -167,10 +186,15 @@ class ForwardChecks:
             # One plan for the whole forward: every layer reuses it (and its built steps).
             self.plan = AttentionPlan(self.layout, transport_for(self.group), True, self.cu, agreed=True)
 
-    def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         """Forward hook (``with_kwargs=True, always_call=True``): the forward is over (or raised).
 
         The plan stays until the next forward: activation checkpointing runs the layers again in
         backward, on the very tensors this forward accepted, and they reuse it (their calls are then
-        validated outside the agreed scope, as any call is)."""
+        validated outside the agreed scope, as any call is). A generation's prefill gets every rank's
+        logits of the prompt rows' last tokens."""
         self._agreed.leave()
+        gen = active_generation(getattr(module, "_cp_attention", None))
+        if gen is not None and not gen.prefilled and output is not None:
+            return gen.finish_prefill(output)
+        return None

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from ._hf_gen_state import decoding
+
 __all__ = ["RingMask", "layer_window", "ring_mask"]
 
 
@@ -82,13 +84,14 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     :data:`_MASK_OPTIONS` (named in the error). ``q_offset``/``kv_offset`` describe the KV cache's
     layout (a sliding layer's cache shifts them even in a first forward); decoding from a cache, the
     only case where they change what a query sees, is refused by the model's forward check and by the
-    attention layer.
+    attention layer. Inside :func:`~._hf_generate.generate`'s decoding steps the left padding is allowed:
+    the sharded cache holds no padding.
     """
     unknown = sorted(name for name, val in options.items() if val is not None and name not in _MASK_OPTIONS)
     if unknown:
         raise NotImplementedError(f"the attention mask was asked with argument(s) context-parallel attention does "
                                   f"not implement: {', '.join(unknown)}; refusing rather than ignoring them")
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if attention_mask is not None and not decoding() and not bool(attention_mask.all()):
         raise NotImplementedError("padding (attention_mask with zeros) is not supported by context-parallel "
                                   "attention yet; pack or trim the batch so that every token is real")
     if use_vmap:

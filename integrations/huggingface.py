@@ -40,11 +40,13 @@ from cp_attention.transport import cp_group, group_rank_and_size, mesh_group, tr
 
 from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
 from ._hf_checks import ForwardChecks, check_positions, documents
+from ._hf_gen_state import active_generation
+from ._hf_generate import generate
 from ._hf_masks import RingMask, layer_window, ring_mask
 from ._hf_parallel import checkpoint_activations, parallelize
 from ._hf_trainer import context_parallel_trainer
 
-__all__ = ["apply_context_parallel", "parallelize", "checkpoint_activations", "context_parallel_trainer", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
+__all__ = ["apply_context_parallel", "generate", "parallelize", "checkpoint_activations", "context_parallel_trainer", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
            "ATTN_IMPLEMENTATION"]
 
 ATTN_IMPLEMENTATION = "cp_ring"
@@ -114,6 +116,13 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if state is None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} is set on a model that was not patched; "
                            "call cp_attention.integrations.huggingface.apply_context_parallel(model, group=...)")
+    gen = active_generation(state)
+    if gen is not None and gen.prefilled:  # a decoding step of generate(): pass-Q over the sharded cache
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        if not causal:
+            raise NotImplementedError("generate needs causal attention layers; this layer is not causal")
+        return gen.attend(module, query, key, value, layer_window(attention_mask, sliding_window, causal), scaling,
+                          softcap, s_aux)
     local = query.shape[2]
     total = local * state.world_size
     # The model's forward pre-hook checked this forward's data once, agreed over the group; the tensors
@@ -162,8 +171,10 @@ def _register() -> None:
 
 
 def _refuse_generate(*args, **kwargs):
-    raise NotImplementedError("generate() is not supported on a context-parallel model (its KV cache would hold "
-                              "only this rank's shard); generate with an unpatched copy of the model")
+    raise NotImplementedError("model.generate() on a context-parallel model would run every rank's shard as a whole "
+                              "prompt; call cp_attention.integrations.huggingface.generate(model, input_ids, group=..., "
+                              "layout=..., attention_mask=..., **generate_kwargs), which shards the prompt and the KV "
+                              "cache and returns what model.generate returns without CP")
 
 
 def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str, cpa.Layout] = "zigzag",
