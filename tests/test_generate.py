@@ -1,0 +1,61 @@
+"""Issue 27: generation from a sharded prompt and KV cache equals single-process ``generate`` (tokens and
+every step's scores), for every layout, N in {2, 4}, odd prompt lengths with left padding, and models
+with sliding windows shorter than the prompt (Mistral), softcap and alternating windows (Gemma2) and
+sinks (GPT-OSS); beam search, logits processors and sampling; the refusals alike on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import generate_cases
+from .generate_cases import ATOL
+
+FAMILIES = ("llama", "qwen2", "mistral_window", "gemma2_window", "gpt_oss_window")
+LAYOUTS = ("contiguous", "zigzag", "interleaved")
+# Every family at N = 2 and 4, the layout turning, so each family meets every layout but one and
+# each layout every family (odd prompt lengths: 13 and 17, one row left-padded).
+MATRIX = [(family, world, LAYOUTS[(i + j) % 3]) for i, family in enumerate(FAMILIES) for j, world in enumerate((2, 4))]
+
+
+@pytest.mark.parametrize("family,world,layout", MATRIX, ids=[f"{f}-N{w}-{lay}" for f, w, lay in MATRIX])
+def test_greedy_equals_one_process(family, world, layout):
+    seq = 17 if world == 4 else 13
+    results = generate_cases.loopback_generate(world, family, layout, seq=seq, max_new_tokens=5)
+    for rank, r in enumerate(results):
+        assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
+    # every prompt token (left padding dropped) and every new one is cached on exactly one rank, evenly
+    real, new = 2 * seq - 3, 2 * 5 - 2  # the last step's token is never fed back
+    held = [r["cached"] for r in results]
+    assert sum(held) == real + new, held
+    assert max(held) - min(held) <= 2 * (2 + 1), held
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_beams=3, max_new_tokens=4),
+    dict(num_beams=2, num_return_sequences=2, length_penalty=0.5, max_new_tokens=4),
+    dict(repetition_penalty=1.4, no_repeat_ngram_size=2, max_new_tokens=6),
+    dict(eos_token_id=7, max_new_tokens=8, min_new_tokens=2),
+], ids=["beam3", "beam2x2", "processors", "eos"])
+def test_generate_options(kwargs):
+    results = generate_cases.loopback_generate(4, "gemma2_window", "zigzag", seq=15, pads=(4, 0), **kwargs)
+    for rank, r in enumerate(results):
+        assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
+
+
+def test_sampling_is_identical_on_every_rank(pools):
+    results = pools(2).run(generate_cases.sampled, family="gpt_oss_window", layout="interleaved", seed=3,
+                           timeout=180)
+    assert results[0]["tokens"] == results[1]["tokens"]
+    for r in results:
+        assert r["sequences"] and r["scores"] <= ATOL, r
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("model.generate", "NotImplementedError: model.generate() on a context-parallel model"),
+    ("output_attentions", "NotImplementedError: context-parallel generate does not support output_attentions"),
+    ("right_padding", "ValueError: attention_mask must hold left padding only"),
+    ("differing_prompts", "ValueError: the ranks passed different prompts"),
+])
+def test_refusals_alike_on_every_rank(case, expected):
+    messages = generate_cases.refusals(2, case)
+    assert len(set(messages)) == 1 and messages[0].startswith(expected), messages
