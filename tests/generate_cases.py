@@ -35,14 +35,14 @@ def _compare(got: Any, want: Any) -> dict:
 
 
 def loopback_generate(world: int, family: str, layout: str, seq: int = 13, pads: tuple = (0, 3), rows: int = 2,
-                      **gen_kwargs: Any) -> list[dict]:
+                      device: str = "cpu", **gen_kwargs: Any) -> list[dict]:
     """Per rank: whether its sequences equal single-process generate's, its worst score difference, and
     how many prompt and generated tokens its cache holds (``cached``)."""
     from cp_attention.integrations import huggingface as cphf
     from cp_attention.transport.loopback import LoopbackGroup
 
-    ref = build(family)
-    ids, mask = prompts(rows, seq, pads)
+    ref = build(family).to(device)
+    ids, mask = (t.to(device) for t in prompts(rows, seq, pads))
     kwargs = dict(attention_mask=mask, return_dict_in_generate=True, output_scores=True, pad_token_id=0,
                   **gen_kwargs)
     want = ref.generate(ids, **kwargs)

@@ -84,3 +84,26 @@ def test_strategies_on_fake_cuda(env, monkeypatch, comm, world, mesh, kernel, kw
     monkeypatch.setattr(env, "ring_function", function)
     res = strategy_case(env, comm, world, mesh, kernel, **kw)
     check_clean(res, kernel)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_decode_attention_on_fake_cuda(env, world):  # noqa: F811 - the fixture
+    """Generation's pass-Q step (a sharded cache's keys, one query per row, the LSE merge over the
+    group): fake CUDA tensors in and out, bf16 in, no host sync."""
+    from cp_attention.engine.decode import decode_attention
+
+    def rank_fn(rank, watch):
+        with phase(watch, "step"):
+            q = env.fake(3, 8, 64)
+            k, v = env.fake(3, 2, 37, 64), env.fake(3, 2, 37, 64)
+            positions = torch.empty(3, 37, dtype=torch.long, device="cuda")
+            visible = (positions >= 0) & (positions >= 90 - 15)
+            sinks = env.fake(8, dtype=torch.float32)
+            out, lse = decode_attention(q, k, v, visible, rank, 0.125, 30.0, sinks)
+        ok = (tuple(out.shape), out.dtype, out.device.type, tuple(lse.shape)) == ((3, 8, 64), torch.bfloat16, "cuda",
+                                                                                 (3, 8))
+        return ([] if ok else [f"out {tuple(out.shape)} {out.dtype} {out.device}, lse {tuple(lse.shape)}"]), watch.events
+
+    per_rank = env.run(world, rank_fn)
+    check_clean({"problems": [p for probs, _ in per_rank for p in probs],
+                 "events": [e for _, events in per_rank for e in events], "calls": {}}, None)

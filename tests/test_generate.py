@@ -6,6 +6,7 @@ sinks (GPT-OSS); beam search, logits processors and sampling; the refusals alike
 from __future__ import annotations
 
 import pytest
+import torch
 
 from . import generate_cases
 from .generate_cases import ATOL
@@ -59,3 +60,14 @@ def test_sampling_is_identical_on_every_rank(pools):
 def test_refusals_alike_on_every_rank(case, expected):
     messages = generate_cases.refusals(2, case)
     assert len(set(messages)) == 1 and messages[0].startswith(expected), messages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["mistral_window", "gpt_oss_window"])
+def test_generate_on_cuda(family):
+    """fp64 on one GPU (the ring's CUDA path falls back where a kernel lacks fp64), every rank a thread."""
+    results = generate_cases.loopback_generate(4, family, "zigzag", seq=17, device="cuda", max_new_tokens=5,
+                                               num_beams=2)
+    for rank, r in enumerate(results):
+        assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
