@@ -29,8 +29,7 @@ from ..launch import run_on_ranks
 
 __all__ = ["add_arguments", "measure", "run"]
 
-QUICK = {"prompt_lens": [256, 512], "worlds": [1, 2], "new_tokens": 4, "hidden": 64, "layers": 2, "vocab": 256,
-         "intermediate": 128, "heads": 4, "kv_heads": 2}
+QUICK = {"new_tokens": 4, "hidden": 64, "layers": 2, "vocab": 256, "intermediate": 128, "heads": 4, "kv_heads": 2}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--layout", default="zigzag")
-    p.add_argument("--quick", action="store_true", help="a tiny model and prompts (a smoke test)")
+    p.add_argument("--quick", action="store_true", help="a tiny model (a smoke test; pick small --prompt-lens)")
     p.add_argument("--json", default=None, help="also write the rows here")
 
 
