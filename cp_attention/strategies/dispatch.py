@@ -13,14 +13,18 @@ from typing import Optional
 
 import torch
 
+from ..engine import doc_batch
 from ..engine.plan import AttentionPlan
 from ..engine.ring import RingPlan
 from ..kernels.base import AttentionKernel
+from ..layouts.registry import get_layout
 from ..transport.base import Transport
 from .alltoall import heads_to_seq, seq_to_heads
 from .composite import CompositeAttentionFunction, CompositePlan, pair_steps
 
 __all__ = ["a2a_degree", "strategy_problem", "run_strategy"]
+
+_CONTIGUOUS = get_layout("contiguous")
 
 
 class _Seat:
@@ -60,13 +64,29 @@ def strategy_problem(transport: Transport, cp_comm_type: str, heads: int) -> Opt
     return None
 
 
-def _virtual_plan(plan: AttentionPlan, rank: int) -> AttentionPlan:
-    """The batch's plan as rank ``rank`` of the group sees it (cached on ``plan``)."""
+def _virtual_plan(plan: AttentionPlan, rank: int, alone: bool = False) -> AttentionPlan:
+    """The batch's plan as rank ``rank`` of the group sees it, or (``alone``) as one rank holding the
+    whole sequence in order would; cached on ``plan``."""
     seats = plan.__dict__.setdefault("_seats", {})
-    found = seats.get(rank)
+    key = "alone" if alone else rank
+    found = seats.get(key)
     if found is None:
-        found = seats[rank] = AttentionPlan(plan.layout, _Seat(rank, plan.world_size), plan.causal, plan.cu_seqlens,
-                                            plan.window_size, agreed=True)
+        layout, seat = (_CONTIGUOUS, _Seat(0, 1)) if alone else (plan.layout, _Seat(rank, plan.world_size))
+        found = seats[key] = AttentionPlan(layout, seat, plan.causal, plan.cu_seqlens, plan.window_size, agreed=True)
+    return found
+
+
+def _sequence_order(plan: AttentionPlan, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)`` on ``device``: the rows of every rank's shard in rank order are the sequence's
+    positions ``order``; ``index_select(1, inverse)`` puts them in sequence order (cached on ``plan``)."""
+    cache = plan.__dict__.setdefault("_orders", {})
+    found = cache.get((n, device))
+    if found is None:
+        total = n * plan.world_size
+        order = torch.cat([plan.layout.positions(total, r, plan.world_size, plan.cu_seqlens)
+                           for r in range(plan.world_size)])
+        # uploaded once per batch, from pinned memory without blocking (as the plan's index tensors)
+        found = cache[(n, device)] = (doc_batch.upload(order, device), doc_batch.upload(torch.argsort(order), device))
     return found
 
 
@@ -94,15 +114,25 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
         return CompositeAttentionFunction.apply(q, k, v, cplan, sinks)
     outer, inner = transport.levels if cp_comm_type == "a2a+p2p" else (None, transport)
     degree = inner.world_size
-    p = outer.rank if outer is not None else 0
-    virtual = tuple(_virtual_plan(plan, p * degree + a).steps(n, kern, device, q.shape[-1], v.shape[-1])
-                    for a in range(degree))
-    pairs = pair_steps(tuple(len(s) for s in virtual), plan.world_size, degree)
-    cplan = CompositePlan(ring, outer if outer is not None else inner, transport, virtual, pairs, degree, gather=False)
     heads = q.shape[2] // degree
     qh, kh, vh = seq_to_heads(inner, q, _repeat_kv(k, degree), _repeat_kv(v, degree))
     sinks_h = None if sinks is None else sinks[inner.rank * heads:(inner.rank + 1) * heads]
-    out_h, lse_h = CompositeAttentionFunction.apply(qh, kh, vh, cplan, sinks_h)
+    if outer is None:  # the whole sequence is here: put it in order and attend it as one rank would
+        order, inverse = _sequence_order(plan, n, device)
+        qh, kh, vh = (t.index_select(1, inverse) for t in (qh, kh, vh))
+        whole = _virtual_plan(plan, 0, alone=True)
+        steps = whole.steps(n * degree, kern, device, q.shape[-1], v.shape[-1])
+        cplan = CompositePlan(RingPlan(transport, (), kern, scale, softcap, packed=whole.packed), inner, transport,
+                              (steps,), pair_steps((len(steps),), 1, 1), 1, gather=False)
+        out_h, lse_h = CompositeAttentionFunction.apply(qh, kh, vh, cplan, sinks_h)
+        out_h, lse_h = out_h.index_select(1, order), lse_h.index_select(2, order)
+    else:
+        p = outer.rank
+        virtual = tuple(_virtual_plan(plan, p * degree + a).steps(n, kern, device, q.shape[-1], v.shape[-1])
+                        for a in range(degree))
+        pairs = pair_steps(tuple(len(s) for s in virtual), plan.world_size, degree)
+        cplan = CompositePlan(ring, outer, transport, virtual, pairs, degree, gather=False)
+        out_h, lse_h = CompositeAttentionFunction.apply(qh, kh, vh, cplan, sinks_h)
     if not return_lse:
         return heads_to_seq(inner, out_h)[0], None
     out, lse = heads_to_seq(inner, out_h, lse_h.transpose(1, 2).unsqueeze(-1))
