@@ -78,7 +78,7 @@ REFUSALS = {
     "mask_overlay": "lays its own mask functions",
     "softcap": "kernel 'sdpa' cannot apply softcap; use kernel='math'",
     "dropout": "dropout",
-    "generate": r"generate\(\) is not supported",
+    "generate": r"model\.generate\(\) on a context-parallel model.*huggingface\.generate\(model, input_ids",
     "kv_cache_decode": "KV cache",
     "missing_position_ids": "position_ids were not given",
     "contiguous_missing_position_ids": "position_ids were not given",
