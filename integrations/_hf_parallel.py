@@ -98,7 +98,7 @@ def fsdp_mesh(mesh):
 
 def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "zigzag",
                 activation_checkpointing: bool = False, mp_policy=None, kernel: str = "auto",
-                reshard_after_forward: bool = True) -> torch.nn.Module:
+                reshard_after_forward: bool = True, cp_comm_type: str = "p2p") -> torch.nn.Module:
     """Context parallelism over ``mesh["cp"]`` and FSDP2 over all of ``mesh`` (dp x cp); returns ``model``.
 
     ``mesh``: ``init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))`` (any name for
@@ -112,11 +112,13 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     ``activation_checkpointing``: recompute each decoder layer in backward (transformers' gradient
     checkpointing, non-reentrant). ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16
     compute, fp32 gradient reduction). ``kernel`` as in ``ring_attention``. ``reshard_after_forward``
-    as in ``fully_shard`` for the decoder layers.
+    as in ``fully_shard`` for the decoder layers. ``cp_comm_type`` as in ``apply_context_parallel``, but
+    ``"a2a+p2p"``, which needs a CP dim of two levels (a (dp, cp) mesh's is one).
 
     Raises, before any communication: ``TypeError`` if ``mesh`` is no DeviceMesh; ``ValueError`` for a
     mesh without a ``"cp"`` dim, one whose cp does not divide the world or that does not span it, or
-    an unknown layout or kernel; ``NotImplementedError`` for more than two mesh dims. Then, the same on
+    an unknown layout, kernel or ``cp_comm_type``; ``NotImplementedError`` for more than two mesh dims or
+    ``cp_comm_type="a2a+p2p"``. Then, the same on
     every rank (one small all-gather over the mesh): ``ValueError`` if a rank's model is already
     wrapped by FSDP or DDP, the ranks' models differ (parameter count, sizes or values), or the
     model cannot checkpoint activations when asked to.
@@ -128,6 +130,10 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     _check_mesh(mesh)
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
+    if cpa.check_comm_type_name(cp_comm_type) == "a2a+p2p":
+        raise NotImplementedError("parallelize cannot run cp_comm_type='a2a+p2p': the (dp, cp) mesh's cp dim is one "
+                                  "level, and a2a+p2p needs two (a ring across one, all-to-all inside the other); use "
+                                  "cp_comm_type='a2a' (all-to-all over the cp dim) or 'p2p'")
     problem = None
     wrapped = _wrapped(model)
     if wrapped is not None:
@@ -143,7 +149,7 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
         raise ValueError("the ranks' models differ (parameter count, sizes or values): every rank must build the "
                          "same model with the same weights (seed torch alike, or load the same checkpoint) before "
                          f"parallelize; per rank [params, elements, sum, sum of squares]: {headers}")
-    apply_context_parallel(model, group=mesh, layout=lay, kernel=kernel)
+    apply_context_parallel(model, group=mesh, layout=lay, kernel=kernel, cp_comm_type=cp_comm_type)
     if activation_checkpointing:
         checkpoint_activations(model)
     flat = fsdp_mesh(mesh)

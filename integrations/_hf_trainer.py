@@ -74,7 +74,8 @@ def _shard_over_dp(loader, dp: int, dp_rank: int):
 def context_parallel_trainer(base: type) -> type:
     """A subclass of ``base`` (``transformers.Trainer``, ``trl.SFTTrainer`` or a subclass of either)
     whose constructor takes ``cp_size`` (default 1: the Trainer unchanged), ``cp_layout`` (default
-    ``"zigzag"``) and ``cp_kernel`` (default ``"auto"``) besides the base's own arguments.
+    ``"zigzag"``), ``cp_kernel`` (default ``"auto"``) and ``cp_comm_type`` (default ``"p2p"``; not
+    ``"a2a+p2p"``, whose CP group needs two levels) besides the base's own arguments.
 
     Under ``torchrun --nproc-per-node=W`` the world is dp x cp, dp = W / cp_size: the model's attention
     runs ring attention over each CP group, and training, evaluation and ``predict`` equal the Trainer
@@ -96,9 +97,12 @@ class _ContextParallelMixin:
     """The overrides of :func:`context_parallel_trainer` (placed before the Trainer in the MRO)."""
 
     def __init__(self, *args: Any, cp_size: int = 1, cp_layout: Union[str, cpa.Layout] = "zigzag",
-                 cp_kernel: str = "auto", **kwargs: Any) -> None:
+                 cp_kernel: str = "auto", cp_comm_type: str = "p2p", **kwargs: Any) -> None:
         self.cp_layout, self.cp_size, self._cp_group, self._cp_mesh = cpa.get_layout(cp_layout), cp_size, None, None
         check_kernel_name(cp_kernel)
+        if cpa.check_comm_type_name(cp_comm_type) == "a2a+p2p":
+            raise NotImplementedError("the CP Trainer's CP group is one level (a (dp, cp) mesh's cp dim); "
+                                      "cp_comm_type='a2a+p2p' needs two: use 'a2a', 'all_gather' or 'p2p'")
         super().__init__(*args, **kwargs)
         world = self.args.world_size
         _refusals(self, cp_size, world)
@@ -112,7 +116,8 @@ class _ContextParallelMixin:
         self._cp_mesh = init_device_mesh(self.args.device.type, (self._dp, cp_size), mesh_dim_names=("dp", "cp"))
         self._cp_group = self._cp_mesh["cp"].get_group()
         self._dp_rank = self._cp_mesh["dp"].get_local_rank()
-        apply_context_parallel(self.model, group=self._cp_group, layout=self.cp_layout, kernel=cp_kernel)
+        apply_context_parallel(self.model, group=self._cp_group, layout=self.cp_layout, kernel=cp_kernel,
+                               cp_comm_type=cp_comm_type)
         self.model.config.use_cache = False  # training and evaluation read no KV cache
 
     # ---------------------------------------------------------------------------- data

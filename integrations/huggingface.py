@@ -37,6 +37,7 @@ from cp_attention._extras import require_extra
 from cp_attention.kernels import check_kernel_name
 from cp_attention.layouts.documents import longest_document
 from cp_attention.transport import cp_group, group_rank_and_size, mesh_group, transport_for
+from cp_attention.transport.mesh import is_two_level
 
 from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
 from ._hf_checks import ForwardChecks, check_positions, documents
@@ -66,6 +67,7 @@ class _CPState:
     group: Any
     layout: cpa.Layout
     kernel: str
+    cp_comm_type: str  # how K/V travel: "p2p" (the ring), "all_gather", "a2a", "a2a+p2p", "auto"
     rank: int
     world_size: int
     checks: ForwardChecks  # the model's once-per-forward data checks, and what they accepted
@@ -153,7 +155,8 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    common = dict(softmax_scale=scaling, kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0)
+    common = dict(softmax_scale=scaling, kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0,
+                  cp_comm_type=state.cp_comm_type)
     plan = state.checks.plan_for(cu_seq_lens_q, causal, extra.get("window_size", (-1, -1)))
     if plan is not None:  # the forward's plan, built once in its pre-hook
         return cpa.ring_attention(q, k, v, plan=plan, **common), None
@@ -178,26 +181,31 @@ def _refuse_generate(*args, **kwargs):
 
 
 def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str, cpa.Layout] = "zigzag",
-                           kernel: str = "auto") -> torch.nn.Module:
+                           kernel: str = "auto", cp_comm_type: str = "p2p") -> torch.nn.Module:
     """Patch ``model`` in place so its attention runs ring attention over ``group``; returns ``model``.
 
     Feed it this rank's shard of every sequence (see :func:`shard_batch`) with global position ids.
     With a group of world size 1 the model is returned untouched (an exact no-op).
 
-    Raises ``ValueError`` for an unknown layout or kernel. A feature the ring cannot honour is
+    ``cp_comm_type`` picks how K/V travel, as in ``ring_attention``: ``"p2p"`` (the ring), ``"all_gather"``,
+    ``"a2a"`` (Ulysses; heads divisible by the group's size), ``"a2a+p2p"`` (``group`` a 2-D DeviceMesh:
+    all-to-all inside dim 1, the ring across dim 0; shard with the flattened mesh rank) or ``"auto"``.
+
+    Raises ``ValueError`` for an unknown layout, kernel or ``cp_comm_type``. A feature the ring cannot honour is
     refused by name when the model first runs (see the module docstring). What depends on a rank's own
     data (its position ids, padding, document boundaries) is checked once per forward, before any layer,
     and agreed across the group in one small collective: every rank raises the same error.
     """
-    group = cp_group(group)  # a DeviceMesh: its "cp" dim
+    group = group if is_two_level(group) else cp_group(group)  # a DeviceMesh: its "cp" dim, or both levels
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
+    cp_comm_type = cpa.check_comm_type_name(cp_comm_type)
     rank, world_size = group_rank_and_size(group)
     if world_size == 1:
         return model
     _register()
     checks = ForwardChecks(group, lay, rank, world_size)
-    state = _CPState(group, lay, kernel, rank, world_size, checks)
+    state = _CPState(group, lay, kernel, cp_comm_type, rank, world_size, checks)
     for m in model.modules():
         m._cp_attention = state
     for previous in getattr(model, "_cp_checks_hooks", ()):  # patched again: the new checks replace the old

@@ -14,10 +14,12 @@ from .hf_cases import batch, build
 
 
 def loopback_equivalence(world_size: int, *, family: str = "llama", layout: str = "zigzag", device: str = "cpu",
-                         dtype: torch.dtype = torch.float64, seq: int = 32) -> dict:
+                         dtype: torch.dtype = torch.float64, seq: int = 32, cp_comm_type: str = "p2p",
+                         mesh_shape: "tuple[int, int] | None" = None) -> dict:
     """Max abs differences of the gathered logits, the loss and the rank-summed gradients of the patched
     replicas against the unpatched model (the same dtype and device); ``grads_rel``: the worst gradient
-    difference relative to that parameter's largest gradient."""
+    difference relative to that parameter's largest gradient. ``cp_comm_type`` and ``mesh_shape`` (a
+    two-level group) as in ``apply_context_parallel``."""
     from cp_attention.integrations import huggingface as cphf
 
     ref = build(family).to(device=device, dtype=dtype)
@@ -27,9 +29,9 @@ def loopback_equivalence(world_size: int, *, family: str = "llama", layout: str 
     wide = ref_logits.double() if dtype == torch.float64 else ref_logits.float()
     ref_loss = torch.nn.functional.cross_entropy(wide[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     ref_loss.backward()
-    loop = LoopbackGroup(world_size)
-    replicas = [cphf.apply_context_parallel(copy.deepcopy(ref), group=loop.rank(r), layout=layout)
-                for r in range(world_size)]
+    loop = LoopbackGroup(world_size, mesh_shape=mesh_shape)
+    replicas = [cphf.apply_context_parallel(copy.deepcopy(ref), group=loop.rank(r), layout=layout,
+                                            cp_comm_type=cp_comm_type) for r in range(world_size)]
     for m in replicas:
         m.zero_grad(set_to_none=True)
 

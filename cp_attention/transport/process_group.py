@@ -185,7 +185,11 @@ def group_token(group: Any) -> object:
     group alive (a gloo group kept past ``destroy_process_group`` is freed at interpreter exit, where
     its threads can abort the process: "terminate called without an active exception"). ``None``
     stands for the default group; a transport gives its own token. Raises ``TypeError`` for an object
-    that cannot be weakly referenced. A ``DeviceMesh`` stands for its ``"cp"`` group."""
+    that cannot be weakly referenced. A ``DeviceMesh`` stands for its ``"cp"`` group; a two-level one for
+    its (whole, outer, inner) groups, as its transport does."""
+    levels = mesh_levels(group)
+    if levels is not None:
+        return _two_level_token(group_token(cp_group(group)), *(group_token(g) for g in levels))
     group = cp_group(group)
     if _is_transport(group):
         return group.token
@@ -212,5 +216,14 @@ def transport_for(group=None):
     if levels is not None:
         transport.levels = tuple(ProcessGroupTransport(g) for g in levels)
         # A plan made on the flattened group alone must not serve this one (it has no levels).
-        transport._token = (transport._token, "levels", *(t.token for t in transport.levels))
+        transport._token = _two_level_token(transport._token, *(t.token for t in transport.levels))
     return transport
+
+
+_LEVEL_TOKENS: dict = {}
+
+
+def _two_level_token(*tokens: object) -> object:
+    """One token per (whole, outer, inner) groups: compared by identity, like every group token."""
+    with _TOKENS_LOCK:
+        return _LEVEL_TOKENS.setdefault(tokens, object())
