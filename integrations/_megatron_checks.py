@@ -304,7 +304,7 @@ def install_forward_checks(model: torch.nn.Module, rings: Sequence[torch.nn.Modu
         params = inspect.signature(module.forward).parameters.values()
         positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         first = mine[0]
-        checks = ForwardChecks(first.cp_group, first.layout, first.cp_rank, first.cp_size, frozenset(flags),
+        checks = ForwardChecks(first.ring_group, first.layout, first.cp_rank, first.cp_size, frozenset(flags),
                                positional)
         setattr(module, _HOOKS_ATTR, (module.register_forward_pre_hook(checks.pre_hook, with_kwargs=True),
                                       module.register_forward_hook(checks.post_hook, with_kwargs=True,

@@ -49,7 +49,7 @@ import copy
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -61,7 +61,6 @@ from cp_attention.schedules import check_window_size
 
 require_extra("megatron", ("megatron.core",), "cp_attention.integrations.megatron")
 
-from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # noqa: E402
     MultimodalRotaryEmbedding,
@@ -82,6 +81,7 @@ except ImportError:  # pragma: no cover - a megatron-core without it
 
 from ._megatron_batch import DEFAULT_LAYOUT, get_batch_on_this_cp_rank  # noqa: E402
 from ._megatron_checks import ForwardChecks, check_layer_call, install_forward_checks  # noqa: E402
+from ._megatron_groups import layer_comm_type, resolve_cp_group, ring_group  # noqa: E402
 from ._megatron_packed import group_ranks, packed_documents  # noqa: E402
 from ._megatron_rope import LayoutRotaryEmbedding  # noqa: E402
 
@@ -99,17 +99,6 @@ __all__ = [
 
 _APPLY_HINT = ("call cp_attention.integrations.megatron.apply_context_parallel(model) once after building "
                "the model")
-
-
-def _resolve_cp_group(pg_collection):
-    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
-        return pg_collection.cp
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_context_parallel_group()
-    # A None group would mean the whole world to torch.distributed, never "no CP".
-    raise RuntimeError("RingDotProductAttention found no CP group; call megatron.core.parallel_state."
-                       "initialize_model_parallel(context_parallel_size=...) first or pass a pg_collection "
-                       "with a .cp group")
 
 
 def _layer_window(config, layer_number: int) -> tuple[int, int]:
@@ -155,21 +144,20 @@ class RingDotProductAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None, layout: Union[str, cpa.Layout, None] = None,
-                 kernel: str = "auto") -> None:
+                 kernel: str = "auto", spec_cp_comm_type: "str | tuple[str, ...] | None" = None) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.layout = cpa.get_layout(layout or getattr(config, "cp_layout", None) or DEFAULT_LAYOUT)
         self.kernel = check_kernel_name(kernel)
-        self.cp_group = _resolve_cp_group(pg_collection)
+        self.cp_group = resolve_cp_group(pg_collection)
         self.cp_rank, self.cp_size = group_rank_and_size(self.cp_group)
         if self.cp_size != config.context_parallel_size:
             raise ValueError(f"the CP group has {self.cp_size} ranks but config.context_parallel_size="
                              f"{config.context_parallel_size}; they must match (RoPE uses the latter)")
-        if cp_comm_type not in (None, "p2p"):
-            raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported by RingDotProductAttention; it "
-                             "implements the 'p2p' ring (set cp_comm_type='p2p' or None)")
+        self.cp_comm_type = layer_comm_type(config, self.layer_number, cp_comm_type, spec_cp_comm_type)
+        self.ring_group = ring_group(self.cp_group, pg_collection, self.cp_comm_type)
         if attention_type != "self":
             raise NotImplementedError(f"RingDotProductAttention supports self attention only, got "
                                       f"attention_type={attention_type!r}")
@@ -248,11 +236,12 @@ class RingDotProductAttention(MegatronModule):
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[tuple[int, ...]],
               causal: bool) -> torch.Tensor:
         """The ring on bshd tensors: with the forward's plan when its check accepted this call."""
-        common = dict(softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset)
+        common = dict(softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
+                      cp_comm_type=self.cp_comm_type)
         plan = None if self.forward_checks is None else self.forward_checks.plan_for(documents, causal, self.window_size)
         if plan is not None:
             return cpa.ring_attention(q, k, v, plan=plan, **common)
-        return cpa.ring_attention(q, k, v, group=self.cp_group, layout=self.layout, causal=causal, cu_seqlens=documents,
+        return cpa.ring_attention(q, k, v, group=self.ring_group, layout=self.layout, causal=causal, cu_seqlens=documents,
                                   window_size=self.window_size, **common)
 
     def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -272,21 +261,30 @@ class RingDotProductAttention(MegatronModule):
         return out[:, None] if four_d else out
 
 
-def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto") -> type:
+def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto",
+                        cp_comm_type: "str | Sequence[str] | None" = None) -> type:
     """A ``core_attention`` class for a layer spec: :class:`RingDotProductAttention` bound to ``layout``.
 
-    ``layout=None`` defers to ``config.cp_layout`` (else zigzag) when the model is built. Equal
-    arguments (aliases included) return the same class. Raises ``ValueError`` for an unknown
-    layout or kernel.
+    ``layout=None`` defers to ``config.cp_layout`` (else zigzag) when the model is built.
+    ``cp_comm_type``: one strategy for every layer, or one per layer (``config.num_layers`` entries, in
+    layer order), as megatron-core's list-valued ``config.cp_comm_type``; None takes megatron's
+    (default ``"p2p"``). Equal arguments (aliases included) return the same class. Raises
+    ``ValueError`` for an unknown layout, kernel or strategy.
     """
-    return _ring_class(None if layout is None else cpa.get_layout(layout).name, check_kernel_name(kernel))
+    if cp_comm_type is not None and not isinstance(cp_comm_type, str):
+        cp_comm_type = tuple(cp_comm_type)
+    for name in ([] if cp_comm_type is None else [cp_comm_type] if isinstance(cp_comm_type, str) else cp_comm_type):
+        cpa.check_comm_type_name(name)
+    return _ring_class(None if layout is None else cpa.get_layout(layout).name, check_kernel_name(kernel),
+                       cp_comm_type)
 
 
 @functools.lru_cache(maxsize=None)
-def _ring_class(layout: Optional[str], kernel: str) -> type:
+def _ring_class(layout: Optional[str], kernel: str, cp_comm_type: "str | tuple[str, ...] | None" = None) -> type:
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("layout", layout)
         kwargs.setdefault("kernel", kernel)
+        kwargs.setdefault("spec_cp_comm_type", cp_comm_type)
         RingDotProductAttention.__init__(self, *args, **kwargs)
 
     # A class rather than a partial: megatron calls the slot directly and some code checks types.
@@ -311,21 +309,25 @@ def _replace_core_attention(node: Any, builder: type, seen: set) -> int:
     return count
 
 
-def use_ring_attention(spec: Any, layout: Optional[str] = None, kernel: str = "auto") -> Any:
-    """A copy of a megatron layer or block spec with ring attention in every ``core_attention`` slot.
+def use_ring_attention(spec: Any, layout: Optional[str] = None, kernel: str = "auto",
+                       cp_comm_type: "str | Sequence[str] | None" = None) -> Any:
+    """A copy of a megatron layer or block spec with ring attention in every ``core_attention`` slot
+    (``cp_comm_type`` as in :func:`ring_core_attention`).
 
     Works on any spec tree (``ModuleSpec``, ``TransformerBlockSubmodules``, lists of layer specs),
     local or TransformerEngine. Raises ``ValueError`` if the spec has no ``core_attention`` slot.
     """
     spec = copy.deepcopy(spec)
-    if _replace_core_attention(spec, ring_core_attention(layout, kernel), set()) == 0:
+    if _replace_core_attention(spec, ring_core_attention(layout, kernel, cp_comm_type), set()) == 0:
         raise ValueError(f"the spec has no core_attention slot to replace: {type(spec).__name__}")
     return spec
 
 
 def get_gpt_layer_ring_spec(layout: Optional[str] = None, backend: str = "local", kernel: str = "auto",
-                            **spec_kwargs) -> Any:
-    """megatron's GPT layer spec with :class:`RingDotProductAttention` as core attention.
+                            cp_comm_type: "str | Sequence[str] | None" = None, **spec_kwargs) -> Any:
+    """megatron's GPT layer spec with :class:`RingDotProductAttention` as core attention (``cp_comm_type``
+    as in :func:`ring_core_attention`: one per layer is how to choose per layer with megatron-core
+    0.16, whose own list-valued ``config.cp_comm_type`` indexes the list with the 1-based layer number).
 
     ``backend="local"`` starts from ``get_gpt_layer_local_spec(**spec_kwargs)``;
     ``"transformer_engine"`` from ``get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)`` (needs
@@ -340,7 +342,8 @@ def get_gpt_layer_ring_spec(layout: Optional[str] = None, backend: str = "local"
     if backend == "transformer_engine" and not gpt_layer_specs.HAVE_TE:
         raise ImportError("backend='transformer_engine' needs TransformerEngine (pip install "
                           "'cp_attention[gpu]' on a CUDA machine); backend='local' needs nothing more")
-    return use_ring_attention(getattr(gpt_layer_specs, builders[backend])(**spec_kwargs), layout, kernel)
+    return use_ring_attention(getattr(gpt_layer_specs, builders[backend])(**spec_kwargs), layout, kernel,
+                              cp_comm_type)
 
 
 def _swap_rotary_embeddings(model: torch.nn.Module, layout: cpa.Layout, group) -> list[LayoutRotaryEmbedding]:

@@ -92,10 +92,11 @@ def reference(rank: int, world_size: int, model_kw: dict, with_mask: bool = Fals
 
 
 def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layout: "str | None" = None,
-              ring_windows: "list | None" = None):
+              ring_windows: "list | None" = None, cp_comm_type=None):
     from cp_attention.integrations import megatron as cpm
 
-    model = build(world_size, spec=cpm.get_gpt_layer_ring_spec(layout, normalization="RMSNorm"), **model_kw)
+    spec = cpm.get_gpt_layer_ring_spec(layout, normalization="RMSNorm", cp_comm_type=cp_comm_type)
+    model = build(world_size, spec=spec, **model_kw)
     model.load_state_dict(ref["state"])
     cpm.apply_context_parallel(model)
     if rope_layout is not None:  # a deliberately wrong RoPE, to show the test can see it
@@ -108,14 +109,30 @@ def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layo
 
 
 def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: dict, with_mask: bool = False,
-                rope_layout: "str | None" = None, ring_windows: "list | None" = None) -> dict:
+                rope_layout: "str | None" = None, ring_windows: "list | None" = None, cp_comm_type=None,
+                hierarchical: "tuple[int, int] | None" = None) -> dict:
     """CP=world_size vs the reference: max abs differences of gathered logits, losses and summed grads.
-    ``ring_windows``: per-layer windows forced onto the ring attentions (wrong on purpose)."""
+    ``ring_windows``: per-layer windows forced onto the ring attentions (wrong on purpose).
+    ``cp_comm_type``: the layer spec's (one, or one per layer). ``hierarchical`` (a2a, p2p): megatron's
+    hierarchical CP groups as ``initialize_model_parallel(hierarchical_context_parallel_sizes=...)``
+    makes them (level 0 consecutive CP ranks), stood in by a DeviceMesh's (megatron needs einops)."""
+    from cp_attention.integrations import _megatron_groups
     from cp_attention.integrations import megatron as cpm
 
     ps = parallel_state(world_size)
     group = ps.get_context_parallel_group()
-    model = _cp_model(world_size, layout, ref, model_kw, rope_layout, ring_windows)
+    real = _megatron_groups.parallel_state.get_hierarchical_context_parallel_groups
+    if hierarchical is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        a2a, p2p = hierarchical
+        mesh = init_device_mesh("cpu", (p2p, a2a))
+        levels = [mesh.get_group(1), mesh.get_group(0)]
+        _megatron_groups.parallel_state.get_hierarchical_context_parallel_groups = lambda check_initialized=True: levels
+    try:
+        model = _cp_model(world_size, layout, ref, model_kw, rope_layout, ring_windows, cp_comm_type)
+    finally:
+        _megatron_groups.parallel_state.get_hierarchical_context_parallel_groups = real
     local = cpm.get_batch_on_this_cp_rank(full_batch(with_mask=with_mask), layout=layout)
     logits, num, den, mcore = _losses(model, local)
     stats = torch.stack([num.detach(), den, (mcore.double() * local["loss_mask"]).sum().detach()])
@@ -136,6 +153,7 @@ def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: di
         "unpatched": cuda_hardcodes_unpatched(),
         "attention": sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__}),
         "windows": [m.window_size for m in model.modules() if isinstance(m, cpm.RingDotProductAttention)],
+        "comm_types": [m.cp_comm_type for m in model.modules() if isinstance(m, cpm.RingDotProductAttention)],
     }
 
 
@@ -204,7 +222,8 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     zigzag_sliced = megatron_get_batch({"attention_mask": full_mask.clone()})["attention_mask"]
     out["mask_sliced_for_another_layout"] = _error(lambda: interleaved(q, k, v, zigzag_sliced))
     out["unsharded_mask"] = _error(lambda: ring(q, k, v, full_mask))
-    out["cp_comm_type"] = _error(lambda: _ring(world_size, cp_comm_type="a2a"))
+    out["cp_comm_type"] = _error(lambda: _ring(world_size, cp_comm_type="ulysses"))
+    out["a2a_p2p_without_levels"] = _error(lambda: _ring(world_size, cp_comm_type="a2a+p2p"))
     out["window"] = _error(lambda: _ring(world_size, cfg=config(world_size, window_size=(4, -2))))
     out["softmax_type"] = _error(lambda: _ring(world_size, cfg=config(world_size, softmax_type="sigmoid")))
     out["cross_attention"] = _error(lambda: _ring(world_size, attention_type="cross"))

@@ -27,10 +27,12 @@ def _reference(pools, with_mask=False, **model_kw):
     return _REFS[key]
 
 
-def _equivalence(pools, world_size, layout, with_mask=False, rope_layout=None, **model_kw):
+def _equivalence(pools, world_size, layout, with_mask=False, rope_layout=None, cp_comm_type=None, hierarchical=None,
+                 **model_kw):
     ref = _reference(pools, with_mask=with_mask, **model_kw)
     return pools(world_size).run(mc.equivalence, layout=layout, ref=ref, model_kw=model_kw, with_mask=with_mask,
-                                 rope_layout=rope_layout, timeout=180)
+                                 rope_layout=rope_layout, cp_comm_type=cp_comm_type, hierarchical=hierarchical,
+                                 timeout=180)
 
 
 def _assert_equivalent(results, what):
@@ -63,6 +65,19 @@ VARIANTS = {
 @pytest.mark.parametrize("layout", ("zigzag", "interleaved"))
 def test_model_variants_match_cp1(pools, variant, layout):
     _assert_equivalent(_equivalence(pools, 2, layout, **VARIANTS[variant]), f"{variant} {layout}")
+
+
+@pytest.mark.parametrize("world_size,layout,comm,hierarchical", [
+    (2, "interleaved", ["a2a", "all_gather"], None),
+    (4, "zigzag", ["a2a+p2p", "auto"], (2, 2)),
+    (4, "contiguous", "a2a+p2p", (2, 2)),
+])
+def test_per_layer_strategies_match_cp1(pools, world_size, layout, comm, hierarchical):
+    """One strategy per layer through the layer spec (megatron-core 0.16's own list indexes with the
+    1-based layer number); a2a+p2p over megatron's two hierarchical CP groups."""
+    results = _equivalence(pools, world_size, layout, cp_comm_type=comm, hierarchical=hierarchical)
+    _assert_equivalent(results, f"{layout} cp={world_size} {comm}")
+    assert results[0]["comm_types"] == ([comm] * 2 if isinstance(comm, str) else comm)
 
 
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
@@ -100,7 +115,8 @@ REFUSED = {
     "one_rank_bad_mask": ("NotImplementedError", "(on CP rank 0; CP ranks with bad input: [0])"),
     "mask_sliced_for_another_layout": ("NotImplementedError", "layout='interleaved'"),
     "unsharded_mask": ("NotImplementedError", "[b, 1, 12, 24]"),
-    "cp_comm_type": ("ValueError", "cp_comm_type='a2a'"),
+    "cp_comm_type": ("ValueError", "unknown cp_comm_type 'ulysses'"),
+    "a2a_p2p_without_levels": ("ValueError", "hierarchical_context_parallel_sizes=[a2a, p2p]"),
     "window": ("ValueError", "config.window_size=(4, -2) must be (left, right)"),
     "softmax_type": ("ValueError", "softmax_type='sigmoid' is not known"),
     "cross_attention": ("NotImplementedError", "self attention only"),

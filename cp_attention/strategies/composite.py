@@ -127,8 +127,9 @@ def _backward_pass(plan: CompositePlan, dout, q, k, v, out, lse, acc):
     n = q.shape[1] // plan.inner
     last = plan.steps - 1
     comm = plan.comm
-    dq = torch.zeros_like(q, dtype=acc)
-    own = (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
+    # contiguous accumulators whatever the inputs' strides: they are sent as they are
+    dq = q.new_zeros(q.shape, dtype=acc)
+    own = (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
     shards = _Shards(plan, (k, v))
     fault = RingFault(plan.fault_comm)
     posted = []  # gather: each step's partial on its way home; ring: the accumulator on its way on
@@ -138,7 +139,7 @@ def _backward_pass(plan: CompositePlan, dout, q, k, v, out, lse, acc):
         if s == 0:
             held = own
         elif plan.gather or s == 1:
-            held = (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
+            held = (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
         else:  # the accumulator of the shard held now, from the rank it came from
             posted.pop().wait()
             held = travelling
