@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .mesh import cp_group, mesh_levels
 
-__all__ = ["ProcessGroupTransport", "group_rank_and_size", "group_token", "transport_for"]
+__all__ = ["ProcessGroupTransport", "group_rank_and_size", "group_token", "transport_for", "two_level_transport"]
 
 
 def group_rank_and_size(group=None) -> tuple[int, int]:
@@ -212,11 +212,19 @@ def transport_for(group=None):
     group = cp_group(group)
     if _is_transport(group):
         return group
-    transport = ProcessGroupTransport(group)
     if levels is not None:
-        transport.levels = tuple(ProcessGroupTransport(g) for g in levels)
-        # A plan made on the flattened group alone must not serve this one (it has no levels).
-        transport._token = _two_level_token(transport._token, *(t.token for t in transport.levels))
+        return two_level_transport(group, *levels)
+    return ProcessGroupTransport(group)
+
+
+def two_level_transport(whole, outer, inner) -> ProcessGroupTransport:
+    """The transport of a two-level CP group: ``whole`` (every rank; rank = outer rank x inner size +
+    inner rank) with ``levels`` = the transports of this rank's ``outer`` group (the ring of
+    ``cp_comm_type="a2a+p2p"``) and ``inner`` group (its all-to-all)."""
+    transport = ProcessGroupTransport(whole)
+    transport.levels = (ProcessGroupTransport(outer), ProcessGroupTransport(inner))
+    # A plan made on the whole group alone must not serve this one (it has no levels).
+    transport._token = _two_level_token(transport._token, *(t.token for t in transport.levels))
     return transport
 
 
