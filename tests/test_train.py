@@ -62,6 +62,17 @@ def test_dp_times_cp_gradients_match_dp_only(tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0, msg=k)
 
 
+def test_two_level_cp_matches_one_process(tmp_path):
+    """cp_comm=a2a_p2p on 4 ranks (a ring across 2 groups, all-to-all inside each) trains like one
+    process on the same batch: one SGD step moves the weights alike."""
+    sgd = ["optim=sgd", "optim.lr=1.0", "trainer.steps=1", "trainer.grad_clip=null"]
+    train(tmp_path / "cp4", "nproc=4", "cp_size=4", "cp_comm=a2a_p2p", *sgd)
+    train(tmp_path / "one", "nproc=1", "cp_size=1", *sgd)
+    a, b = weights(tmp_path / "cp4"), weights(tmp_path / "one")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0, msg=k)
+
+
 def weights_at_init(run_dir: Path) -> dict:
     """The initial weights of the run in ``run_dir``: its model built here as the launcher builds it
     (the same seed, the same CPU ops)."""
@@ -110,6 +121,8 @@ def test_torchrun_ranks_share_one_output_dir(tmp_path):
     (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s must be a positive number of seconds"),
     (["data=synthetic", "data.packing=true"], "data.source=synthetic has none"),
     (["data.packing=maybe"], "data.packing must be true or false"),
+    (["cp_comm=a2a_p2p"], "cp_comm.inner=2: a2a+p2p needs the all-to-all size, an int > 1 that divides cp_size=2"),
+    (["cp_comm.name=ulysses"], "cp_comm.name: unknown cp_comm_type 'ulysses'"),
 ])
 def test_bad_configs_fail_fast(tmp_path, overrides, message):
     proc = train(tmp_path, *overrides, check=False)

@@ -62,6 +62,7 @@ def validate_config(cfg: dict, world_size: int) -> None:
         raise ValueError(f"trainer.seq_len={seq} cannot be split by the {layout.name} layout over cp_size={cp}: "
                          f"it needs a multiple of {layout.divisor(cp)}; change trainer.seq_len or layout")
     check_kernel_name(cfg["kernel"]["name"])
+    _check_cp_comm(cfg.get("cp_comm") or {"name": "p2p"}, cp, cfg["trainer"].get("fsdp", False))
     if cfg["trainer"].get("resume_from") not in (None, "", "auto"):  # auto: after the ranks know the run dir
         resume_point(cfg, world_size, None)  # a missing, corrupt or incompatible checkpoint
     data = cfg["data"]
@@ -89,6 +90,26 @@ def validate_config(cfg: dict, world_size: int) -> None:
         raise ValueError(f"trainer.dist_timeout_s must be a positive number of seconds (or null for torch's "
                          f"default), got {timeout}")
     trainer_placement(cfg, world_size)
+
+
+def _check_cp_comm(comm: dict, cp: int, fsdp: bool) -> None:
+    """``cp_comm.name`` a strategy; for ``a2a+p2p``, ``cp_comm.inner`` a proper divisor of cp_size > 1 and
+    no FSDP (its mesh has one cp dim). Raises ``ValueError`` naming the key."""
+    try:
+        name = cpa.check_comm_type_name(comm.get("name"))
+    except ValueError as e:
+        raise ValueError(f"cp_comm.name: {e}; pick one with cp_comm=p2p|all_gather|a2a|a2a_p2p|auto") from None
+    inner = comm.get("inner")
+    if name != "a2a+p2p":
+        if inner is not None:
+            raise ValueError(f"cp_comm.inner={inner} is only for cp_comm=a2a_p2p; drop it")
+        return
+    if not isinstance(inner, int) or inner <= 1 or inner >= cp or cp % inner:
+        raise ValueError(f"cp_comm.inner={inner!r}: a2a+p2p needs the all-to-all size, an int > 1 that divides "
+                         f"cp_size={cp} and is smaller; set cp_comm.inner (or cp_comm=a2a for all of cp)")
+    if fsdp:
+        raise ValueError("cp_comm=a2a_p2p with trainer.fsdp=true is not supported (FSDP's mesh has one cp dim); "
+                         "use cp_comm=a2a or p2p with FSDP")
 
 
 def _local_ranks(world_size: int) -> int:

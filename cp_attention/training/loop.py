@@ -107,7 +107,15 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     dp = world // cp
     device = rank_device(device)
     precision = autocast(device, t.get("precision", "fp32"))  # raises before any collective of train()
-    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    comm = cfg.get("cp_comm") or {"name": "p2p"}
+    if comm["name"] == "a2a+p2p":  # the CP dim in two levels: a ring across cp_p2p, all-to-all inside cp_a2a
+        inner = comm["inner"]
+        mesh = init_device_mesh(device.type, (dp, cp // inner, inner), mesh_dim_names=("dp", "cp_p2p", "cp_a2a"))
+        attention_group = mesh["cp_p2p", "cp_a2a"]
+        mesh["cp_p2p", "cp_a2a"]._flatten("cp")
+    else:
+        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        attention_group = mesh["cp"].get_group()
     cp_group, dp_group, dp_rank = mesh["cp"].get_group(), mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     layout = cfg["layout"]["name"]
     is_main = rank == 0
@@ -118,9 +126,10 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     fsdp, checkpointing = t.get("fsdp", False), t.get("activation_checkpointing", False)
     if fsdp:  # parameters, gradients and optimizer state sharded over dp x cp; gradients summed by FSDP
         cphf.parallelize(model, mesh, layout=layout, kernel=cfg["kernel"]["name"],
-                         activation_checkpointing=checkpointing)
+                         activation_checkpointing=checkpointing, cp_comm_type=comm["name"])
     else:
-        cphf.apply_context_parallel(model, group=cp_group, layout=layout, kernel=cfg["kernel"]["name"])
+        cphf.apply_context_parallel(model, group=attention_group, layout=layout, kernel=cfg["kernel"]["name"],
+                                    cp_comm_type=comm["name"])
         if checkpointing:
             cphf.checkpoint_activations(model)
     # FSDP: the loss is the mean over the global batch (all dp x cp ranks); else over the replica's tokens
