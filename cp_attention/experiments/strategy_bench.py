@@ -1,0 +1,225 @@
+"""The communication strategies on CPU gloo (``scripts/benchmark_strategies.py``): every ``cp_comm_type``
+against one process, forward and forward+backward, causal, packed and windowed, at world size 4; the
+per-rank peak memory of each; and how often ``"auto"`` (the cost model) picks a strategy within 10% of
+the best measured one.
+
+Each case runs all strategies round-robin on 4 spawned gloo ranks (``a2a+p2p`` over a 2 x 2 DeviceMesh:
+a ring across 2 pairs, all-to-all inside each), median over repeats of the slowest rank
+(:func:`.measure.measure`); the one-process baseline is plain attention on the whole sequence, in this
+process, measured in the same run. The cost model is calibrated in the same run (the ranks' attention
+FLOP/s, gloo's bandwidth and latency, the cost of a kernel call) and asked for each case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..launch import run_on_ranks
+from .measure import limit_malloc_caching, measure, memory_method
+
+__all__ = ["Case", "add_arguments", "cases", "run"]
+
+STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+WORLD, INNER = 4, 2
+
+
+@dataclass(frozen=True)
+class Case:
+    seq: int
+    heads: int
+    kv_heads: int
+    mask: str  # causal | packed | window
+    head_dim: int = 64
+
+    def cu_seqlens(self) -> Optional[tuple[int, ...]]:
+        """Packed: documents of lengths S/4, S/8, 3S/16, S/16, ... cycling, the last filling up."""
+        if self.mask != "packed":
+            return None
+        parts, cu, i = (4, 8, 16 / 3, 16), [0], 0
+        while cu[-1] < self.seq:
+            cu.append(min(self.seq, cu[-1] + int(self.seq / parts[i % len(parts)]) + 1))
+            i += 1
+        return tuple(cu)
+
+    def window(self) -> tuple[int, int]:
+        return (self.seq // 8, 0) if self.mask == "window" else (-1, -1)
+
+    def label(self) -> str:
+        return f"S={self.seq} H={self.heads}/{self.kv_heads} {self.mask}"
+
+
+def cases(seq_lens: list[int], heads: list[tuple[int, int]], masks: list[str]) -> list[Case]:
+    return [Case(s, h, kv, m) for s in seq_lens for h, kv in heads for m in masks]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--heads", nargs="+", default=["8/2", "8/8"], help="query/kv heads, e.g. 8/2")
+    p.add_argument("--masks", nargs="+", default=["causal", "packed", "window"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--quick", action="store_true", help="one small case, one repeat (a smoke test)")
+    p.add_argument("--json", default=None)
+
+
+def _tensors(case: Case, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((case.heads, case.head_dim), (case.kv_heads, case.head_dim), (case.kv_heads, case.head_dim),
+              (case.heads, case.head_dim))
+    return tuple(torch.randn(1, case.seq, h, d, generator=g) for h, d in shapes)
+
+
+def _calls(q, k, v, dout, **kwargs) -> tuple:
+    import cp_attention as cpa
+
+    def fwd():
+        with torch.no_grad():
+            cpa.ring_attention(q, k, v, **kwargs)
+
+    def fwdbwd():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        cpa.ring_attention(qg, kg, vg, **kwargs).backward(dout)
+
+    return fwd, fwdbwd
+
+
+def _mask_kwargs(case: Case, layout: str) -> dict:
+    cu = case.cu_seqlens()
+    return dict(layout=layout, causal=True, window_size=case.window(),
+                cu_seqlens=None if cu is None else torch.tensor(cu))
+
+
+def _calibrate(group) -> dict:
+    """This group's per-rank attention FLOP/s, gloo bandwidth and latency, and kernel-call cost (the
+    ranks' mean, so every rank holds the same numbers)."""
+    import cp_attention as cpa
+    from cp_attention.transport.process_group import transport_for
+
+    n, h, d = 2048, 8, 64
+    q = torch.randn(1, n, h, d)
+
+    def best(fn, repeats=3) -> float:
+        dist.barrier(group)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    with torch.no_grad():
+        attn = best(lambda: cpa.ring_attention(q, q, q))
+        tiny = torch.randn(1, 16, h, d)
+        call = best(lambda: [cpa.ring_attention(tiny, tiny, tiny) for _ in range(20)]) / 20
+    flops = 4 * (n * (n + 1) / 2) * d * h / attn
+    comm = transport_for(group)
+    big, small = torch.randn(4 << 20), torch.zeros(1)
+    bw = big.numel() * 4 / best(lambda: comm.exchange([big], [torch.empty_like(big)]).wait())
+    latency = best(lambda: comm.exchange([small], [torch.empty_like(small)]).wait(), repeats=20)
+    stats = torch.tensor([flops, bw, latency, call], dtype=torch.float64)
+    dist.all_reduce(stats, group=group)
+    flops, bw, latency, call = (stats / dist.get_world_size(group)).tolist()
+    return {"flops": flops, "bw": bw, "latency_s": latency, "kernel_call_s": call}
+
+
+def _worker(args: argparse.Namespace, todo: "list[Case]") -> dict:
+    """One rank: calibrate, then every case's strategies (round-robin, slowest rank per call)."""
+    import cp_attention as cpa
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD // INNER, INNER))
+    rank, lay = dist.get_rank(), cpa.get_layout(args.layout)
+    calibration = _calibrate(None)
+    results = []
+    for case in todo:
+        q, k, v, dout = _tensors(case)
+        cu = case.cu_seqlens()
+        shard = lambda t: lay.shard(t, 1, rank, WORLD, cu_seqlens=cu)  # noqa: E731
+        ql, kl, vl, dl = (shard(t) for t in (q, k, v, dout))
+        impls = {s: _calls(ql, kl, vl, dl, group=mesh if s == "a2a+p2p" else None, cp_comm_type=s,
+                           **_mask_kwargs(case, args.layout)) for s in STRATEGIES}
+        rows = measure(impls, case.seq, args.repeats, dist.group.WORLD)  # the slowest rank per call
+        results.append({"case": asdict(case), "rows": [asdict(r) for r in rows]})
+    return {"calibration": calibration, "results": results}
+
+
+def _baseline(case: Case, repeats: int, layout: str) -> dict:
+    q, k, v, dout = _tensors(case)
+    rows = measure({"baseline": _calls(q, k, v, dout, **_mask_kwargs(case, layout))}, case.seq, repeats, None)
+    return asdict(rows[0])
+
+
+def _pick(case: Case, backward: bool, hardware, layout: str) -> str:
+    from cp_attention.strategies.cost import Workload, choose
+
+    w = Workload(WORLD, 1, case.seq, case.heads, case.kv_heads, case.head_dim, case.head_dim, 4, True, case.window(),
+                 case.cu_seqlens(), layout, INNER, backward)
+    return choose(w, hardware)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure, print the tables, return everything (also written to ``--json``)."""
+    from cp_attention.strategies.cost import HARDWARE, Hardware
+
+    if args.quick:
+        args.seq_lens, args.heads, args.masks, args.repeats = [512], ["4/2"], ["causal", "packed"], 1
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
+    todo = cases(args.seq_lens, heads, args.masks)
+    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"world {WORLD} gloo ranks on this machine (a2a+p2p: a {WORLD // INNER} x {INNER} mesh); fp32; layout "
+          f"{args.layout}; head_dim 64; {args.repeats} repeats, median of the slowest rank; peak memory: "
+          f"{memory_method()}", flush=True)
+    limit_malloc_caching()
+    t0 = time.perf_counter()
+    base = {c: _baseline(c, args.repeats, args.layout) for c in todo}
+    out = run_on_ranks(_worker, WORLD, args, todo, timeout_s=3600)
+    cal = out["calibration"]
+    measured = Hardware("cpu_measured", cal["flops"], cal["bw"], cal["bw"], WORLD, cal["latency_s"],
+                        cal["kernel_call_s"])
+    print(f"calibrated: {cal['flops'] / 1e9:.1f} GFLOP/s per rank, {cal['bw'] / 1e9:.2f} GB/s, latency "
+          f"{cal['latency_s'] * 1e6:.0f} us, kernel call {cal['kernel_call_s'] * 1e6:.0f} us "
+          f"(after {time.perf_counter() - t0:.0f} s)\n")
+    hits = {"calibrated": 0, "preset": 0}
+    report = []
+    head = f"{'case':<26}{'mode':<9}" + "".join(f"{s:>14}" for s in STRATEGIES) + f"{'best':>12}{'auto':>12}{'':>4}"
+    print(head + "\n" + "-" * len(head))
+    for item, case in zip(out["results"], todo):
+        b = base[case]
+        for mode, key in (("fwd", "fwd_ms"), ("fwd+bwd", "fwdbwd_ms")):
+            times = {r["impl"]: r[key] for r in item["rows"]}
+            best = min(times, key=times.get)
+            picks = {name: _pick(case, mode != "fwd", hw, args.layout)
+                     for name, hw in (("calibrated", measured), ("preset", HARDWARE["cpu_gloo"]))}
+            ok = {name: times[p] <= 1.1 * times[best] for name, p in picks.items()}
+            for name in hits:
+                hits[name] += ok[name]
+            cells = "".join(f"{times[s]:>8.1f} {times[s] / b[key]:>4.2f}x" for s in STRATEGIES)
+            print(f"{case.label():<26}{mode:<9}{cells}{best:>12}{picks['calibrated']:>12}{'ok' if ok['calibrated'] else 'MISS':>4}")
+            report.append({"case": case.label(), "mode": mode, "times_ms": times, "baseline_ms": b[key], "best": best,
+                           "picks": picks, "within_10pct": ok})
+    total = len(report)
+    print(f"\ncells: ms of the slowest rank, and the ratio to one process on the whole sequence")
+    print(f"auto within 10% of the best measured: {hits['calibrated']}/{total} "
+          f"({100 * hits['calibrated'] / total:.0f}%) with the calibrated profile, {hits['preset']}/{total} with "
+          f"the cpu_gloo preset")
+    print(f"\nper-rank peak memory (MiB, fwd+bwd, max over ranks):")
+    for item, case in zip(out["results"], todo):
+        peaks = {r["impl"]: r["fwdbwd_peak_mib"] for r in item["rows"]}
+        print(f"{case.label():<26}" + "".join(f"{s}={peaks[s]:.1f}  " for s in STRATEGIES)
+              + f"one process={base[case]['fwdbwd_peak_mib']:.1f}")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    result = {"setup": vars(args), "calibration": cal, "report": report, "hits": hits, "total": total,
+              "raw": out["results"], "baseline": {c.label(): base[c] for c in todo}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return result
