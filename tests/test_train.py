@@ -62,15 +62,23 @@ def test_dp_times_cp_gradients_match_dp_only(tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0, msg=k)
 
 
-def test_two_level_cp_matches_one_process(tmp_path):
-    """cp_comm=a2a_p2p on 4 ranks (a ring across 2 groups, all-to-all inside each) trains like one
-    process on the same batch: one SGD step moves the weights alike."""
-    sgd = ["optim=sgd", "optim.lr=1.0", "trainer.steps=1", "trainer.grad_clip=null"]
-    train(tmp_path / "cp4", "nproc=4", "cp_size=4", "cp_comm=a2a_p2p", *sgd)
-    train(tmp_path / "one", "nproc=1", "cp_size=1", *sgd)
-    a, b = weights(tmp_path / "cp4"), weights(tmp_path / "one")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0, msg=k)
+def _launcher_meshes(rank: int, world_size: int) -> dict:
+    from cp_attention.training.loop import training_mesh
+    from cp_attention.transport import transport_for
+
+    mesh, group = training_mesh("cpu", 1, 4, {"name": "a2a+p2p", "inner": 2})
+    transport = transport_for(group)
+    outer, inner = transport.levels
+    return {"cp": mesh["cp"].size(), "flat_rank": transport.rank, "outer": (outer.rank, outer.world_size),
+            "inner": (inner.rank, inner.world_size), "dp": mesh["dp"].size()}
+
+
+def test_two_level_cp_mesh_of_the_launcher(pools):
+    """cp_comm=a2a_p2p, cp_size=4, cp_comm.inner=2: a ring across 2 groups of 2, all-to-all inside each;
+    the CP rank is the flattened rank (the model's exactness under it: tests/test_strategies.py,
+    tests/test_hf_loopback.py)."""
+    for rank, got in enumerate(pools(4).run(_launcher_meshes)):
+        assert got == {"cp": 4, "flat_rank": rank, "outer": (rank // 2, 2), "inner": (rank % 2, 2), "dp": 1}, got
 
 
 def weights_at_init(run_dir: Path) -> dict:

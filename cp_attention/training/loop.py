@@ -94,13 +94,27 @@ def _keep_metrics_up_to(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def training_mesh(device_type: str, dp: int, cp: int, comm: dict):
+    """``(mesh, attention_group)``: the ``(dp, cp)`` DeviceMesh, and the group the model's attention runs
+    over: the mesh's cp group, or for ``cp_comm.name == "a2a+p2p"`` a ``(dp, cp_p2p, cp_a2a)`` mesh (its cp
+    dims flattened as ``"cp"``) and its 2-D ``(cp_p2p, cp_a2a)`` sub-mesh, a two-level CP group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if comm["name"] != "a2a+p2p":
+        mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        return mesh, mesh["cp"].get_group()
+    inner = comm["inner"]
+    mesh = init_device_mesh(device_type, (dp, cp // inner, inner), mesh_dim_names=("dp", "cp_p2p", "cp_a2a"))
+    mesh["cp_p2p", "cp_a2a"]._flatten("cp")
+    return mesh, mesh["cp_p2p", "cp_a2a"]
+
+
 def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: str = "auto") -> Optional[dict]:
     """Train on this rank (the process group is initialised), from checkpoint ``resume`` if given (see
     :func:`resume_point`), on ``device`` (``cpu``, ``cuda``: this rank's GPU, or ``auto``: what the
     group's backend needs), in ``trainer.precision``. Returns the final metrics on rank 0. Raises
     :class:`PeerRankError` when another rank dies or fails."""
     from cp_attention.integrations import huggingface as cphf
-    from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
     t, cp = cfg["trainer"], cfg["cp_size"]
@@ -108,14 +122,7 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     device = rank_device(device)
     precision = autocast(device, t.get("precision", "fp32"))  # raises before any collective of train()
     comm = cfg.get("cp_comm") or {"name": "p2p"}
-    if comm["name"] == "a2a+p2p":  # the CP dim in two levels: a ring across cp_p2p, all-to-all inside cp_a2a
-        inner = comm["inner"]
-        mesh = init_device_mesh(device.type, (dp, cp // inner, inner), mesh_dim_names=("dp", "cp_p2p", "cp_a2a"))
-        attention_group = mesh["cp_p2p", "cp_a2a"]
-        mesh["cp_p2p", "cp_a2a"]._flatten("cp")
-    else:
-        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-        attention_group = mesh["cp"].get_group()
+    mesh, attention_group = training_mesh(device.type, dp, cp, comm)
     cp_group, dp_group, dp_rank = mesh["cp"].get_group(), mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     layout = cfg["layout"]["name"]
     is_main = rank == 0
