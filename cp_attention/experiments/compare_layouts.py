@@ -83,6 +83,10 @@ def check_config(cfg: dict) -> None:
         from .layout_window import check_window
 
         check_window(cfg["window"])
+    if cfg.get("strategies") is not None:
+        from .layout_strategies import check_strategies
+
+        check_strategies(cfg["strategies"])
 
 
 def run(cfg: dict, out: Path) -> Path:
@@ -151,6 +155,12 @@ def run(cfg: dict, out: Path) -> Path:
         res["window"]["window_measured"] = measure_window(
             w, {**{k: cfg[k] for k in keys}, "kv_heads": cfg["kv_heads"] or cfg["heads"],
                 "timeout": cfg["measure"]["timeout"]}, lays, causal, log)
+    res["strategies"] = None
+    if cfg.get("strategies") is not None:
+        from .layout_strategies import measure_strategies, strategy_tables
+
+        res["strategies"] = strategy_tables(cfg["strategies"], lays, causal, p["shape"])
+        res["strategies"]["strategies_measured"] = measure_strategies(cfg["strategies"], cfg, lays, causal, log)
     res["skipped"] = skipped + measured["skipped"]
     path = write_results(out, cfg, res, measured["meta"], log)
     log(f"wrote {path}")

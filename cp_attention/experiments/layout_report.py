@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import layout_plots as plots
+from .layout_strategies import strategies_section
 from .layout_window import window_figures, window_section
 
 Records = list[dict]
@@ -375,7 +376,7 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
     for name in ("modelled", "work_per_rank_step", "measured_wall", "measured_summary", "projection", "skipped"):
         write_csv(out / f"{name}.csv", res[name])
     write_csv(out / "measured_step_times.csv", res["measured_steps"])
-    for name, rows in {**(res.get("packed") or {}), **(res.get("window") or {})}.items():
+    for name, rows in {**(res.get("packed") or {}), **(res.get("window") or {}), **(res.get("strategies") or {})}.items():
         write_csv(out / f"{name}.csv", rows)
     for name, rows in figure_data(cfg, res).items():
         write_csv(out / f"{name}.csv", rows)
@@ -398,7 +399,8 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
     ]
     tail = ["## Files", ", ".join(f"`{f}`" for f in files)]
     extra = ([_packed_section(cfg, res)] if res.get("packed") else []) + \
-        ([window_section(cfg, res)] if res.get("window") else [])
+        ([window_section(cfg, res)] if res.get("window") else []) + \
+        ([strategies_section(cfg, res, md_table)] if res.get("strategies") else [])
     text = "\n\n".join(head + [_modelled_section(cfg, res), _measured_section(cfg, res, meta),
                                _projection_section(cfg, res)] + extra + [_skipped_section(res)] + tail) + "\n"
     path = out / "report.md"

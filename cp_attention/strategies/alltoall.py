@@ -48,28 +48,19 @@ def _split_seq(xs: Sequence[torch.Tensor], comm: Transport) -> tuple[torch.Tenso
     return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(len(xs)))
 
 
-class _SeqToHeads(torch.autograd.Function):
-    # Gradients are materialised (autograd's default): an unused output sends zeros, so every rank
-    # posts the same exchanges.
+class _Swap(torch.autograd.Function):
+    """One of the two swaps forward, the other backward. Gradients are materialised (autograd's
+    default): an unused output sends zeros, so every rank posts the same exchanges."""
+
     @staticmethod
-    def forward(ctx, comm: Transport, *xs: torch.Tensor):
-        ctx.comm = comm
-        return _split_heads(xs, comm)
+    def forward(ctx, comm: Transport, to_heads: bool, *xs: torch.Tensor):
+        ctx.comm, ctx.to_heads = comm, to_heads
+        return (_split_heads if to_heads else _split_seq)(xs, comm)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return (None, *_split_seq([g.contiguous() for g in grads], ctx.comm))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, comm: Transport, *xs: torch.Tensor):
-        ctx.comm = comm
-        return _split_seq(xs, comm)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return (None, *_split_heads([g.contiguous() for g in grads], ctx.comm))
+        back = _split_seq if ctx.to_heads else _split_heads
+        return (None, None, *back([g.contiguous() for g in grads], ctx.comm))
 
 
 def seq_to_heads(comm: Transport, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -77,9 +68,9 @@ def seq_to_heads(comm: Transport, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]
     for this rank's H/A heads (heads ``[r*H/A, (r+1)*H/A)``); A = ``comm.world_size`` must divide each
     H. All tensors travel in one exchange per peer. Differentiable (the backward is
     :func:`heads_to_seq`)."""
-    return tuple(xs) if comm.world_size == 1 else _SeqToHeads.apply(comm, *xs)
+    return tuple(xs) if comm.world_size == 1 else _Swap.apply(comm, True, *xs)
 
 
 def heads_to_seq(comm: Transport, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The inverse of :func:`seq_to_heads`: each ``[B, A*n, h, D]`` -> ``[B, n, A*h, D]``. Differentiable."""
-    return tuple(xs) if comm.world_size == 1 else _HeadsToSeq.apply(comm, *xs)
+    return tuple(xs) if comm.world_size == 1 else _Swap.apply(comm, False, *xs)
