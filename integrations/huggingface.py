@@ -67,10 +67,10 @@ class _CPState:
     group: Any
     layout: cpa.Layout
     kernel: str
-    cp_comm_type: str  # how K/V travel: "p2p" (the ring), "all_gather", "a2a", "a2a+p2p", "auto"
     rank: int
     world_size: int
     checks: ForwardChecks  # the model's once-per-forward data checks, and what they accepted
+    cp_comm_type: str = "p2p"  # how K/V travel: "p2p" (the ring), "all_gather", "a2a", "a2a+p2p", "auto"
 
 
 # Model-level switches that transformers forwards to every attention function and that cannot change
@@ -205,7 +205,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
         return model
     _register()
     checks = ForwardChecks(group, lay, rank, world_size)
-    state = _CPState(group, lay, kernel, cp_comm_type, rank, world_size, checks)
+    state = _CPState(group, lay, kernel, rank, world_size, checks, cp_comm_type)
     for m in model.modules():
         m._cp_attention = state
     for previous in getattr(model, "_cp_checks_hooks", ()):  # patched again: the new checks replace the old
