@@ -4,13 +4,15 @@ hierarchical CP groups), and the layer's ``cp_comm_type``."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import cp_attention as cpa
+from cp_attention.strategies.dispatch import strategy_problem
+from cp_attention.transport import transport_for
 from cp_attention.transport.process_group import two_level_transport
 from megatron.core import parallel_state
 
-__all__ = ["resolve_cp_group", "layer_comm_type", "ring_group"]
+__all__ = ["resolve_cp_group", "layer_comm_type", "check_heads", "ring_group", "spec_comm_types"]
 
 
 def resolve_cp_group(pg_collection):
@@ -26,19 +28,55 @@ def resolve_cp_group(pg_collection):
 
 def layer_comm_type(config, layer_number: int, given: Optional[str], spec: "str | tuple[str, ...] | None") -> str:
     """This layer's strategy: the spec's (one, or the layer's entry of one per layer), else megatron's
-    ``cp_comm_type`` argument, else ``"p2p"``. Raises ``ValueError`` if both are given and differ, for a
-    per-layer list of the wrong length, or an unknown name."""
+    (``config.cp_comm_type``: one, or one per layer, entry ``layer_number - 1`` this layer's), else
+    ``"p2p"``. ``given``: what megatron's ``TransformerLayer`` passed. Raises ``ValueError`` if the spec
+    and megatron's differ, for a per-layer list of the wrong length or an unknown name, and for a
+    megatron-core whose ``TransformerLayer`` passed another layer's entry of its list (0.16 indexes it
+    with the 1-based layer number; its last layer then fails with ``IndexError``)."""
+    listed = getattr(config, "cp_comm_type", None)
+    if isinstance(listed, (list, tuple)) and given is not None:
+        _check_length(listed, config, "config.cp_comm_type")
+        mine = listed[layer_number - 1]
+        if given != mine:
+            raise ValueError(
+                f"layer {layer_number}: config.cp_comm_type lists one strategy per layer and this layer's is "
+                f"{mine!r} (entry {layer_number - 1}), but megatron-core passed {given!r}: this megatron-core's "
+                "TransformerLayer indexes the list with the 1-based layer number (every layer gets the next one's "
+                "entry, the last an IndexError). Give the list to the spec instead, get_gpt_layer_ring_spec(..., "
+                "cp_comm_type=[...]) or use_ring_attention(spec, cp_comm_type=[...]), and leave "
+                "config.cp_comm_type None")
     if spec is None:
         return cpa.check_comm_type_name("p2p" if given is None else given)
     if not isinstance(spec, str):
-        if len(spec) != config.num_layers:
-            raise ValueError(f"cp_comm_type lists {len(spec)} strategies, but the model has config.num_layers="
-                             f"{config.num_layers}; give one per layer")
+        _check_length(spec, config, "cp_comm_type")
         spec = spec[layer_number - 1]
     if given is not None and given != spec:
         raise ValueError(f"layer {layer_number}: config.cp_comm_type gives {given!r} but the layer spec "
                          f"{spec!r}; set the strategy in one place")
     return cpa.check_comm_type_name(spec)
+
+
+def spec_comm_types(cp_comm_type: "str | Sequence[str] | None") -> "str | tuple[str, ...] | None":
+    """A spec's ``cp_comm_type`` checked: None, one name, or a tuple of names (one per layer). Raises
+    ``ValueError`` for an unknown name."""
+    if cp_comm_type is None or isinstance(cp_comm_type, str):
+        return None if cp_comm_type is None else cpa.check_comm_type_name(cp_comm_type)
+    return tuple(cpa.check_comm_type_name(name) for name in cp_comm_type)
+
+
+def _check_length(names, config, what: str) -> None:
+    if len(names) != config.num_layers:
+        raise ValueError(f"{what} lists {len(names)} strategies, but the model has config.num_layers="
+                         f"{config.num_layers}; give one per layer")
+
+
+def check_heads(ring_group, cp_comm_type: str, heads: int, layer_number: int) -> None:
+    """Raise ``ValueError`` when this layer's ``heads`` (query heads per TP rank) cannot be split by its
+    all-to-all (``"a2a"``: over the CP group; ``"a2a+p2p"``: over the inner level): when the model is
+    built, the same on every rank, instead of at its first forward."""
+    problem = strategy_problem(transport_for(ring_group), cp_comm_type, heads)
+    if problem is not None:
+        raise ValueError(f"layer {layer_number}: {problem}")
 
 
 def ring_group(cp_group, pg_collection, cp_comm_type: str):

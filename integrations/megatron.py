@@ -13,6 +13,11 @@ without TransformerEngine:
 The CP group is megatron's (``parallel_state`` or ``pg_collection.cp``). Attention sinks
 (``softmax_type="off-by-one"`` or ``"learnable"``) are honoured.
 
+Strategies (``cp_comm_type``: ``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``, ``"auto"``), one
+for every layer or one per layer, from the spec (``get_gpt_layer_ring_spec(cp_comm_type=...)``) or
+megatron's own ``cp_comm_type`` argument; ``"a2a+p2p"`` over megatron's hierarchical CP groups
+(``hierarchical_context_parallel_sizes=[a2a, p2p]``), see ``_megatron_groups``.
+
 Sliding windows: ``config.window_size = (left, right)`` is honoured exactly on the layers where
 megatron's ``is_layer_window_attention(window_size, window_attn_skip_freq, layer_number)`` says so
 (the others attend globally), packed or not, sinks included. The convention is TransformerEngine's
@@ -35,8 +40,8 @@ token's position within its document (see ``_megatron_rope``). Padding between d
 (``cu_seqlens_q_padded``) is attended by no real token.
 
 Features the ring cannot honour exactly are refused with an error that names them: attention bias,
-attention dropout, masks other than the causal or empty one, ``cp_comm_type``
-other than ``"p2p"``, YaRN/mRoPE, multi-token prediction under a non-zigzag layout, and for packed
+attention dropout, masks other than the causal or empty one, ``cp_comm_type="a2a+p2p"`` without
+hierarchical CP groups, an all-to-all that cannot split the heads, YaRN/mRoPE, multi-token prediction under a non-zigzag layout, and for packed
 sequences: ``qkv_format`` other than ``"thd"``, ``cu_seqlens_kv`` (or its padded form) different
 from ``cu_seqlens_q``'s (cross-document attention), an ``attention_mask`` alongside them, a dynamic
 CP group (``packed_seq_params.cp_group``/``local_cp_size`` other than the model's), multi-latent
@@ -46,7 +51,6 @@ attention and multi-token prediction.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import math
 from typing import Any, Callable, Optional, Sequence, Union
@@ -81,9 +85,10 @@ except ImportError:  # pragma: no cover - a megatron-core without it
 
 from ._megatron_batch import DEFAULT_LAYOUT, get_batch_on_this_cp_rank  # noqa: E402
 from ._megatron_checks import ForwardChecks, check_layer_call, install_forward_checks  # noqa: E402
-from ._megatron_groups import layer_comm_type, resolve_cp_group, ring_group  # noqa: E402
+from ._megatron_groups import check_heads, layer_comm_type, resolve_cp_group, ring_group, spec_comm_types  # noqa: E402
 from ._megatron_packed import group_ranks, packed_documents  # noqa: E402
 from ._megatron_rope import LayoutRotaryEmbedding  # noqa: E402
+from ._megatron_spec import replace_core_attention  # noqa: E402
 
 __all__ = [
     "RingDotProductAttention",
@@ -130,7 +135,9 @@ class RingDotProductAttention(MegatronModule):
 
     Raises:
         ValueError: an unknown layout or kernel, a CP group whose size is not
-            ``config.context_parallel_size``, an unsupported ``cp_comm_type``, or a ``config.window_size``
+            ``config.context_parallel_size``, an unknown ``cp_comm_type`` or one that cannot run here
+            (``"a2a+p2p"`` without megatron's hierarchical CP groups, heads the all-to-all cannot split, a
+            per-layer list of the wrong length), or a ``config.window_size``
             that is not two ints >= -1 on a windowed layer; in ``forward``
             malformed packed_seq_params (see :func:`packed_documents`) or a packed stream that does
             not match the local tokens.
@@ -158,6 +165,8 @@ class RingDotProductAttention(MegatronModule):
                              f"{config.context_parallel_size}; they must match (RoPE uses the latter)")
         self.cp_comm_type = layer_comm_type(config, self.layer_number, cp_comm_type, spec_cp_comm_type)
         self.ring_group = ring_group(self.cp_group, pg_collection, self.cp_comm_type)
+        check_heads(self.ring_group, self.cp_comm_type, config.num_attention_heads // config.tensor_model_parallel_size,
+                    self.layer_number)
         if attention_type != "self":
             raise NotImplementedError(f"RingDotProductAttention supports self attention only, got "
                                       f"attention_type={attention_type!r}")
@@ -199,7 +208,8 @@ class RingDotProductAttention(MegatronModule):
 
     def extra_repr(self) -> str:
         window = "" if self.window_size == (-1, -1) else f", window_size={self.window_size}"
-        return f"layout={self.layout.name}, cp_size={self.cp_size}, kernel={self.kernel}{window}"
+        comm = "" if self.cp_comm_type == "p2p" else f", cp_comm_type={self.cp_comm_type}"
+        return f"layout={self.layout.name}, cp_size={self.cp_size}, kernel={self.kernel}{comm}{window}"
 
     def _causal(self, attn_mask_type) -> bool:
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -271,12 +281,8 @@ def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto",
     (default ``"p2p"``). Equal arguments (aliases included) return the same class. Raises
     ``ValueError`` for an unknown layout, kernel or strategy.
     """
-    if cp_comm_type is not None and not isinstance(cp_comm_type, str):
-        cp_comm_type = tuple(cp_comm_type)
-    for name in ([] if cp_comm_type is None else [cp_comm_type] if isinstance(cp_comm_type, str) else cp_comm_type):
-        cpa.check_comm_type_name(name)
     return _ring_class(None if layout is None else cpa.get_layout(layout).name, check_kernel_name(kernel),
-                       cp_comm_type)
+                       spec_comm_types(cp_comm_type))
 
 
 @functools.lru_cache(maxsize=None)
@@ -291,24 +297,6 @@ def _ring_class(layout: Optional[str], kernel: str, cp_comm_type: "str | tuple[s
     return type("RingDotProductAttention", (RingDotProductAttention,), {"__init__": __init__})
 
 
-def _replace_core_attention(node: Any, builder: type, seen: set) -> int:
-    if id(node) in seen:
-        return 0
-    seen.add(id(node))
-    if isinstance(node, (list, tuple)):
-        return sum(_replace_core_attention(item, builder, seen) for item in node)
-    if not dataclasses.is_dataclass(node) or isinstance(node, type):
-        return 0
-    count = 0
-    for field in dataclasses.fields(node):
-        if field.name == "core_attention":
-            setattr(node, field.name, builder)
-            count += 1
-        else:
-            count += _replace_core_attention(getattr(node, field.name), builder, seen)
-    return count
-
-
 def use_ring_attention(spec: Any, layout: Optional[str] = None, kernel: str = "auto",
                        cp_comm_type: "str | Sequence[str] | None" = None) -> Any:
     """A copy of a megatron layer or block spec with ring attention in every ``core_attention`` slot
@@ -318,7 +306,7 @@ def use_ring_attention(spec: Any, layout: Optional[str] = None, kernel: str = "a
     local or TransformerEngine. Raises ``ValueError`` if the spec has no ``core_attention`` slot.
     """
     spec = copy.deepcopy(spec)
-    if _replace_core_attention(spec, ring_core_attention(layout, kernel, cp_comm_type), set()) == 0:
+    if replace_core_attention(spec, ring_core_attention(layout, kernel, cp_comm_type), set()) == 0:
         raise ValueError(f"the spec has no core_attention slot to replace: {type(spec).__name__}")
     return spec
 

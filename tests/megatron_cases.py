@@ -224,6 +224,15 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     out["unsharded_mask"] = _error(lambda: ring(q, k, v, full_mask))
     out["cp_comm_type"] = _error(lambda: _ring(world_size, cp_comm_type="ulysses"))
     out["a2a_p2p_without_levels"] = _error(lambda: _ring(world_size, cp_comm_type="a2a+p2p"))
+    # megatron's list-valued config.cp_comm_type: entry layer_number - 1 is the layer's; megatron-core 0.16's
+    # TransformerLayer passes entry layer_number (the next layer's), refused by name
+    listed = config(world_size, cp_comm_type=["all_gather", "a2a"])
+    out["config_list_shifted"] = _error(lambda: _ring(world_size, cfg=listed, layer_number=1, cp_comm_type="a2a"))
+    out["config_list_entry"] = _ring(world_size, cfg=listed, layer_number=2, cp_comm_type="a2a").cp_comm_type
+    out["spec_list_length"] = _error(lambda: _ring(world_size, spec_cp_comm_type=("a2a",) * 3))
+    # 3 query heads cannot be split over an all-to-all of 2: refused when the model is built
+    three = config(world_size, num_attention_heads=3, num_query_groups=1, kv_channels=8)
+    out["a2a_heads"] = _error(lambda: _ring(world_size, cfg=three, cp_comm_type="a2a"))
     out["window"] = _error(lambda: _ring(world_size, cfg=config(world_size, window_size=(4, -2))))
     out["softmax_type"] = _error(lambda: _ring(world_size, cfg=config(world_size, softmax_type="sigmoid")))
     out["cross_attention"] = _error(lambda: _ring(world_size, attention_type="cross"))

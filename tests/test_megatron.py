@@ -117,6 +117,10 @@ REFUSED = {
     "unsharded_mask": ("NotImplementedError", "[b, 1, 12, 24]"),
     "cp_comm_type": ("ValueError", "unknown cp_comm_type 'ulysses'"),
     "a2a_p2p_without_levels": ("ValueError", "hierarchical_context_parallel_sizes=[a2a, p2p]"),
+    "config_list_shifted": ("ValueError", "this layer's is 'all_gather' (entry 0), but megatron-core passed 'a2a'"),
+    "spec_list_length": ("ValueError", "cp_comm_type lists 3 strategies, but the model has config.num_layers=2"),
+    "a2a_heads": ("ValueError", "layer 1: cp_comm_type='a2a' splits the query heads over the 2 ranks of the group, "
+                                "so it needs heads divisible by 2, got 3"),
     "window": ("ValueError", "config.window_size=(4, -2) must be (left, right)"),
     "softmax_type": ("ValueError", "softmax_type='sigmoid' is not known"),
     "cross_attention": ("NotImplementedError", "self attention only"),
@@ -144,6 +148,7 @@ def test_unsupported_inputs_are_refused_on_every_rank(pools):
         assert results[0][name] == results[1][name], f"{name}: ranks raised different errors"
     for rank, r in enumerate(results):
         assert r["dropout_eval"] == "no error", r["dropout_eval"]  # dropout is a no-op in eval mode
+        assert r["config_list_entry"] == "a2a", r["config_list_entry"]  # the list's entry 1 for layer 2
         assert r["rope_subclass_left_untouched"] == "ScaledRotaryEmbedding", "a refused model was half-modified"
 
 
