@@ -224,6 +224,14 @@ def test_smoke_end_to_end(tmp_path):
             assert float(r["imbalance"]) == 1.0 and float(r["step_sync_efficiency"]) == 1.0
         assert float(r["redundant_fraction"]) == 0.0
 
+    projected = _csv(tmp_path / "strategies_projected.csv")
+    by = {(r["layout"], r["strategy"], r["world_size"], r["seq_len"]): r for r in projected}
+    for lay in cpa.LAYOUT_NAMES:  # all-gather holds every shard the ring passes round
+        ring, gathered = by[(lay, "p2p", "8", "32768")], by[(lay, "all_gather", "8", "32768")]
+        assert float(gathered["kv_mib"]) > float(ring["kv_mib"]) > 0
+        assert by[(lay, "a2a+p2p", "128", "32768")]["why_not"] == ""  # a 64 x 2 mesh
+    assert "## Communication strategies x layouts" in report
+
     wall = _csv(tmp_path / "measured_wall.csv")
     impls = {r["impl"] for r in wall}
     assert impls == {"baseline", "torch_ring/zigzag", *(f"ring/{lay}" for lay in cpa.LAYOUT_NAMES)}
@@ -314,3 +322,16 @@ def test_bad_config_fails_fast_with_the_key(tmp_path):
     proc = _run(tmp_path, "experiment=smoke", "window.fractions=[0]")
     assert proc.returncode != 0 and "config window.fractions=[0]: expected a list of integers >= 1" in proc.stderr
     assert not (tmp_path / "report.md").exists()
+
+
+def test_strategies_measured_on_gloo(pools):
+    """The strategies x layouts measurement on 4 gloo ranks (the smoke run leaves it to this test): every
+    strategy timed for each layout, a2a+p2p on a 2 x 2 mesh."""
+    from cp_attention.experiments.layout_strategies import _measure_worker
+
+    shape = {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 16, "elem_bytes": 4}
+    rows = pools(4).run(_measure_worker, ["zigzag", "interleaved"], ["p2p", "all_gather", "a2a", "a2a+p2p"], 256,
+                        shape, 2, 1, True)[0]
+    assert {(r["layout"], r["strategy"]) for r in rows} == {(lay, s) for lay in ("zigzag", "interleaved")
+                                                            for s in ("p2p", "all_gather", "a2a", "a2a+p2p")}
+    assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in rows)

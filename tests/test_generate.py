@@ -62,6 +62,22 @@ def test_refusals_alike_on_every_rank(case, expected):
     assert len(set(messages)) == 1 and messages[0].startswith(expected), messages
 
 
+def test_generate_benchmark_figures(pools):
+    """scripts/benchmark_generate.py's measurement, small: N = 2 gives N = 1's tokens on every rank, about
+    half its KV bytes per rank, and the same bytes per decoding step at both prompt lengths (flat in S)."""
+    import argparse
+
+    from cp_attention.experiments import generate_bench
+
+    args = argparse.Namespace(**generate_bench.QUICK, layout="zigzag")
+    one = {seq: generate_bench.measure(args, seq) for seq in (128, 256)}
+    two = {r["seq"]: r for r in pools(2).run(generate_bench._worker, args, [128, 256], timeout=180)[0]}
+    for seq in (128, 256):
+        assert two[seq]["tokens"] == one[seq]["tokens"] and two[seq]["same_tokens_on_every_rank"]
+        assert 0.4 < two[seq]["kv_bytes"] / one[seq]["kv_bytes"] < 0.65, (two[seq]["kv_bytes"], one[seq]["kv_bytes"])
+    assert two[128]["comm_bytes_per_step"] == two[256]["comm_bytes_per_step"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["mistral_window", "gpt_oss_window"])
