@@ -9,6 +9,7 @@ the GPUs (NCCL, rank i on cuda:LOCAL_RANK) when this machine has one per rank, e
     python scripts/finetune_hf.py                      # spawns 2 ranks itself
     torchrun --nproc-per-node=2 scripts/finetune_hf.py # or under torchrun
     python scripts/finetune_hf.py --world-size 4 --layout interleaved --steps 30
+    python scripts/finetune_hf.py --world-size 4 --cp-comm-type a2a+p2p --cp-a2a-size 2
     torchrun --nproc-per-node=8 scripts/finetune_hf.py --device cuda --precision bf16
 """
 

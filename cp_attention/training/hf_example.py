@@ -35,7 +35,9 @@ def train(args: argparse.Namespace) -> list[float]:
     """Run the fine-tuning loop on this rank (the process group is initialised); returns every step's loss.
 
     ``args``: layout, kernel, seq_len, batch, steps, lr, seed, log_every, device (``cpu``, ``cuda``: this
-    rank's GPU, or ``auto``: what the group's backend needs) and precision (see ``example_parser``).
+    rank's GPU, or ``auto``: what the group's backend needs), precision, cp_comm_type and cp_a2a_size
+    (see ``example_parser``; a2a size: every rank's CP group is a 2-D DeviceMesh, the ring across
+    dim 0 and all-to-all inside dim 1).
     """
     from cp_attention.integrations import huggingface as cphf
 
@@ -43,12 +45,19 @@ def train(args: argparse.Namespace) -> list[float]:
     precision = autocast(device, getattr(args, "precision", "fp32"))
     data = load_bytes("builtin")  # Python's bundled help texts as bytes
     model = build_model(args.seed).to(device)
-    model = cphf.apply_context_parallel(model, layout=args.layout, kernel=args.kernel)
+    group = None  # the default group: every rank
+    a2a = getattr(args, "cp_a2a_size", None)
+    if a2a:  # a two-level CP group; its CP rank (shard_batch's) is the flattened mesh rank
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh(device.type, (dist.get_world_size() // a2a, a2a))
+    model = cphf.apply_context_parallel(model, group=group, layout=args.layout, kernel=args.kernel,
+                                        cp_comm_type=getattr(args, "cp_comm_type", "p2p"))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
 
     def loss_fn(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        local = cphf.shard_batch({"input_ids": ids.to(device)}, layout=args.layout)
+        local = cphf.shard_batch({"input_ids": ids.to(device)}, group=group, layout=args.layout)
         with precision:  # use_cache=False: training never reads the KV cache HF would build each step
             out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
             loss = cphf.causal_lm_loss(out.logits, local["shift_labels"])

@@ -9,6 +9,7 @@ Ranks are laid out by megatron's ``parallel_state`` as TP x CP x DP.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 import warnings
@@ -19,12 +20,14 @@ import torch.distributed as dist
 
 from ..kernels.dtypes import DTYPES, dtype_from_name
 from ..layouts import get_layout
-from .cli import example_parser
+from .cli import comm_problem, example_parser
 from .data import load_bytes
 from .device import all_reduce_, autocast, rank_device
 from .steps import progress_line, train_step
 
-__all__ = ["build_model", "batches", "train", "parse_args", "unsupported_precision"]
+__all__ = ["build_model", "batches", "train", "parse_args", "unsupported_precision", "comm_types", "NUM_LAYERS"]
+
+NUM_LAYERS = 2  # the example model's decoder layers (``--cp-comm-type`` may name one strategy per layer)
 
 # megatron-core on a CPU machine: its optional CUDA extensions are absent by design.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
@@ -39,14 +42,21 @@ def build_model(args: argparse.Namespace):
 
     dtype = dtype_from_name(args.dtype)
     config = TransformerConfig(
-        num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+        num_layers=NUM_LAYERS, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
         normalization="RMSNorm", attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
         tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size, params_dtype=dtype)
     torch.manual_seed(args.seed)
-    spec = cpm.get_gpt_layer_ring_spec(args.layout, kernel=args.kernel, normalization="RMSNorm")
+    spec = cpm.get_gpt_layer_ring_spec(args.layout, kernel=args.kernel, normalization="RMSNorm",
+                                       cp_comm_type=comm_types(args))
     model = GPTModel(config, spec, vocab_size=256, max_sequence_length=args.seq_len,
                      position_embedding_type="rope").to(dtype)
     return cpm.apply_context_parallel(model)
+
+
+def comm_types(args: argparse.Namespace) -> "str | tuple[str, ...]":
+    """``--cp-comm-type``: one strategy, or a tuple of one per layer (comma-separated)."""
+    names = tuple(getattr(args, "cp_comm_type", "p2p").split(","))
+    return names[0] if len(names) == 1 else names
 
 
 def batches(args: argparse.Namespace) -> Iterator[dict]:
@@ -88,7 +98,9 @@ def train(args: argparse.Namespace) -> list[float]:
     if reason:
         raise ValueError(reason)
     precision = autocast(device, getattr(args, "precision", "fp32"))
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size)
+    a2a = getattr(args, "cp_a2a_size", None)  # megatron's hierarchical CP groups: a2a+p2p runs over them
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size,
+                                 hierarchical_context_parallel_sizes=[a2a, args.cp_size // a2a] if a2a else None)
     cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
     dp_size = ps.get_data_parallel_world_size()
     if device.type == "cuda":  # megatron's CUDA RNG tracker (TP regions fork it), seeded as its own scripts do
@@ -123,7 +135,9 @@ def train(args: argparse.Namespace) -> list[float]:
 def parse_args(argv: Optional[list[str]] = None, description: str = __doc__) -> argparse.Namespace:
     """Command-line arguments, with ``world_size`` from torchrun's environment when present.
 
-    Exits with a usage error if the sizes do not fit together or the layout cannot split ``seq_len``.
+    Exits with a usage error if the sizes do not fit together, the layout cannot split ``seq_len``, or
+    ``--cp-comm-type``/``--cp-a2a-size`` cannot run (one strategy, or one per layer; a2a size: megatron's
+    hierarchical CP groups, which need einops).
     """
     p = example_parser(description)
     p.add_argument("--cp-size", type=int, default=None, help="default: world size / tp size")
@@ -140,4 +154,9 @@ def parse_args(argv: Optional[list[str]] = None, description: str = __doc__) -> 
         get_layout(args.layout).check(args.seq_len, args.cp_size)
     except ValueError as e:
         p.error(str(e))
+    problem = comm_problem(args.cp_comm_type, args.cp_a2a_size, args.cp_size, NUM_LAYERS)
+    if problem:
+        p.error(problem)
+    if args.cp_a2a_size and importlib.util.find_spec("einops") is None:
+        p.error("--cp-a2a-size builds megatron-core's hierarchical CP groups, which need einops: pip install einops")
     return args

@@ -2,7 +2,7 @@
 parallelism, nothing downloaded (``scripts/finetune_trainer.py``).
 
 The one change to a Trainer script is the class: ``cphf.context_parallel_trainer(Trainer)`` and
-``cp_size``/``cp_layout`` in its constructor. The data are Python's bundled help topics as bytes (one
+``cp_size``/``cp_layout`` (and ``cp_comm_type``) in its constructor. The data are Python's bundled help topics as bytes (one
 example per topic, cut to ``--seq-len``); ``--packing`` flattens each batch's examples into one row of
 documents (``DataCollatorWithFlattening``), and ``--sft`` trains with TRL's ``SFTTrainer`` and its
 packing instead.
@@ -15,6 +15,7 @@ import tempfile
 
 import torch
 
+from ..strategies import CP_COMM_TYPES
 from .data import load_documents
 from .hf_example import build_model
 
@@ -26,6 +27,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="ranks torchrun starts (when not under torchrun already)")
     p.add_argument("--cp-size", type=int, default=2, help="context-parallel group size; dp = ranks / cp-size")
     p.add_argument("--layout", default="zigzag")
+    p.add_argument("--cp-comm-type", default="p2p", choices=[n for n in CP_COMM_TYPES if n != "a2a+p2p"],
+                   help="how K/V travel (the Trainer's CP group is one level: no a2a+p2p)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=2, help="examples per dp rank per step")
     p.add_argument("--steps", type=int, default=20)
@@ -75,6 +78,7 @@ def train(args: argparse.Namespace) -> dict:
         base, extra = tf.Trainer, dict(args=tf.TrainingArguments(**common, remove_unused_columns=False),
                                        train_dataset=rows, data_collator=collator)
     CPTrainer = cphf.context_parallel_trainer(base)  # the one change
-    trainer = CPTrainer(model=model, cp_size=args.cp_size, cp_layout=args.layout, **extra)
+    trainer = CPTrainer(model=model, cp_size=args.cp_size, cp_layout=args.layout,
+                        cp_comm_type=getattr(args, "cp_comm_type", "p2p"), **extra)
     trainer.train()
     return trainer.state.log_history[-1]
