@@ -171,6 +171,15 @@ def test_resume_with_changed_cp_size_and_seq_len_names_the_fields(base):
         assert field in str(e.value)
 
 
+def test_resume_may_change_the_strategy(base):
+    """cp_comm changes only how K/V travel (every strategy is exact): a resume may switch it."""
+    from cp_attention.training.loop import validate_config
+
+    cfg = run_config(base[0], resume_from=str(base[0]))
+    assert cfg["cp_comm"] == {"name": "p2p", "inner": None}
+    validate_config({**cfg, "cp_comm": {"name": "all_gather", "inner": None}}, 2)
+
+
 def test_corrupt_latest_checkpoint(base, tmp_path):
     """Explicit resume refuses it naming the file; auto falls back to the previous one, and the job
     ends exactly where the uninterrupted one did, each step logged once."""

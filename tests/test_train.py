@@ -81,6 +81,59 @@ def test_two_level_cp_mesh_of_the_launcher(pools):
         assert got == {"cp": 4, "flat_rank": rank, "outer": (rank // 2, 2), "inner": (rank % 2, 2), "dp": 1}, got
 
 
+def _config(*overrides: str) -> dict:
+    """scripts/train.py's resolved config with ``overrides``, composed here (no process started)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return OmegaConf.to_container(compose(config_name="train", overrides=list(overrides)), resolve=True)
+
+
+def _launcher_runs(rank: int, world_size: int, cfgs: list, run_dir: str, examples: list) -> list:
+    """The launcher's loop on this pool's ranks, one run per config (into ``run_dir/i``), then the HF
+    example's loop (scripts/finetune_hf.py) once per ``examples`` entry (cp_comm_type, cp_a2a_size): its losses."""
+    import argparse
+
+    from cp_attention.training import hf_example, loop
+
+    for i, cfg in enumerate(cfgs):
+        os.makedirs(os.path.join(run_dir, str(i)), exist_ok=True)
+        loop.train(cfg, os.path.join(run_dir, str(i)))
+    return [hf_example.train(argparse.Namespace(
+        layout="zigzag", kernel="auto", seq_len=32, batch=2, steps=2, lr=1e-2, seed=0, log_every=100, device="cpu",
+        precision="fp32", cp_comm_type=comm, cp_a2a_size=a2a)) for comm, a2a in examples]
+
+
+@pytest.mark.parametrize("world_size,comms,examples", [
+    (2, ["p2p", "a2a", "all_gather", "auto"], [("p2p", None), ("a2a", None)]),
+    (4, ["p2p", "a2a_p2p"], [("p2p", None), ("a2a+p2p", 2)]),
+])
+def test_every_strategy_trains_like_the_ring(pools, tmp_path, world_size, comms, examples):
+    """cp_comm=...: one packed SGD step (lr=1) of the launcher moves the weights as the ring's does (the
+    ring's equals one process: test_packed_cp2_matches_cp1); a2a_p2p on 4 ranks is a ring across 2 groups
+    of 2 (cp_comm.inner=2). The HF example's --cp-comm-type/--cp-a2a-size likewise."""
+    from cp_attention.training.config import build_model, validate_config
+
+    sgd = ["data.packing=true", "optim=sgd", "optim.lr=1.0", "trainer.steps=1", "trainer.grad_clip=null"]
+    cfgs = [_config(*TINY, *sgd, f"cp_size={world_size}", f"cp_comm={comm}") for comm in comms]
+    for cfg in cfgs:
+        validate_config(cfg, world_size)
+    losses = pools(world_size).run(_launcher_runs, cfgs=cfgs, run_dir=str(tmp_path), examples=examples, timeout=240)
+    ring = weights(tmp_path / "0")
+    torch.manual_seed(cfgs[0]["trainer"]["seed"])
+    start = build_model(cfgs[0]["model"]).state_dict()
+    assert max((ring[k] - start[k]).abs().max().item() for k in ring) > 1e-3  # the step did something
+    for i, comm in enumerate(comms[1:], 1):
+        assert weights(tmp_path / str(i)).keys() == ring.keys()
+        for k, w in weights(tmp_path / str(i)).items():
+            torch.testing.assert_close(w, ring[k], atol=2e-6, rtol=0, msg=f"cp_comm={comm}: {k}")
+    for rank_losses in losses:
+        assert rank_losses == losses[0] and len(rank_losses[0]) == 2
+        # fp32 losses after an AdamW step: within a few ulps of ~5.5 amplified by the step
+        assert max(abs(a - b) for a, b in zip(rank_losses[1], rank_losses[0])) <= 1e-5, rank_losses
+
+
 def weights_at_init(run_dir: Path) -> dict:
     """The initial weights of the run in ``run_dir``: its model built here as the launcher builds it
     (the same seed, the same CPU ops)."""
@@ -129,14 +182,39 @@ def test_torchrun_ranks_share_one_output_dir(tmp_path):
     (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s must be a positive number of seconds"),
     (["data=synthetic", "data.packing=true"], "data.source=synthetic has none"),
     (["data.packing=maybe"], "data.packing must be true or false"),
-    (["cp_comm=a2a_p2p"], "cp_comm.inner=2: a2a+p2p needs the all-to-all size, an int > 1 that divides cp_size=2"),
-    (["cp_comm.name=ulysses"], "cp_comm.name: unknown cp_comm_type 'ulysses'"),
+    (["cp_comm.name=ulysses"], "cp_comm.name: unknown cp_comm_type 'ulysses'"),  # more: test_cp_comm_is_checked
 ])
 def test_bad_configs_fail_fast(tmp_path, overrides, message):
     proc = train(tmp_path, *overrides, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["cp_comm=a2a_p2p", "cp_size=2"], "cp_comm.inner=2: a2a+p2p needs the all-to-all size, an int > 1 that divides "
+                                       "cp_size=2 and is smaller; set cp_comm.inner (or cp_comm=a2a for all of cp)"),
+    (["cp_comm=a2a_p2p", "cp_comm.inner=3"], "cp_comm.inner=3: a2a+p2p needs the all-to-all size"),
+    (["cp_comm=a2a_p2p", "cp_comm.inner=null"], "cp_comm.inner=None: a2a+p2p needs the all-to-all size"),
+    (["cp_comm=p2p", "+cp_comm.inner=2"], "cp_comm.inner=2 is only for cp_comm=a2a_p2p; drop it"),
+    (["cp_comm.name=ring"], "cp_comm.name: unknown cp_comm_type 'ring'; expected one of 'p2p', 'all_gather', 'a2a', "
+                            "'a2a+p2p', 'auto'"),
+    (["cp_comm=a2a_p2p", "trainer.fsdp=true"], "cp_comm=a2a_p2p with trainer.fsdp=true is not supported"),
+    (["cp_comm=a2a", "model.num_attention_heads=6", "model.num_key_value_heads=2", "model.hidden_size=24"],
+     "cp_comm=a2a splits the model's 6 query heads over cp_size=4 ranks, which does not divide them; use "
+     "cp_comm=p2p, all_gather or auto, or a cp_size that divides 6"),
+    (["cp_comm=a2a_p2p", "cp_size=8", "model.num_attention_heads=6", "model.num_key_value_heads=2",
+      "model.hidden_size=24", "cp_comm.inner=4", "trainer.seq_len=128"],
+     "cp_comm=a2a_p2p splits the model's 6 query heads over cp_comm.inner=4 ranks"),
+])
+def test_cp_comm_is_checked_before_any_rank_starts(overrides, message):
+    """What scripts/train.py checks up front for cp_comm (test_bad_configs_fail_fast: that it reports it)."""
+    from cp_attention.training.config import validate_config
+
+    cfg = _config(*TINY, "cp_size=4", *overrides)
+    with pytest.raises(ValueError) as e:
+        validate_config(cfg, cfg["cp_size"])
+    assert message in str(e.value), str(e.value)
 
 
 def test_packed_run_trains(tmp_path):

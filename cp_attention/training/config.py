@@ -3,6 +3,7 @@ checkpoint to resume from, the device placement, the model and the optimizer wit
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -62,7 +63,7 @@ def validate_config(cfg: dict, world_size: int) -> None:
         raise ValueError(f"trainer.seq_len={seq} cannot be split by the {layout.name} layout over cp_size={cp}: "
                          f"it needs a multiple of {layout.divisor(cp)}; change trainer.seq_len or layout")
     check_kernel_name(cfg["kernel"]["name"])
-    _check_cp_comm(cfg.get("cp_comm") or {"name": "p2p"}, cp, cfg["trainer"].get("fsdp", False))
+    _check_cp_comm(cfg.get("cp_comm") or {"name": "p2p"}, cp, cfg["trainer"].get("fsdp", False), _heads(cfg["model"]))
     if cfg["trainer"].get("resume_from") not in (None, "", "auto"):  # auto: after the ranks know the run dir
         resume_point(cfg, world_size, None)  # a missing, corrupt or incompatible checkpoint
     data = cfg["data"]
@@ -92,9 +93,19 @@ def validate_config(cfg: dict, world_size: int) -> None:
     trainer_placement(cfg, world_size)
 
 
-def _check_cp_comm(comm: dict, cp: int, fsdp: bool) -> None:
+def _heads(model_cfg: dict) -> Optional[int]:
+    """The model's query heads: the preset's, or a local checkpoint's ``config.json``'s; None if unknown."""
+    path = model_cfg.get("pretrained_path")
+    if not path:
+        return model_cfg.get("num_attention_heads")
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text()).get("num_attention_heads") if config.is_file() else None
+
+
+def _check_cp_comm(comm: dict, cp: int, fsdp: bool, heads: Optional[int] = None) -> None:
     """``cp_comm.name`` a strategy; for ``a2a+p2p``, ``cp_comm.inner`` a proper divisor of cp_size > 1 and
-    no FSDP (its mesh has one cp dim). Raises ``ValueError`` naming the key."""
+    no FSDP (its mesh has one cp dim); an all-to-all (``a2a`` over cp_size, ``a2a+p2p`` over
+    ``cp_comm.inner``) that splits the model's ``heads``. Raises ``ValueError`` naming the key."""
     try:
         name = cpa.check_comm_type_name(comm.get("name"))
     except ValueError as e:
@@ -103,6 +114,7 @@ def _check_cp_comm(comm: dict, cp: int, fsdp: bool) -> None:
     if name != "a2a+p2p":
         if inner is not None:
             raise ValueError(f"cp_comm.inner={inner} is only for cp_comm=a2a_p2p; drop it")
+        _check_heads(name, cp, heads)
         return
     if not isinstance(inner, int) or inner <= 1 or inner >= cp or cp % inner:
         raise ValueError(f"cp_comm.inner={inner!r}: a2a+p2p needs the all-to-all size, an int > 1 that divides "
@@ -110,6 +122,16 @@ def _check_cp_comm(comm: dict, cp: int, fsdp: bool) -> None:
     if fsdp:
         raise ValueError("cp_comm=a2a_p2p with trainer.fsdp=true is not supported (FSDP's mesh has one cp dim); "
                          "use cp_comm=a2a or p2p with FSDP")
+    _check_heads(name, inner, heads)
+
+
+def _check_heads(name: str, degree: int, heads: Optional[int]) -> None:
+    """An all-to-all over ``degree`` ranks gives each rank ``heads / degree`` query heads."""
+    if name in ("a2a", "a2a+p2p") and degree > 1 and heads and heads % degree:
+        over = "cp_size" if name == "a2a" else "cp_comm.inner"
+        raise ValueError(f"cp_comm={name.replace('+', '_')} splits the model's {heads} query heads over {over}={degree} "
+                         f"ranks, which does not divide them; use cp_comm=p2p, all_gather or auto, or a {over} "
+                         f"that divides {heads}")
 
 
 def _local_ranks(world_size: int) -> int:
