@@ -66,8 +66,9 @@ def _optimizer(name: str, params):
 
 
 def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int, cp: int, packed: bool,
-                checkpointing: bool, optim: str, steps: int = 3) -> dict:
-    """On the (dp, cp) mesh (dp=0: a 1-D "cp" mesh), train ``steps`` steps with ``parallelize`` and, on every rank, the reference on the global batch;
+                checkpointing: bool, optim: str, steps: int = 3, cp_comm_type: str = "p2p") -> dict:
+    """On the (dp, cp) mesh (dp=0: a 1-D "cp" mesh), train ``steps`` steps with ``parallelize`` (and
+    ``cp_comm_type``) and, on every rank, the reference on the global batch;
     return the largest relative differences of the losses and of the full parameters, and what each
     rank holds of them."""
     from torch.distributed.tensor import DTensor
@@ -79,7 +80,8 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int
     dp = max(dp, 1)
     seq = WINDOW_SEQ if family.endswith("_window") else SEQ
     ref = build(family)
-    model = cphf.parallelize(copy.deepcopy(ref), m, layout=layout, activation_checkpointing=checkpointing)
+    model = cphf.parallelize(copy.deepcopy(ref), m, layout=layout, activation_checkpointing=checkpointing,
+                             cp_comm_type=cp_comm_type)
     ref.train(), model.train()
     opt_ref, opt = _optimizer(optim, ref.parameters()), _optimizer(optim, model.parameters())
     losses, ref_losses = [], []
@@ -130,6 +132,8 @@ def refusal(rank: int, world_size: int, *, case: str) -> "tuple[str, str]":
             cphf.parallelize(model, m)
         elif case == "weights_differ":
             cphf.parallelize(model, m)
+        elif case == "a2a_p2p":  # the (dp, cp) mesh's cp dim is one level
+            cphf.parallelize(model, m, cp_comm_type="a2a+p2p")
         elif case == "batch_differs":  # the cp ranks of one group were given different batches
             ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(rank))
             cphf.shard_batch({"input_ids": ids}, group=m, layout="zigzag")

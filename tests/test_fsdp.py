@@ -11,31 +11,33 @@ from . import fsdp_cases  # noqa: E402
 
 EXACT = 1e-9  # relative, fp64 (the bound; AdamW's division amplifies rounding to ~1e-13)
 
-# (dp, cp, layout, family, packed, activation checkpointing, optimizer): every mesh with every layout,
-# each family, packing and checkpointing on and off, SGD (with momentum) and AdamW, all covered.
+# (dp, cp, layout, family, packed, activation checkpointing, optimizer, cp_comm_type): every mesh with
+# every layout, each family, packing and checkpointing on and off, SGD (with momentum) and AdamW, and
+# every strategy a (dp, cp) mesh can run, all covered.
 CASES = [
-    (1, 2, "zigzag", "llama", False, False, "sgd"),
-    (1, 2, "contiguous", "qwen2", True, True, "adamw"),
-    (1, 2, "interleaved", "gpt_oss", False, True, "sgd"),
-    (2, 2, "zigzag", "qwen2", False, True, "adamw"),
-    (2, 2, "contiguous", "mistral_window", True, False, "sgd"),
-    (2, 2, "interleaved", "gpt_oss", True, True, "adamw"),
-    (1, 4, "zigzag", "mistral_window", False, True, "sgd"),
-    (1, 4, "contiguous", "llama", True, False, "adamw"),
-    (0, 4, "interleaved", "qwen2", False, False, "sgd"),  # dp=0: a 1-D mesh named "cp"
+    (1, 2, "zigzag", "llama", False, False, "sgd", "p2p"),
+    (1, 2, "contiguous", "qwen2", True, True, "adamw", "p2p"),
+    (1, 2, "interleaved", "gpt_oss", False, True, "sgd", "p2p"),
+    (2, 2, "zigzag", "qwen2", False, True, "adamw", "p2p"),
+    (2, 2, "contiguous", "mistral_window", True, False, "sgd", "all_gather"),
+    (2, 2, "interleaved", "gpt_oss", True, True, "adamw", "a2a"),
+    (1, 4, "zigzag", "mistral_window", False, True, "sgd", "p2p"),
+    (1, 4, "contiguous", "llama", True, False, "adamw", "a2a"),
+    (0, 4, "interleaved", "qwen2", False, False, "sgd", "auto"),  # dp=0: a 1-D mesh named "cp"
 ]
 
 
 def _id(case) -> str:
-    dp, cp, layout, family, packed, ac, optim = case
-    return f"{dp or 'cp'}x{cp}-{layout}-{family}-{'packed' if packed else 'plain'}-{'ac' if ac else 'noac'}-{optim}"
+    dp, cp, layout, family, packed, ac, optim, comm = case
+    return (f"{dp or 'cp'}x{cp}-{layout}-{family}-{'packed' if packed else 'plain'}-{'ac' if ac else 'noac'}-{optim}"
+            f"-{comm}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_parameters_equal_single_process_on_the_global_batch(pools, case):
-    dp, cp, layout, family, packed, ac, optim = case
+    dp, cp, layout, family, packed, ac, optim, comm = case
     results = pools(max(dp, 1) * cp).run(fsdp_cases.equivalence, family=family, layout=layout, dp=dp, cp=cp, packed=packed,
-                                 checkpointing=ac, optim=optim, timeout=300)
+                                         checkpointing=ac, optim=optim, cp_comm_type=comm, timeout=300)
     what = _id(case)
     for rank, r in enumerate(results):
         assert r["impl"] == "cp_ring", f"{what}: rank {rank} not patched"
@@ -54,6 +56,7 @@ REFUSALS = {
     "already_fsdp": ("ValueError", "already wrapped by FSDP2"),
     "weights_differ": ("ValueError", "models differ"),
     "batch_differs": ("ValueError", "different batches"),
+    "a2a_p2p": ("NotImplementedError", "parallelize cannot run cp_comm_type='a2a+p2p'"),
 }
 
 

@@ -11,19 +11,19 @@ from . import trainer_cases  # noqa: E402
 
 FP32 = 1e-6  # relative: transformers' loss runs in fp32 (the models are fp64)
 
-# (kind, family, layout, dp, cp, per-device batch of the CP run, gradient accumulation)
+# (kind, family, layout, dp, cp, per-device batch of the CP run, gradient accumulation, cp_comm_type)
 CASES = [
-    ("trainer", "llama", "zigzag", 1, 2, 2, 2),
-    ("trainer", "mistral_window", "interleaved", 2, 2, 1, 1),
-    ("trainer", "gpt_oss", "contiguous", 1, 2, 2, 1),  # sinks (GPT-OSS's own attention cannot pack: no reference)
-    ("flatten", "llama", "contiguous", 2, 2, 1, 2),  # DataCollatorWithFlattening: packed documents
-    ("sft", "qwen2", "zigzag", 1, 2, 2, 1),  # SFTTrainer, packing (bfd, padding-free)
+    ("trainer", "llama", "zigzag", 1, 2, 2, 2, "p2p"),
+    ("trainer", "mistral_window", "interleaved", 2, 2, 1, 1, "all_gather"),
+    ("trainer", "gpt_oss", "contiguous", 1, 2, 2, 1, "p2p"),  # sinks (GPT-OSS's own attention cannot pack: no reference)
+    ("flatten", "llama", "contiguous", 2, 2, 1, 2, "a2a"),  # DataCollatorWithFlattening: packed documents
+    ("sft", "qwen2", "zigzag", 1, 2, 2, 1, "auto"),  # SFTTrainer, packing (bfd, padding-free)
 ]
 
 
 def _id(case) -> str:
-    kind, family, layout, dp, cp, batch, accum = case
-    return f"{kind}-{family}-{layout}-{dp}x{cp}-b{batch}-ga{accum}"
+    kind, family, layout, dp, cp, batch, accum, comm = case
+    return f"{kind}-{family}-{layout}-{dp}x{cp}-b{batch}-ga{accum}-{comm}"
 
 
 def _relative(a, b) -> float:
@@ -32,13 +32,13 @@ def _relative(a, b) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_weights_equal_one_process_on_the_global_batch(pools, case):
-    kind, family, layout, dp, cp, batch, accum = case
+    kind, family, layout, dp, cp, batch, accum, comm = case
     pytest.importorskip("accelerate", reason="needs the trainer extra: pip install -e '.[trainer]'")
     if kind == "sft":
         pytest.importorskip("trl", reason="needs the trainer extra: pip install -e '.[trainer]'")
     common = dict(kind=kind, family=family, layout=layout, accum=accum, timeout=300)
     ref = pools(1).run(trainer_cases.train, cp=1, batch=batch * dp, **common)[0]
-    got = pools(dp * cp).run(trainer_cases.train, cp=cp, batch=batch, **common)
+    got = pools(dp * cp).run(trainer_cases.train, cp=cp, batch=batch, cp_comm_type=comm, **common)
     assert all(r["impl"] == "cp_ring" for r in got), [r["impl"] for r in got]
     start = trainer_cases.build(family).state_dict()
     assert _relative(ref["weights"], start) > 1e-3, "training did not move the weights"
@@ -102,3 +102,19 @@ def test_shard_keeps_the_packed_streams_own_max_length():
         assert local["cu_seq_lens_q"].tolist() == [0, 1, 2, 4]
         assert local["max_length_q"] == local["max_length_k"] == 2
         assert local["labels"] is local["shift_labels"]
+
+
+def test_strategies_the_cp_group_cannot_run_are_refused_at_once():
+    """Before the Trainer is built (no process group needed): a2a+p2p needs a two-level CP group, which
+    the Trainer's (dp, cp) mesh does not have; an unknown name is refused by name."""
+    import transformers as tf
+
+    from cp_attention.integrations import huggingface as cphf
+
+    from .hf_cases import build
+
+    CPTrainer = cphf.context_parallel_trainer(tf.Trainer)
+    with pytest.raises(NotImplementedError, match=r"cp_comm_type='a2a\+p2p' needs two: use 'a2a', 'all_gather' or"):
+        CPTrainer(model=build("llama"), cp_size=2, cp_comm_type="a2a+p2p")
+    with pytest.raises(ValueError, match="unknown cp_comm_type 'ulysses'"):
+        CPTrainer(model=build("llama"), cp_size=2, cp_comm_type="ulysses")

@@ -63,7 +63,7 @@ def examples(seq: int, varied: bool, seed: int = 5) -> list:
 
 
 def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, steps: int, cp: int, layout: str,
-             eval_dataset=None, save_steps: int = 0, average_tokens: bool = True):
+             eval_dataset=None, save_steps: int = 0, average_tokens: bool = True, cp_comm_type: str = "p2p"):
     """The Trainer of ``kind`` (``trainer``: default collator; ``flatten``: DataCollatorWithFlattening;
     ``sft``: SFTTrainer with packing), CP when ``cp`` > 1; sequential sampling, constant-lr SGD."""
     import transformers as tf
@@ -76,7 +76,7 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
                   train_sampling_strategy="sequential", seed=0, save_strategy="steps" if save_steps else "no",
                   save_steps=save_steps or 500, dataloader_num_workers=0, disable_tqdm=True,
                   average_tokens_across_devices=average_tokens)
-    extra = {"cp_size": cp, "cp_layout": layout} if cp > 1 else {}
+    extra = {"cp_size": cp, "cp_layout": layout, "cp_comm_type": cp_comm_type} if cp > 1 else {}
     if kind == "sft":
         import datasets
         import trl
@@ -97,10 +97,10 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
 
 
 def train(rank: int, world_size: int, *, kind: str, family: str, layout: str, cp: int, batch: int, accum: int = 1,
-          steps: int = 3, average_tokens: bool = True) -> dict:
+          steps: int = 3, average_tokens: bool = True, cp_comm_type: str = "p2p") -> dict:
     """Train ``steps`` steps; rank 0 returns the weights and the logged losses. ``batch`` is per
     device: with cp > 1 each dp rank's; the global batch is ``batch * world_size / cp``.
-    ``average_tokens``: the Trainer's ``average_tokens_across_devices``."""
+    ``average_tokens``: the Trainer's ``average_tokens_across_devices``; ``cp_comm_type``: the CP Trainer's."""
     seq = WINDOW_SEQ if family.endswith("_window") else SEQ
     model = build(family)
     # No KV cache: with one, transformers does not separate packed documents (nor, ever, GPT-OSS's
@@ -109,7 +109,7 @@ def train(rank: int, world_size: int, *, kind: str, family: str, layout: str, cp
     data = Rows(examples(seq, varied=kind != "trainer"))
     with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
         trainer = _trainer(kind, model, data, out, batch=batch, accum=accum, steps=steps, cp=cp, layout=layout,
-                           average_tokens=average_tokens)
+                           average_tokens=average_tokens, cp_comm_type=cp_comm_type)
         trainer.train()
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
