@@ -83,7 +83,10 @@ class Generation:
         cu, pad = pad_cu_seqlens(cu_seqlens_from_lengths(lengths), layout.divisor(world))
         total, device = cu[-1], ids.device
         stream = torch.cat([ids[r, pads[r]:] for r in range(b)] + [ids.new_zeros(pad)])
-        held = layout.positions(total, rank, world, cu_seqlens=cu)  # stream indices, increasing
+        # One prompt needs no documents: its padding comes after every real token, which a causal
+        # query never sees, so the plain (faster) schedules run it.
+        documents = cu if b > 1 else None
+        held = layout.positions(total, rank, world, cu_seqlens=documents)  # stream indices, increasing
         bounds = torch.tensor(cu)
         row = torch.searchsorted(bounds[1:], held, right=True)  # b for the padding document
         real = row < b
@@ -100,12 +103,14 @@ class Generation:
         last = real & (held == bounds[(row + 1).clamp(max=b)] - 1)  # a row's last token
         self._logit_rows = row[last].to(device)
         self.batch = b
-        boundaries = torch.tensor(cu, dtype=torch.int32, device=device)
-        longest = max(b_ - a for a, b_ in zip(cu, cu[1:]))
         local = {"input_ids": stream[held.to(device)][None],
-                 "position_ids": document_position_ids(held, cu).to(device)[None],
-                 "cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": longest,
-                 "max_length_k": longest, "logits_to_keep": torch.nonzero(last).flatten().to(device)}
+                 "position_ids": (held if documents is None else document_position_ids(held, cu)).to(device)[None],
+                 "logits_to_keep": torch.nonzero(last).flatten().to(device)}
+        if documents is not None:
+            boundaries = torch.tensor(cu, dtype=torch.int32, device=device)
+            longest = max(b_ - a for a, b_ in zip(cu, cu[1:]))
+            local.update(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=longest,
+                         max_length_k=longest)
         kept = {key: val for key, val in kwargs.items() if key not in ("attention_mask", "position_ids")}
         return {**kept, **local}
 

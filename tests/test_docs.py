@@ -80,6 +80,11 @@ NOT_RUN: dict[str, str] = {
         "my_module stands for the reader's module (tests/test_custom_layout.py runs it with tests.custom_layouts)",
     # docs/README.md
     "python scripts/benchmark.py": _BENCH,
+    # docs/benchmarks/2026-11-25-strategies.md, docs/benchmarks/2026-11-25-generate.md
+    "python scripts/benchmark_strategies.py --json strategies.json":
+        "a benchmark: minutes on every core (tests/test_compare_layouts.py measures the strategies small)",
+    "python scripts/benchmark_generate.py --json generate.json":
+        "a benchmark: minutes on every core (tests/test_generate.py runs its measurement small)",
     "python scripts/benchmark.py --device cuda": _GPU,
     "python scripts/benchmark_packed.py": _BENCH,
     "python scripts/benchmark_window.py --quick": "a smoke run of ~6 s on 2 cores (tests/test_scripts.py runs it)",

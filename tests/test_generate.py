@@ -43,6 +43,15 @@ def test_generate_options(kwargs):
         assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
 
 
+@pytest.mark.parametrize("layout,pad", [("zigzag", 0), ("interleaved", 3)])
+def test_one_prompt_runs_the_plain_schedule(layout, pad):
+    """One prompt (left-padded or not) is prefilled without documents, its padding after its tokens."""
+    results = generate_cases.loopback_generate(4, "mistral_window", layout, seq=19, pads=(pad,), rows=1,
+                                               max_new_tokens=5, num_beams=2)
+    for rank, r in enumerate(results):
+        assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
+
+
 def test_sampling_is_identical_on_every_rank(pools):
     results = pools(2).run(generate_cases.sampled, family="gpt_oss_window", layout="interleaved", seed=3,
                            timeout=180)
