@@ -47,3 +47,28 @@ def test_unknown_or_impossible_strategies_are_refused():
     except ValueError as e:
         errors.append(str(e))
     assert errors and "needs heads divisible by 3, got 4" in errors[0], errors
+
+
+@pytest.mark.parametrize("comm,mesh", [("a2a", None), ("a2a+p2p", (2, 2))])
+def test_generate_after_a_strategys_prefill_equals_one_process(comm, mesh):
+    """cphf.generate on a model patched with cp_comm_type: the prefill runs the strategy, decoding its
+    pass-Q steps; the tokens and every step's scores equal single-process generate's."""
+    import copy
+
+    from cp_attention.integrations import huggingface as cphf
+    from cp_attention.transport.loopback import LoopbackGroup
+
+    from .generate_cases import _compare, build, prompts
+
+    world = 4 if mesh else 2
+    ref = build("qwen2")
+    ids, mask = prompts(2, 13, (0, 3))
+    kwargs = dict(attention_mask=mask, return_dict_in_generate=True, output_scores=True, pad_token_id=0,
+                  max_new_tokens=4)
+    want = ref.generate(ids, **kwargs)
+    loop = LoopbackGroup(world, mesh_shape=mesh)
+    replicas = [cphf.apply_context_parallel(copy.deepcopy(ref), group=loop.rank(r), layout="zigzag", cp_comm_type=comm)
+                for r in range(world)]
+    for got in loop.run(lambda g: _compare(cphf.generate(replicas[g.rank], ids, group=g, layout="zigzag", **kwargs),
+                                           want)):
+        assert got["sequences"] and got["scores"] < 1e-10, got
