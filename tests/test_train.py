@@ -66,10 +66,11 @@ def _launcher_meshes(rank: int, world_size: int) -> dict:
     from cp_attention.training.loop import training_mesh
     from cp_attention.transport import transport_for
 
-    mesh, group = training_mesh("cpu", 1, 4, {"name": "a2a+p2p", "inner": 2})
+    mesh, cp_mesh, group = training_mesh("cpu", 1, 4, {"name": "a2a+p2p", "inner": 2})
     transport = transport_for(group)
     outer, inner = transport.levels
-    return {"cp": mesh["cp"].size(), "flat_rank": transport.rank, "outer": (outer.rank, outer.world_size),
+    assert cp_mesh.get_local_rank() == transport.rank  # the data's CP rank is the attention's
+    return {"cp": cp_mesh.size(), "flat_rank": transport.rank, "outer": (outer.rank, outer.world_size),
             "inner": (inner.rank, inner.world_size), "dp": mesh["dp"].size()}
 
 

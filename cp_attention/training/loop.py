@@ -95,18 +95,20 @@ def _keep_metrics_up_to(path: Path, step: int) -> None:
 
 
 def training_mesh(device_type: str, dp: int, cp: int, comm: dict):
-    """``(mesh, attention_group)``: the ``(dp, cp)`` DeviceMesh, and the group the model's attention runs
-    over: the mesh's cp group, or for ``cp_comm.name == "a2a+p2p"`` a ``(dp, cp_p2p, cp_a2a)`` mesh (its cp
-    dims flattened as ``"cp"``) and its 2-D ``(cp_p2p, cp_a2a)`` sub-mesh, a two-level CP group."""
+    """``(mesh, cp_mesh, attention_group)``: the ``(dp, cp)`` DeviceMesh, its 1-D CP mesh (the data's and
+    the loss's CP group), and the group the model's attention runs over: the CP group, or for
+    ``cp_comm.name == "a2a+p2p"`` a ``(dp, cp_p2p, cp_a2a)`` mesh, its cp dims flattened (the CP mesh,
+    CP rank = cp_p2p rank x cp_comm.inner + cp_a2a rank) and its 2-D ``(cp_p2p, cp_a2a)`` sub-mesh, a
+    two-level CP group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if comm["name"] != "a2a+p2p":
         mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
-        return mesh, mesh["cp"].get_group()
+        return mesh, mesh["cp"], mesh["cp"].get_group()
     inner = comm["inner"]
     mesh = init_device_mesh(device_type, (dp, cp // inner, inner), mesh_dim_names=("dp", "cp_p2p", "cp_a2a"))
-    mesh["cp_p2p", "cp_a2a"]._flatten("cp")
-    return mesh, mesh["cp_p2p", "cp_a2a"]
+    levels = mesh["cp_p2p", "cp_a2a"]
+    return mesh, levels._flatten("cp"), levels
 
 
 def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: str = "auto") -> Optional[dict]:
@@ -122,8 +124,8 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     device = rank_device(device)
     precision = autocast(device, t.get("precision", "fp32"))  # raises before any collective of train()
     comm = cfg.get("cp_comm") or {"name": "p2p"}
-    mesh, attention_group = training_mesh(device.type, dp, cp, comm)
-    cp_group, dp_group, dp_rank = mesh["cp"].get_group(), mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    mesh, cp_mesh, attention_group = training_mesh(device.type, dp, cp, comm)
+    cp_group, dp_group, dp_rank = cp_mesh.get_group(), mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     layout = cfg["layout"]["name"]
     is_main = rank == 0
 
