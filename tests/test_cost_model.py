@@ -1,69 +1,160 @@
-"""The cost model behind cp_comm_type="auto": its pair counts against brute force, its bytes against
-what the strategies send, its feasibility rules against the execution's, and "auto" itself exact."""
+"""The cost model behind cp_comm_type="auto": its pair counts against brute-force masks and the work
+model, its ring lengths against the schedules', its bytes against what each strategy's execution sends
+on a loopback group, its feasibility rules against the execution's, and "auto" itself exact."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import pytest
 import torch
 
+import cp_attention as cpa
+from cp_attention.schedules.derived import ring_length
+from cp_attention.schedules.work import work_model
 from cp_attention.strategies import STRATEGIES
 from cp_attention.strategies import cost
-from cp_attention.strategies.cost import HARDWARE, Workload, choose, estimate, infeasible, pairs, set_hardware
+from cp_attention.strategies.cost import (HARDWARE, Workload, choose, estimate, infeasible, pairs, rank_pairs,
+                                          ring_steps, set_hardware)
+from cp_attention.transport.loopback import LoopbackGroup
 
 from .loopback_cases import loopback_errors
 
 
-@pytest.mark.parametrize("length,causal,window", [(17, True, (-1, -1)), (17, True, (4, 0)), (17, False, (3, 5)),
-                                                  (17, False, (-1, 2)), (5, True, (9, 0)), (1, True, (0, 0))])
-def test_pairs_count_the_mask(length, causal, window):
-    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
-    seen = torch.ones(length, length, dtype=torch.bool)
+def _seen(total: int, causal: bool, window: tuple, cu: "tuple | None") -> torch.Tensor:
+    """The mask oracle: [query, key] of packed positions, True where the query sees the key."""
+    cu = cu or (0, total)
+    doc = torch.bucketize(torch.arange(total), torch.tensor(cu[1:]), right=True)
+    rel = torch.arange(total) - torch.tensor(cu)[doc]
+    i, j = rel[:, None], rel[None, :]
+    seen = doc[:, None] == doc[None, :]
     if causal:
         seen &= j <= i
     if window[0] >= 0:
         seen &= j >= i - window[0]
     if window[1] >= 0 and not causal:
         seen &= j <= i + window[1]
-    assert pairs(length, causal, window) == int(seen.sum())
+    return seen
 
 
-def _work(**kw) -> Workload:
-    base = dict(world_size=4, batch=1, seq_len=4096, heads=8, kv_heads=2, head_dim=64, v_head_dim=64, dtype_bytes=2)
-    return Workload(**{**base, **kw})
+@pytest.mark.parametrize("length,causal,window", [(17, True, (-1, -1)), (17, True, (4, 0)), (17, False, (3, 5)),
+                                                  (17, False, (-1, 2)), (5, True, (9, 0)), (1, True, (0, 0))])
+def test_pairs_count_the_mask(length, causal, window):
+    assert pairs(length, causal, window) == int(_seen(length, causal, window, None).sum())
 
 
-def test_bytes_and_memory_follow_the_execution():
-    w = _work(backward=False)
-    kv = 1 * 1024 * 2 * 128 * 2  # one rank's K/V shard: n tokens x kv heads x (d + dv) x 2 bytes
-    ring = estimate(w, "p2p", HARDWARE["h100"])
-    gathered = estimate(w, "all_gather", HARDWARE["h100"])
-    assert ring.comm_bytes == gathered.comm_bytes == 3 * kv  # N - 1 shards either way
-    assert gathered.peak_kv_bytes == 4 * kv > ring.peak_kv_bytes  # all-gather holds every shard
-    ulysses = estimate(w, "a2a", HARDWARE["h100"])
-    q = o = 1024 * 8 * 64 * 2
-    # 2 K/V heads cannot split over 4 ranks: they are repeated to 4 first (as the execution does)
-    assert ulysses.comm_bytes == pytest.approx(3 / 4 * (q + 2 * kv + o))
-    trained = estimate(_work(), "p2p", HARDWARE["h100"])
-    assert trained.comm_bytes == 3 * kv + 2 * kv + 3 * kv * 2  # + backward: K/V twice, fp32 dK/dV thrice
+@pytest.mark.parametrize("world,causal,window,cu", [
+    (4, True, (-1, -1), None), (4, True, (5, 0), (0, 3, 30, 41, 48)), (3, False, (4, 2), (0, 20, 21, 48)),
+    (4, False, (-1, -1), (0, 7, 48)), (2, False, (-1, 0), None), (3, True, (0, 0), (0, 1, 47, 48))])
+def test_contiguous_rank_pairs_are_exact(world, causal, window, cu):
+    """Each contiguous rank's pairs (the busiest bounds the ring), closed form against the oracle."""
+    per_query = _seen(48, causal, window, cu).sum(1)
+    n = 48 // world
+    assert rank_pairs(48, world, causal, window, cu) == tuple(int(per_query[r * n:(r + 1) * n].sum())
+                                                               for r in range(world))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved"])
+def test_causal_shares_match_the_work_model(layout):
+    """The busiest rank's share of a causal sequence (closed forms) against the work model."""
+    for world in (2, 3, 5):
+        work = work_model(cpa.get_layout(layout), True, 2 * world * 6, world)
+        w = Workload(world, 1, 2 * world * 6, 4, 2, 8, 8, 4, layout=layout)
+        assert cost._busiest_share(w, world) == pytest.approx(max(map(sum, work)) / sum(map(sum, work)), abs=1e-12)
+
+
+_DOCS = (0, 5, 39, 48)
+
+
+@pytest.mark.parametrize("layout,world,causal,window,cu", [
+    (layout, world, causal, window, cu) for layout in ("contiguous", "zigzag", "interleaved") for world, causal, window, cu
+    in ((4, True, (7, 0), None), (3, True, (16, 0), None), (4, True, (1, -1), _DOCS), (4, True, (0, 0), None),
+        (4, False, (9, 3), None), (4, False, (-1, 0), _DOCS), (3, False, (40, -1), _DOCS))])
+def test_ring_lengths_match_the_schedules(layout, world, causal, window, cu):
+    """The ring's length under a window (closed forms) against the one the schedules derive from
+    positions (contiguous: 1 + ceil(reach / n); interleaved: 1 + reach; zigzag: every step)."""
+    w = Workload(world, 1, 48, 4, 2, 8, 8, 4, causal, window, cu, layout)
+    assert ring_steps(w) == ring_length(layout, causal, 48, world, window, cu)
+
+
+def _sent_bytes(strategy: str, *, layout: str, window: tuple, backward: bool, dtype=torch.bfloat16) -> float:
+    """Bytes of attention data each rank sends in one call on 4 loopback ranks (a 2 x 2 mesh for
+    a2a+p2p), the same on every rank; the checks' small int exchanges are not counted."""
+    group = LoopbackGroup(4, mesh_shape=(2, 2) if strategy == "a2a+p2p" else None)
+    sent: defaultdict[int, int] = defaultdict(int)
+    post = group._post
+
+    def counting(src: int, dst: int, tensor: torch.Tensor) -> None:
+        if tensor.is_floating_point():
+            sent[src] += tensor.numel() * tensor.element_size()
+        post(src, dst, tensor)
+
+    group._post = counting
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, h, d, generator=g).to(dtype) for h, d in ((4, 16), (2, 16), (2, 8)))
+    lay = cpa.get_layout(layout)
+
+    def rank_fn(handle):
+        ql, kl, vl = (lay.shard(t, 1, handle.rank, 4).requires_grad_(backward) for t in (q, k, v))
+        out = cpa.ring_attention(ql, kl, vl, group=handle, layout=lay, causal=True, window_size=window,
+                                 cp_comm_type=strategy)
+        if backward:
+            out.sum().backward()
+
+    group.run(rank_fn)
+    assert len(set(sent.values())) == 1, sent
+    return float(sent[0])
+
+
+@pytest.mark.parametrize("layout,window", [("zigzag", (-1, -1)), ("contiguous", (20, 0))])
+def test_bytes_follow_the_execution(layout, window):
+    """comm_bytes is what the execution sends, forward and forward+backward, for every strategy: GQA
+    heads the all-to-all must repeat, a v head dim of its own, bf16 inputs with fp32 dK/dV, and a
+    window that ends the ring early (contiguous: 3 of 4 steps)."""
+    for strategy in STRATEGIES:
+        for backward in (False, True):
+            w = Workload(4, 1, 64, 4, 2, 16, 8, 2, True, window, None, layout, 2 if strategy == "a2a+p2p" else 1,
+                         backward)
+            got = _sent_bytes(strategy, layout=layout, window=window, backward=backward)
+            assert estimate(w, strategy, HARDWARE["h100"]).comm_bytes == pytest.approx(got), (strategy, backward)
+
+
+def test_memory_and_flops():
+    w = Workload(4, 1, 4096, 8, 2, 64, 64, 2, backward=False)
+    kv = 1024 * 2 * 128 * 2  # one rank's K/V shard: n tokens x kv heads x (d + dv) x 2 bytes
+    ring, gathered = estimate(w, "p2p", HARDWARE["h100"]), estimate(w, "all_gather", HARDWARE["h100"])
+    assert ring.peak_kv_bytes == 3 * kv and gathered.peak_kv_bytes == 4 * kv  # all-gather holds every shard
+    # Ulysses: its input shard and the whole sequence for its heads (2 K/V heads repeated to 4 first)
+    assert estimate(w, "a2a", HARDWARE["h100"]).peak_kv_bytes == kv + 2 * kv
+    # compute: causal pairs of the sequence / N (zigzag is balanced) x 4 * head_dim FLOPs x heads
+    fast = cost.Hardware("fast links", 1e12, 1e30, 1e30, 8, 0.0, 0.0)
+    assert estimate(w, "p2p", fast).total_s == pytest.approx(4096 * 4097 / 2 / 4 * 256 * 8 / 1e12)
+    trained = estimate(Workload(4, 1, 4096, 8, 2, 64, 64, 2), "p2p", fast)
+    assert trained.total_s == pytest.approx(3.5 * estimate(w, "p2p", fast).total_s)  # backward 2.5x forward
 
 
 def test_feasibility_matches_the_execution():
-    assert infeasible(_work(heads=6, kv_heads=2), "a2a") is not None  # 6 heads over 4 ranks
-    assert infeasible(_work(), "a2a+p2p") is not None  # a 1-D group
-    assert infeasible(_work(heads=6, kv_heads=2, inner=2), "a2a+p2p") is None
-    assert choose(_work(heads=6, kv_heads=2), HARDWARE["h100"]) in ("p2p", "all_gather")
+    base = dict(world_size=4, batch=1, seq_len=4096, kv_heads=2, head_dim=64, v_head_dim=64, dtype_bytes=2)
+    assert infeasible(Workload(heads=6, **base), "a2a") is not None  # 6 heads over 4 ranks
+    assert infeasible(Workload(heads=8, **base), "a2a+p2p") is not None  # a 1-D group
+    assert infeasible(Workload(heads=6, inner=2, **base), "a2a+p2p") is None
+    assert choose(Workload(heads=6, **base), HARDWARE["h100"]) in ("p2p", "all_gather")
     with pytest.raises(ValueError, match="a2a needs heads divisible by 4"):
-        estimate(_work(heads=6, kv_heads=2), "a2a", HARDWARE["h100"])
+        estimate(Workload(heads=6, **base), "a2a", HARDWARE["h100"])
 
 
 def test_the_model_ranks_what_it_should():
     h100 = HARDWARE["h100"]
+    shape = dict(batch=1, heads=32, kv_heads=8, head_dim=128, v_head_dim=128, dtype_bytes=2)
     # contiguous causal leaves the last rank ~(2N-1)/N of the average work; Ulysses is balanced
-    lopsided = _work(layout="contiguous", seq_len=65536, world_size=8, heads=32, kv_heads=8)
+    lopsided = Workload(8, seq_len=65536, layout="contiguous", **shape)
     assert estimate(lopsided, "a2a", h100).compute_s < 0.6 * estimate(lopsided, "p2p", h100).compute_s
-    # across nodes the ring's exposed hops grow; the 2-D mesh keeps its all-to-all inside a node
-    wide = _work(world_size=64, seq_len=64 * 1024, heads=32, kv_heads=8, inner=8)
+    assert choose(lopsided, h100) == "a2a"
+    # across nodes the 2-D mesh keeps its all-to-all inside a node, all-gather crosses them at once
+    wide = Workload(64, seq_len=64 * 1024, inner=8, **shape)
     assert estimate(wide, "a2a+p2p", h100).comm_s < estimate(wide, "all_gather", h100).comm_s
+    # long shards hide the ring's hops behind compute; all-gather cannot
+    assert choose(Workload(8, seq_len=8 * 16384, **shape), h100) == "p2p"
 
 
 def test_set_hardware_and_refusals():

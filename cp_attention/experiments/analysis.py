@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from ..layouts import Layout, get_layout
 from ..schedules import rank_plan, source_rank
+from ..strategies.cost import matmul_flops
 
 __all__ = [
     "WorkSummary",
@@ -255,10 +256,10 @@ def flops_per_pair(shape: AttentionShape, backward: bool) -> float:
     """Matmul flops per (query, key) pair and query head.
 
     Forward: QKᵀ and PV, ``2(D + Dv)``. Backward (flash style, scores recomputed): QKᵀ, dV, dP,
-    dQ and dK, ``2(3D + 2Dv)`` (2.5x forward for D == Dv).
+    dQ and dK, ``2(3D + 2Dv)`` (2.5x forward for D == Dv): the cost model's
+    :func:`cp_attention.strategies.cost.matmul_flops`, so the two agree.
     """
-    d, dv = shape.head_dim, shape.dv
-    return 2.0 * (3 * d + 2 * dv) if backward else 2.0 * (d + dv)
+    return matmul_flops(shape.head_dim, shape.dv, backward)
 
 
 @dataclass(frozen=True)

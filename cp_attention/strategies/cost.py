@@ -1,21 +1,30 @@
 """The cost model behind ``cp_comm_type="auto"``: time, bytes and K/V memory per rank of each strategy.
 
-Deliberately small and closed-form (it runs once per plan and call shape, in well under a millisecond):
+Deliberately small and closed-form: it runs once per plan and call shape, well under a millisecond
+for one document and a few milliseconds the first time it sees thousands of packed ones (each
+workload's pair counts are cached; nothing loops over tokens).
 
-- compute: attention's matmul FLOPs, ``4 * pairs * head_dim`` per head forward (QK^T and PV) and 2.5x
-  that backward, at ``Hardware.flops``, plus ``Hardware.kernel_call_s`` per kernel call. The ring and
-  all-gather are bound by the busiest rank (the layout's causal imbalance: the exact work model
-  without documents or a window, else a closed-form bound); all-to-all splits heads, so it is balanced.
+- compute: attention's matmul FLOPs (:func:`matmul_flops`: ``2(D + Dv)`` per (query, key) pair and
+  query head forward, ``2(3D + 2Dv)`` backward, as :mod:`cp_attention.experiments.analysis` projects
+  the ring) at ``Hardware.flops``, plus ``Hardware.kernel_call_s`` per kernel call. The ring and
+  all-gather are bound by the busiest rank: exact in closed form for ``contiguous`` (any mask, packed
+  documents, windows) and for the causal ``zigzag``/``interleaved`` rules without documents or a
+  window; with documents or a window those two spread every document over every rank, so they count
+  as balanced. All-to-all splits heads, so it is balanced.
 - communication: the bytes each strategy's execution sends (see :mod:`.composite`, :mod:`.alltoall`):
-  the ring overlaps its hops with its steps' compute; all-gather and all-to-all do not. A group inside
-  one node (``ranks_per_node``) moves them at ``intra_bw``; across nodes the ring is bound by
+  the ring overlaps its hops with its steps' compute; all-gather and all-to-all do not. A window
+  shortens the ring (:func:`ring_steps`, the closed form of
+  :func:`cp_attention.schedules.derived.ring_length` for the built-in layouts). A group inside one
+  node (``ranks_per_node``) moves bytes at ``intra_bw``; across nodes the ring is bound by
   ``inter_bw`` and an all-to-all or all-gather sends its off-node fraction there. ``"a2a+p2p"`` keeps
   its all-to-all inside the mesh's inner dim (a node) and rings across the outer.
-- memory: the K/V bytes one rank holds at once (the ring: its shard and two in flight; all-gather: every
-  shard of the ring's length).
+- memory: the K/V bytes one rank holds at once, its input shard included (the ring: its shard and two
+  in flight; all-gather: every shard of the ring's length; all-to-all: the swapped heads too).
 
-The model ranks strategies; its absolute times are estimates. ``scripts/benchmark_strategies.py``
-measures how often its pick is within 10% of the best measured one.
+Left out: per-document kernel calls (CUDA's varlen kernels run one call per step whatever the
+documents; CPU kernels batch small documents), a window's band tiles, the LSE's bytes, and the
+all-to-all's transient chunks. The model ranks strategies; its absolute times are estimates.
+``scripts/benchmark_strategies.py`` measures how often its pick is within 10% of the best one.
 """
 
 from __future__ import annotations
@@ -26,13 +35,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import torch
+
 from ..layouts.registry import get_layout
 from ..schedules.causal import get_schedule
 from ..schedules.work import work_model
 from .names import STRATEGIES
 
 __all__ = ["Hardware", "HARDWARE", "Workload", "Estimate", "default_hardware", "set_hardware", "current_hardware",
-           "infeasible", "estimate", "choose", "pairs"]
+           "infeasible", "estimate", "choose", "pairs", "matmul_flops", "rank_pairs", "ring_steps"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +65,9 @@ HARDWARE: dict[str, Hardware] = {
     # ~300 GB/s achieved P2P; NDR InfiniBand 400 Gb/s per GPU, ~40 GB/s achieved.
     "h100": Hardware("h100", 400e12, 300e9, 40e9, 8, 10e-6, 8e-6),
     "h200": Hardware("h200", 420e12, 320e9, 40e9, 8, 10e-6, 8e-6),
-    # gloo over loopback TCP on a few CPU cores (scripts/benchmark_strategies.py calibrates its own)
-    "cpu_gloo": Hardware("cpu_gloo", 20e9, 1.5e9, 1.5e9, 1 << 20, 150e-6, 40e-6),
+    # 4 gloo ranks over loopback TCP on 2 CPU cores, fp32 (scripts/benchmark_strategies.py calibrates
+    # its own: ~20 GFLOP/s per rank, ~0.4 GB/s, ~0.3 ms per message, ~0.8 ms per attention call)
+    "cpu_gloo": Hardware("cpu_gloo", 20e9, 0.4e9, 0.4e9, 1 << 20, 300e-6, 400e-6),
 }
 _CHOSEN: dict[str, Optional[Hardware]] = {"hardware": None}
 
@@ -125,6 +137,12 @@ class Estimate:
     extra: dict = field(default_factory=dict, compare=False)
 
 
+def matmul_flops(head_dim: int, v_head_dim: int, backward: bool) -> float:
+    """Matmul FLOPs per (query, key) pair and query head: forward QKᵀ and PV, ``2(D + Dv)``; backward
+    (flash style, scores recomputed: QKᵀ, dV, dP, dQ, dK) ``2(3D + 2Dv)``, 2.5x forward for D == Dv."""
+    return 2.0 * (3 * head_dim + 2 * v_head_dim) if backward else 2.0 * (head_dim + v_head_dim)
+
+
 def _tri(m: int) -> int:
     return m * (m + 1) // 2 if m > 0 else 0
 
@@ -137,40 +155,119 @@ def pairs(length: int, causal: bool, window: tuple = (-1, -1)) -> int:
     return length * length - cut
 
 
-def _lengths(w: Workload) -> list[int]:
-    cu = w.cu_seqlens or (0, w.seq_len)
-    return [b - a for a, b in zip(cu, cu[1:])]
+def _prefix_pairs(p: torch.Tensor, length: torch.Tensor, causal: bool, window: tuple) -> torch.Tensor:
+    """Pairs of the first ``p`` queries of documents of ``length`` tokens (int64 tensors, elementwise):
+    the sum over positions i < p of the keys query i sees, in closed form."""
+    left, right = window
+    if causal:  # query i sees min(i, left) + 1 keys
+        if left < 0:
+            return p * (p + 1) // 2
+        w = left + 1
+        return torch.where(p <= w, p * (p + 1) // 2, w * (w + 1) // 2 + (p - w) * w)
+    # query i sees keys max(0, i - left) ..= min(L - 1, i + right)
+    if right < 0:
+        upper = p * length
+    else:
+        c = torch.minimum((length - right - 1).clamp(min=0), p)  # queries whose right edge is inside
+        upper = c * (c - 1) // 2 + c * (right + 1) + (p - c) * length
+    if left < 0:
+        return upper
+    m = (p - 1 - left).clamp(min=0)
+    return upper - m * (m + 1) // 2
 
 
-def _busiest_share(w: Workload, world: int) -> float:
-    """The busiest rank's share of all pairs under the layout, at ``world`` ranks (1/world: balanced)."""
-    if not w.causal or world == 1:
-        return 1.0 / world
-    unbounded = w.window[0] < 0 and w.cu_seqlens is None
-    layout = get_layout(w.layout)
-    if unbounded and get_schedule(layout) is not None and w.seq_len % layout.divisor(world) == 0 and world <= 512:
-        return _causal_share(layout.name, world)
-    if layout.name != "contiguous":
-        return 1.0 / world
-    # contiguous: a query sees up to `reach` tokens back, so ranks differ by at most that share
-    reach = min(w.window[0] if w.window[0] >= 0 else w.seq_len, max(_lengths(w)))
-    return (1.0 + (world - 1) * min(1.0, reach / w.seq_len)) / world
+@functools.lru_cache(maxsize=16)
+def _docs(seq_len: int, cu_seqlens: Optional[tuple]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(cu_seqlens, lengths, longest)``: the documents (one of ``seq_len`` without ``cu_seqlens``)."""
+    cu = torch.tensor(cu_seqlens if cu_seqlens is not None else (0, seq_len), dtype=torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    return cu, lengths, int(lengths.max())
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_share(layout: str, world: int) -> float:
-    """The busiest rank's share of a causal sequence's pairs (exact, from the work model; the shares
+def rank_pairs(seq_len: int, world_size: int, causal: bool, window: tuple = (-1, -1),
+               cu_seqlens: Optional[tuple] = None) -> tuple[int, ...]:
+    """The (query, key) pairs each rank of the ``contiguous`` layout computes (rank r holds the queries
+    ``[r*S/N, (r+1)*S/N)`` of the packed stream), exactly, in O(documents + N). ``seq_len`` must
+    divide by ``world_size``."""
+    cu, lengths, _ = _docs(seq_len, cu_seqlens)
+    done = torch.cat([torch.zeros(1, dtype=torch.int64),
+                      torch.cumsum(_prefix_pairs(lengths, lengths, causal, window), 0)])
+    edges = torch.arange(world_size + 1, dtype=torch.int64) * (seq_len // world_size)
+    doc = (torch.searchsorted(cu, edges, right=True) - 1).clamp(0, len(lengths) - 1)
+    before = done[doc] + _prefix_pairs(edges - cu[doc], lengths[doc], causal, window)
+    return tuple((before[1:] - before[:-1]).tolist())
+
+
+@functools.lru_cache(maxsize=64)
+def _total_pairs(seq_len: int, causal: bool, window: tuple, cu_seqlens: Optional[tuple]) -> int:
+    if cu_seqlens is None:
+        return pairs(seq_len, causal, window)
+    lengths = _docs(seq_len, cu_seqlens)[1]
+    return int(_prefix_pairs(lengths, lengths, causal, window).sum())
+
+
+@functools.lru_cache(maxsize=16)
+def _scheduled_share(layout: str, world: int) -> float:
+    """A layout with its own causal schedule: the busiest rank's share from the work model (the shares
     hardly depend on S, so a short sequence the layout can split stands for every S)."""
     lay = get_layout(layout)
     work = work_model(lay, True, 8 * lay.divisor(world), world)
     return max(map(sum, work)) / sum(map(sum, work))
 
 
-def _ring_length(w: Workload, world: int, shard: float) -> int:
-    """Steps of a ring of ``world`` ranks over shards of ``shard`` tokens (a window ends it early)."""
-    if w.window[0] < 0 or not w.causal or get_layout(w.layout).name != "contiguous":
-        return world  # zigzag and interleaved spread every rank's tokens over the whole sequence
-    return min(world, 1 + math.ceil(w.window[0] / shard) + 1)
+def _layout(name: str):
+    """The registered layout called ``name``, or None (a layout object known to no registry)."""
+    try:
+        return get_layout(name)
+    except (KeyError, ValueError):
+        return None
+
+
+def _busiest_share(w: Workload, world: int) -> float:
+    """The busiest rank's share of all pairs under the layout at ``world`` ranks (1/world: balanced)."""
+    layout = _layout(w.layout)
+    if world == 1:
+        return 1.0
+    if layout is None:
+        return 1.0 / world
+    if layout.name == "contiguous" and w.seq_len % world == 0:
+        work = rank_pairs(w.seq_len, world, w.causal, tuple(w.window), w.cu_seqlens)
+        return max(work) / max(1, sum(work))
+    plain = w.causal and w.window[0] < 0 and w.cu_seqlens is None
+    if not plain or w.seq_len % layout.divisor(world):
+        return 1.0 / world  # zigzag, interleaved: every document and window spread over every rank
+    if layout.name == "zigzag":
+        return 1.0 / world  # chunks r and 2N-1-r: every rank n(n+1)/2 + (N-1) n^2/2 pairs
+    if layout.name == "interleaved":  # rank r: N n(n-1)/2 + n(r+1) pairs, the last rank the most
+        n = w.seq_len // world
+        return (world * n * (n - 1) / 2 + n * world) / (w.seq_len * (w.seq_len + 1) / 2)
+    if get_schedule(layout) is not None and world <= 64:
+        return _scheduled_share(layout.name, world)
+    return 1.0 / world
+
+
+def ring_steps(w: Workload) -> int:
+    """Ring steps that run for ``w`` on ``w.world_size`` ranks: N, fewer when a window keeps every
+    query away from the farther shards (the closed form of ``schedules.derived.ring_length`` for the
+    built-in layouts; N for others)."""
+    world, left, right = w.world_size, w.window[0], w.window[1]
+    if left < 0 and (w.causal or right < 0):
+        return world
+    longest = _docs(w.seq_len, w.cu_seqlens)[2]
+    ahead = 0 if w.causal else (longest - 1 if right < 0 else min(right, longest - 1))
+    if ahead > 0:  # keys on later shards: the ring must come all the way round
+        return world
+    reach = min(left if left >= 0 else w.seq_len, longest - 1)
+    layout = _layout(w.layout)
+    name = None if layout is None else layout.name
+    if reach <= 0:
+        return 1
+    if name == "contiguous":
+        return min(world, 1 + math.ceil(reach * world / w.seq_len))
+    if name == "interleaved":
+        return min(world, 1 + reach)
+    return world  # zigzag: chunk 2N-1-r needs chunk 2N-2-r, one rank on, so every step runs
 
 
 def _link(hw: Hardware, span: int) -> float:
@@ -205,48 +302,50 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware) -> Estimate:
     problem = infeasible(w, cp_comm_type)
     if problem is not None:
         raise ValueError(problem)
-    n, world = w.seq_len / w.world_size, w.world_size
-    passes = 3.5 if w.backward else 1.0  # backward ~2.5x forward
-    total_pairs = sum(pairs(length, w.causal, w.window) for length in _lengths(w)) * w.batch
-    flop = 2.0 * (w.head_dim + w.v_head_dim) * w.heads * passes
-    acc = 8 if w.dtype_bytes == 8 else 4
-    shard = lambda tokens, kv_heads, size=w.dtype_bytes: w.batch * tokens * kv_heads * (w.head_dim + w.v_head_dim) * size  # noqa: E731
+    n, world, bwd = w.seq_len / w.world_size, w.world_size, w.backward
+    flop = w.heads * (matmul_flops(w.head_dim, w.v_head_dim, False)
+                      + (matmul_flops(w.head_dim, w.v_head_dim, True) if bwd else 0.0))
+    work = _total_pairs(w.seq_len, w.causal, tuple(w.window), w.cu_seqlens) * w.batch * flop / hw.flops
+    passes = 2 if bwd else 1  # kernel calls: one per block forward, one backward
+    acc = 8 if w.dtype_bytes == 8 else 4  # dK/dV accumulate in fp32, fp64 for fp64
+
+    def shard(tokens: float, kv_heads: int, size: int = w.dtype_bytes) -> float:
+        return w.batch * tokens * kv_heads * (w.head_dim + w.v_head_dim) * size
+
+    steps = ring_steps(w)
+    own = shard(n, w.kv_heads)
     if cp_comm_type in ("p2p", "all_gather"):
-        steps = _ring_length(w, world, n)
-        compute = total_pairs * _busiest_share(w, world) * flop / hw.flops + 2 * steps * passes * hw.kernel_call_s
-        kv, dkv = shard(n, w.kv_heads), shard(n, w.kv_heads, acc)
-        fwd_bytes = (steps - 1) * kv
-        bwd_bytes = (max(steps - 2, 0) * kv + (steps - 1) * dkv) if w.backward else 0.0
-        sent = fwd_bytes + bwd_bytes
-        hops = (steps - 1) * (3 if w.backward else 1)
+        compute = work * _busiest_share(w, world) + steps * passes * hw.kernel_call_s
+        # forward: L-1 K/V hops; backward: L-2 K/V hops and L-1 dK/dV accumulator hops
+        fwd_bytes = (steps - 1) * own
+        dkv_bytes = (steps - 1) * shard(n, w.kv_heads, acc) if bwd else 0.0
+        hops = (steps - 1) * (3 if bwd else 1)
         if cp_comm_type == "p2p":
+            sent = fwd_bytes + (max(steps - 2, 0) * own if bwd else 0.0) + dkv_bytes
             comm = sent / _link(hw, world) + hops * hw.latency_s
             exposed = max(0.0, comm - compute * (steps - 1) / steps)
-            peak = 3 * kv
-        else:
-            gathered = fwd_bytes * (2 if w.backward else 1) + (steps - 1) * dkv * w.backward
-            comm = _spread(hw, world, gathered) + hops * hw.latency_s
-            exposed, sent, peak = comm, gathered, steps * kv
-        return Estimate(compute, comm, exposed, compute + exposed, sent, peak)
+            return Estimate(compute, comm, exposed, compute + exposed, sent, 3 * own if steps > 1 else own)
+        sent = fwd_bytes * passes + dkv_bytes  # backward gathers the shards again
+        comm = _spread(hw, world, sent) + hops * hw.latency_s
+        return Estimate(compute, comm, comm, compute + comm, sent, steps * own)
     inner = world if cp_comm_type == "a2a" else w.inner
     outer = world // inner
-    kv_heads = math.lcm(w.kv_heads, inner) if w.kv_heads % inner else w.kv_heads
-    local_q = w.batch * n * w.heads * w.head_dim * w.dtype_bytes
-    local_o = w.batch * n * w.heads * w.v_head_dim * w.dtype_bytes
-    moved = local_q + shard(n, kv_heads) + local_o
-    a2a_bytes = (inner - 1) / inner * moved * (2 if w.backward else 1)
-    a2a = _spread(hw, inner, a2a_bytes) + 2 * (inner - 1) * (2 if w.backward else 1) * hw.latency_s
-    calls = 2 * passes if outer == 1 else 1.5 * inner * inner * _ring_length(w, outer, n * inner) * passes
-    share = 1.0 / world if outer == 1 else _busiest_share(w, outer) / inner
-    compute = total_pairs * share * flop / hw.flops + calls * hw.kernel_call_s
-    if outer == 1:
-        return Estimate(compute, a2a, a2a, compute + a2a, a2a_bytes, shard(n * inner, kv_heads // inner))
-    steps = _ring_length(w, outer, n * inner)
-    kv = shard(n * inner, kv_heads // inner)
-    ring_bytes = (steps - 1) * kv * ((2 + acc / w.dtype_bytes) if w.backward else 1)
-    ring = ring_bytes / _link(hw, world) + (steps - 1) * (3 if w.backward else 1) * hw.latency_s
-    exposed = a2a + max(0.0, ring - compute * (steps - 1) / steps)
-    return Estimate(compute, a2a + ring, exposed, compute + exposed, a2a_bytes + ring_bytes, 3 * kv)
+    kv_heads = math.lcm(w.kv_heads, inner)  # repeated so the all-to-all can split them
+    moved = w.batch * n * w.heads * (w.head_dim + w.v_head_dim) * w.dtype_bytes + shard(n, kv_heads)
+    a2a_bytes = (inner - 1) / inner * moved * passes  # q, k, v in and out back; backward dout in, dq, dk, dv back
+    a2a = _spread(hw, inner, a2a_bytes) + 2 * (inner - 1) * passes * hw.latency_s
+    swapped = shard(n * inner, kv_heads // inner)
+    if outer == 1:  # the whole sequence in order, one kernel call per mask kind
+        compute = work / world + 2 * passes * hw.kernel_call_s
+        return Estimate(compute, a2a, a2a, compute + a2a, a2a_bytes, own + swapped)
+    # virtual rank a of process p meets a' of process p - s at ring step (s*A + a - a') mod N
+    outer_steps = min(outer, 1 + math.ceil((steps - 1) / inner))
+    compute = work * _busiest_share(w, outer) / inner + inner * steps * passes * hw.kernel_call_s
+    ring_bytes = (outer_steps - 1) * (swapped * passes + (shard(n * inner, kv_heads // inner, acc) if bwd else 0.0))
+    ring = ring_bytes / _link(hw, world) + (outer_steps - 1) * (3 if bwd else 1) * hw.latency_s
+    exposed = a2a + max(0.0, ring - compute * (outer_steps - 1) / outer_steps)
+    peak = own + swapped * (3 if outer_steps > 1 else 1)
+    return Estimate(compute, a2a + ring, exposed, compute + exposed, a2a_bytes + ring_bytes, peak)
 
 
 def choose(w: Workload, hw: Hardware) -> str:
