@@ -83,7 +83,8 @@ def ring_group(cp_group, pg_collection, cp_comm_type: str):
     """What the ring calls take as ``group``: with megatron's two hierarchical CP groups
     (``hierarchical_context_parallel_sizes=[a2a, p2p]``: level 0 the all-to-all over consecutive CP
     ranks, level 1 across them) a two-level transport, so any layer may run ``"a2a+p2p"``; else the
-    CP group. Raises ``ValueError`` for ``"a2a+p2p"`` without them."""
+    CP group. Raises ``ValueError`` for ``"a2a+p2p"`` without them, or with levels whose ranks are not
+    this rank's CP rank = p2p rank x a2a size + a2a rank (checked on this rank, without communication)."""
     try:
         levels = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
     except AttributeError:
@@ -91,7 +92,18 @@ def ring_group(cp_group, pg_collection, cp_comm_type: str):
     if levels is None and pg_collection is None and parallel_state.model_parallel_is_initialized():
         levels = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
     if levels is not None and len(levels) == 2:
-        return two_level_transport(cp_group, outer=levels[1], inner=levels[0])
+        transport = two_level_transport(cp_group, outer=levels[1], inner=levels[0])
+        outer, inner = transport.levels
+        if (outer.rank * inner.world_size + inner.rank, outer.world_size * inner.world_size) == \
+                (transport.rank, transport.world_size):
+            return transport
+        if cp_comm_type == "a2a+p2p":
+            raise ValueError(f"megatron's hierarchical CP groups do not split the CP group as a2a+p2p needs: CP rank "
+                             f"{transport.rank} of {transport.world_size} is rank {inner.rank} of {inner.world_size} "
+                             f"in level 0 (a2a) and {outer.rank} of {outer.world_size} in level 1 (p2p), but must be "
+                             "p2p rank x a2a size + a2a rank; build them with initialize_model_parallel(..., "
+                             "hierarchical_context_parallel_sizes=[a2a, p2p]), or use 'a2a', 'all_gather' or 'p2p'")
+        return cp_group  # the levels serve no layer: auto never picks a2a+p2p here
     if cp_comm_type == "a2a+p2p":
         raise ValueError("cp_comm_type='a2a+p2p' needs megatron's two hierarchical CP groups: initialise with "
                          "initialize_model_parallel(..., hierarchical_context_parallel_sizes=[a2a, p2p]) (or a "

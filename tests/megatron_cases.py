@@ -390,6 +390,25 @@ def pg_collection_group(rank: int, world_size: int, layout: str) -> dict:
     return {"group": ring.cp_group is pair and ring.cp_size == 2, "error": (got - want).abs().max().item()}
 
 
+def hierarchical_levels(rank: int, world_size: int) -> dict:
+    """cp_comm_type="a2a+p2p" over a pg_collection's ``hcp``: megatron's order (level 0 the a2a over
+    consecutive CP ranks) builds; the levels swapped are refused where the CP rank is not p2p rank x a2a
+    size + a2a rank (ranks 1 and 2 of 4), without communication."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ps = parallel_state(world_size)
+    mesh = init_device_mesh("cpu", (2, 2))  # dim 1: consecutive ranks
+    cp = ps.get_context_parallel_group()
+    ring = _ring(world_size, cp_comm_type="a2a+p2p",
+                 pg_collection=ProcessGroupCollection(cp=cp, hcp=[mesh.get_group(1), mesh.get_group(0)]))
+    outer, inner = ring.ring_group.levels
+    swapped = ProcessGroupCollection(cp=cp, hcp=[mesh.get_group(0), mesh.get_group(1)])
+    return {"levels": ((outer.rank, outer.world_size), (inner.rank, inner.world_size)),
+            "swapped": _error(lambda: _ring(world_size, cp_comm_type="a2a+p2p", pg_collection=swapped)),
+            "swapped_p2p": _ring(world_size, pg_collection=swapped).ring_group is cp}
+
+
 def softmax_sinks(rank: int, world_size: int, layout: str, softmax_type: str) -> dict:
     """megatron's ``softmax_type`` sinks on the ring against an independent fp64 reference: output, the
     input gradients, and the learnable offset's gradient summed over the CP ranks."""

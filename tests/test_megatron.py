@@ -303,6 +303,17 @@ def test_cp_group_from_pg_collection(pools, layout):
         assert r["group"] and r["error"] <= FP64, (rank, r)
 
 
+def test_hierarchical_levels_in_megatrons_order(pools):
+    for rank, r in enumerate(pools(4).run(mc.hierarchical_levels, timeout=120)):
+        assert r["levels"] == ((rank // 2, 2), (rank % 2, 2)), (rank, r)
+        if rank in (1, 2):
+            assert r["swapped"].startswith("ValueError: megatron's hierarchical CP groups do not split the CP group "
+                                           f"as a2a+p2p needs: CP rank {rank} of 4 is rank {rank // 2} of 2 in level 0"), r
+            assert r["swapped_p2p"], r  # levels that cannot serve a2a+p2p are dropped, not used
+        else:  # the formula holds here: a rank cannot see the others' groups without communicating
+            assert r["swapped"] == "no error", r
+
+
 @pytest.mark.parametrize("world_size", (2, 3))
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
 @pytest.mark.parametrize("softmax_type", ("off-by-one", "learnable"))
