@@ -16,6 +16,8 @@ collator) and padded batches (``attention_mask`` with zeros, left or right) are 
 turns both into one packed stream of documents, and the document boundaries reach the attention as
 transformers' ``cu_seq_lens_q/k`` attention kwargs (a window then counts within documents).
 ``config.is_causal=False`` (bidirectional masks and non-causal attention calls) is honoured too.
+Every ``cp_comm_type`` (the ring, all-gather, all-to-all, both on a 2-D mesh, ``"auto"``) keeps all of
+this exact: :func:`apply_context_parallel` passes the model's to every attention call.
 Features the ring cannot honour exactly are refused with an error naming them: padding masks given to
 the model itself, custom 4D masks, masks the model overlays with its own mask functions, chunked
 attention, and wherever transformers' own backends disagree: a mask whose causality differs from its
