@@ -230,6 +230,7 @@ def test_smoke_end_to_end(tmp_path):
         ring, gathered = by[(lay, "p2p", "8", "32768")], by[(lay, "all_gather", "8", "32768")]
         assert float(gathered["kv_mib"]) > float(ring["kv_mib"]) > 0
         assert by[(lay, "a2a+p2p", "128", "32768")]["why_not"] == ""  # a 64 x 2 mesh
+        assert "heads divisible by 8" in by[(lay, "a2a", "8", "32768")]["why_not"]  # 2 heads cannot split 8 ways
     assert "## Communication strategies x layouts" in report
 
     wall = _csv(tmp_path / "measured_wall.csv")
@@ -335,3 +336,23 @@ def test_strategies_measured_on_gloo(pools):
     assert {(r["layout"], r["strategy"]) for r in rows} == {(lay, s) for lay in ("zigzag", "interleaved")
                                                             for s in ("p2p", "all_gather", "a2a", "a2a+p2p")}
     assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in rows)
+
+
+def test_strategies_config_errors_name_the_key():
+    """Each bad strategies.* key is refused before any work, naming the key, what it got and what it
+    accepts (the smoke run's config passes)."""
+    from cp_attention.experiments.layout_strategies import check_strategies
+
+    good = {"names": ["p2p", "a2a+p2p"], "inner": 2, "hardware": "h100", "world_sizes": [8], "seq_lens": [4096],
+            "measure": {"world_size": 0, "seq_len": 256, "inner": 2}}
+    check_strategies(good)
+    for key, bad, says in [("names", ["ring"], "strategies.names=['ring']: expected a non-empty list of p2p, "),
+                           ("names", [], "strategies.names=[]: expected a non-empty list"),
+                           ("inner", 1, "strategies.inner=1: expected the a2a degree of a2a+p2p, an int >= 2"),
+                           ("hardware", "tpu", "strategies.hardware='tpu': expected h100 or h200 or cpu_gloo"),
+                           ("world_sizes", [8, 0], "strategies.world_sizes=[8, 0]: expected a list of positive"),
+                           ("measure", {"world_size": 4, "seq_len": 256}, "strategies.measure={'world_size': 4, "
+                                                                          "'seq_len': 256}: expected {world_size")]:
+        with pytest.raises(ValueError) as err:
+            check_strategies({**good, key: bad})
+        assert str(err.value).startswith(f"config {says}"), str(err.value)

@@ -133,6 +133,14 @@ def test_memory_and_flops():
     assert trained.total_s == pytest.approx(3.5 * estimate(w, "p2p", fast).total_s)  # backward 2.5x forward
 
 
+def test_lists_and_tensors_are_taken():
+    """A window given as a list and documents as a tensor (they key caches: made tuples first)."""
+    tidy = Workload(4, 1, 64, 4, 2, 16, 16, 2, True, (20, 0), (0, 10, 64), "contiguous")
+    loose = Workload(4, 1, 64, 4, 2, 16, 16, 2, True, [20, 0], torch.tensor([0, 10, 64]), "contiguous")
+    assert estimate(loose, "p2p", HARDWARE["h100"]) == estimate(tidy, "p2p", HARDWARE["h100"])
+    assert ring_steps(loose) == 3
+
+
 def test_feasibility_matches_the_execution():
     base = dict(world_size=4, batch=1, seq_len=4096, kv_heads=2, head_dim=64, v_head_dim=64, dtype_bytes=2)
     assert infeasible(Workload(heads=6, **base), "a2a") is not None  # 6 heads over 4 ranks

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
@@ -247,10 +247,20 @@ def _busiest_share(w: Workload, world: int) -> float:
     return 1.0 / world
 
 
+def _normal(w: Workload) -> Workload:
+    """``w`` with its window and documents as tuples of ints (the caches key on them)."""
+    cu = w.cu_seqlens
+    if type(w.window) is tuple and (cu is None or type(cu) is tuple):
+        return w
+    return replace(w, window=tuple(int(x) for x in w.window),
+                   cu_seqlens=None if cu is None else tuple(int(x) for x in cu))
+
+
 def ring_steps(w: Workload) -> int:
     """Ring steps that run for ``w`` on ``w.world_size`` ranks: N, fewer when a window keeps every
     query away from the farther shards (the closed form of ``schedules.derived.ring_length`` for the
     built-in layouts; N for others)."""
+    w = _normal(w)
     world, left, right = w.world_size, w.window[0], w.window[1]
     if left < 0 and (w.causal or right < 0):
         return world
@@ -302,6 +312,7 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware) -> Estimate:
     problem = infeasible(w, cp_comm_type)
     if problem is not None:
         raise ValueError(problem)
+    w = _normal(w)
     n, world, bwd = w.seq_len / w.world_size, w.world_size, w.backward
     flop = w.heads * (matmul_flops(w.head_dim, w.v_head_dim, False)
                       + (matmul_flops(w.head_dim, w.v_head_dim, True) if bwd else 0.0))
