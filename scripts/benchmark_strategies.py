@@ -5,7 +5,7 @@ picks a strategy within 10% of the best measured one (see cp_attention.experimen
 
 Usage (from the repo root):
   python scripts/benchmark_strategies.py [--seq-lens 2048 8192] [--heads 8/2 8/8] [--masks causal packed window]
-                                         [--repeats 3] [--quick] [--json out.json]
+                                         [--repeats 5] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
