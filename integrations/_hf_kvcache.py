@@ -43,7 +43,9 @@ class ShardedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill: keep this rank's share, return the shard's K/V for the ring. Decoding: add the new
-        token's K/V if this rank keeps it, return the whole share."""
+        token's K/V if this rank keeps it, return the whole share. The other arguments are what
+        transformers hands every cache layer (the layer's kwargs); a dynamic layer, as
+        ``DynamicLayer`` itself, reads none of them."""
         if self.prefill_map is not None:
             index, self.positions = self.prefill_map
             self.prefill_map = None
