@@ -71,6 +71,12 @@ def test_refusals_alike_on_every_rank(case, expected):
     assert len(set(messages)) == 1 and messages[0].startswith(expected), messages
 
 
+def _bench_on_rank(rank: int, world_size: int, *args):
+    from cp_attention.experiments import generate_bench
+
+    return generate_bench._worker(*args)
+
+
 def test_generate_benchmark_figures(pools):
     """scripts/benchmark_generate.py's measurement, small: N = 2 gives N = 1's tokens on every rank, about
     half its KV bytes per rank, and the same bytes per decoding step at both prompt lengths (flat in S)."""
@@ -80,7 +86,7 @@ def test_generate_benchmark_figures(pools):
 
     args = argparse.Namespace(**generate_bench.QUICK, layout="zigzag")
     one = {seq: generate_bench.measure(args, seq) for seq in (128, 256)}
-    two = {r["seq"]: r for r in pools(2).run(generate_bench._worker, args, [128, 256], timeout=180)[0]}
+    two = {r["seq"]: r for r in pools(2).run(_bench_on_rank, args, [128, 256], timeout=180)[0]}
     for seq in (128, 256):
         assert two[seq]["tokens"] == one[seq]["tokens"] and two[seq]["same_tokens_on_every_rank"]
         assert 0.4 < two[seq]["kv_bytes"] / one[seq]["kv_bytes"] < 0.65, (two[seq]["kv_bytes"], one[seq]["kv_bytes"])
