@@ -124,8 +124,8 @@ def _calibrate(group) -> dict:
         call = best(lambda: [cpa.ring_attention(tiny, tiny, tiny, group=alone) for _ in range(20)]) / 20
     flops = 4 * (n * (n + 1) / 2) * d * h / attn
     comm = transport_for(group)
-    big, small = torch.randn(4 << 20), torch.zeros(1)
-    bw = big.numel() * 4 / best(lambda: comm.exchange([big], [torch.empty_like(big)]).wait())
+    big, small = torch.randn(2 << 20), torch.zeros(1)  # 8 MiB: the shards the cases pass round
+    bw = big.numel() * 4 / best(lambda: comm.exchange([big], [torch.empty_like(big)]).wait(), repeats=5)
     latency = best(lambda: comm.exchange([small], [torch.empty_like(small)]).wait(), repeats=20)
     stats = torch.tensor([flops, bw, latency, call], dtype=torch.float64)
     dist.all_reduce(stats, group=group)

@@ -22,8 +22,8 @@ workload's pair counts are cached; nothing loops over tokens).
   in flight; all-gather: every shard of the ring's length; all-to-all: the swapped heads too).
 
 Left out: per-document kernel calls (CUDA's varlen kernels run one call per step whatever the
-documents; CPU kernels batch small documents), a window's band tiles, the LSE's bytes, and the
-all-to-all's transient chunks. The model ranks strategies; its absolute times are estimates.
+documents; CPU kernels batch small documents), the kernels' efficiency on small blocks, the LSE's
+bytes, and the all-to-all's transient chunks. The model ranks strategies; its absolute times are estimates.
 ``scripts/benchmark_strategies.py`` measures how often its pick is within 10% of the best one.
 """
 
@@ -39,6 +39,7 @@ import torch
 
 from ..layouts.registry import get_layout
 from ..schedules.causal import get_schedule
+from ..schedules.lowering import BAND_TILE
 from ..schedules.work import work_model
 from .names import STRATEGIES
 
@@ -66,8 +67,9 @@ HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", 400e12, 300e9, 40e9, 8, 10e-6, 8e-6),
     "h200": Hardware("h200", 420e12, 320e9, 40e9, 8, 10e-6, 8e-6),
     # 4 gloo ranks over loopback TCP on 2 CPU cores, fp32 (scripts/benchmark_strategies.py calibrates
-    # its own: ~20 GFLOP/s per rank, ~0.4 GB/s, ~0.3 ms per message, ~0.8 ms per attention call)
-    "cpu_gloo": Hardware("cpu_gloo", 20e9, 0.4e9, 0.4e9, 1 << 20, 300e-6, 400e-6),
+    # its own): on a quiet machine ~20 GFLOP/s per rank, ~1 GB/s, ~0.3 ms per message, ~0.7 ms per
+    # attention call; a busy machine halves the first two
+    "cpu_gloo": Hardware("cpu_gloo", 20e9, 1e9, 1e9, 1 << 20, 300e-6, 700e-6),
 }
 _CHOSEN: dict[str, Optional[Hardware]] = {"hardware": None}
 
@@ -280,6 +282,17 @@ def ring_steps(w: Workload) -> int:
     return world  # zigzag: chunk 2N-1-r needs chunk 2N-2-r, one rank on, so every step runs
 
 
+def _calls(w: Workload, rows: float, steps: int) -> float:
+    """Kernel calls per pass for ``rows`` query rows met over ``steps`` ring steps: one block per step,
+    or under a window the band's row tiles (``schedules.lowering``: tiles of max(256, band/4) rows,
+    up to 3 calls each: masked corner, full middle, causal end) and one boundary block per step."""
+    left, right = w.window
+    if left < 0:
+        return steps
+    band = left + 1 + (0 if w.causal or right < 0 else right)
+    return 3 * math.ceil(rows / max(BAND_TILE, band // 4)) + steps - 1
+
+
 def _link(hw: Hardware, span: int) -> float:
     return hw.intra_bw if span <= hw.ranks_per_node else hw.inter_bw
 
@@ -326,7 +339,7 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware) -> Estimate:
     steps = ring_steps(w)
     own = shard(n, w.kv_heads)
     if cp_comm_type in ("p2p", "all_gather"):
-        compute = work * _busiest_share(w, world) + steps * passes * hw.kernel_call_s
+        compute = work * _busiest_share(w, world) + _calls(w, n, steps) * passes * hw.kernel_call_s
         # forward: L-1 K/V hops; backward: L-2 K/V hops and L-1 dK/dV accumulator hops
         fwd_bytes = (steps - 1) * own
         dkv_bytes = (steps - 1) * shard(n, w.kv_heads, acc) if bwd else 0.0
@@ -346,12 +359,12 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware) -> Estimate:
     a2a_bytes = (inner - 1) / inner * moved * passes  # q, k, v in and out back; backward dout in, dq, dk, dv back
     a2a = _spread(hw, inner, a2a_bytes) + 2 * (inner - 1) * passes * hw.latency_s
     swapped = shard(n * inner, kv_heads // inner)
-    if outer == 1:  # the whole sequence in order, one kernel call per mask kind
-        compute = work / world + 2 * passes * hw.kernel_call_s
+    if outer == 1:  # the whole sequence in order, attended as one rank would
+        compute = work / world + _calls(w, w.seq_len, 1) * passes * hw.kernel_call_s
         return Estimate(compute, a2a, a2a, compute + a2a, a2a_bytes, own + swapped)
     # virtual rank a of process p meets a' of process p - s at ring step (s*A + a - a') mod N
     outer_steps = min(outer, 1 + math.ceil((steps - 1) / inner))
-    compute = work * _busiest_share(w, outer) / inner + inner * steps * passes * hw.kernel_call_s
+    compute = work * _busiest_share(w, outer) / inner + inner * _calls(w, n, steps) * passes * hw.kernel_call_s
     ring_bytes = (outer_steps - 1) * (swapped * passes + (shard(n * inner, kv_heads // inner, acc) if bwd else 0.0))
     ring = ring_bytes / _link(hw, world) + (outer_steps - 1) * (3 if bwd else 1) * hw.latency_s
     exposed = a2a + max(0.0, ring - compute * (outer_steps - 1) / outer_steps)
