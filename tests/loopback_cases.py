@@ -13,6 +13,7 @@ from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.transport.loopback import LoopbackGroup
 
 from .reference import excess_error, reference_attention
+from .strides import restride
 
 
 def _reference(q, k, v, dout, causal: bool, scale: float, cu: list[int], window, sinks=None, softcap: float = 0.0,
@@ -37,14 +38,17 @@ def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.
                     v_dim: "int | None" = None, local_len: int = 8, lengths: "list[int] | None" = None,
                     window: tuple = (-1, -1), atol: float = 1e-10, rtol: float = 0.0, seed: int = 0,
                     use_plan: bool = False, cp_comm_type: str = "p2p", mesh_shape: "tuple | None" = None,
-                    sinks: bool = False, softcap: float = 0.0, lse_grad: bool = False) -> dict:
+                    sinks: bool = False, softcap: float = 0.0, lse_grad: bool = False, strided: tuple = (),
+                    stride_form: str = "transposed") -> dict:
     """Excess error over tolerance (<= 0 passes) of out, lse, dq, dk, dv (and dsinks, summed over the
     ranks as data parallelism would), the worst over the ranks.
 
     ``lengths``: packed documents (their sum must be ``local_len * world_size``); None: one sequence.
     ``use_plan``: each rank builds the batch's plan and calls with it (twice: the second call reuses it).
     ``mesh_shape``: a two-level group (outer, inner), for ``cp_comm_type="a2a+p2p"``. ``lse_grad``: the
-    loss also weighs the LSE, so its gradient flows back.
+    loss also weighs the LSE, so its gradient flows back. ``strided``: which of ``"q"``, ``"k"``, ``"v"``,
+    ``"dout"`` each rank passes in the memory form ``stride_form`` (:mod:`tests.strides`: same values, a
+    last dim whose stride is not 1).
     """
     total = local_len * world_size
     v_dim = v_dim or head_dim
@@ -62,7 +66,9 @@ def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.
 
     def rank_fn(group, r: int) -> tuple[torch.Tensor, ...]:
         shard = lambda t, dim=1: lay.shard(t, dim, r, world_size, **packed).to(device)  # noqa: E731
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        ql, kl, vl = (restride(shard(t), stride_form) if name in strided else shard(t)
+                      for name, t in zip("qkv", (q, k, v)))
+        ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
         sl = None if sink_logits is None else sink_logits.to(device).clone().requires_grad_()
         cu_arg = torch.tensor(cu) if lengths else None
         common = dict(kernel=kernel, cp_comm_type=cp_comm_type, sinks=sl, softcap=softcap, return_lse=True)
@@ -74,10 +80,11 @@ def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.
         else:
             out, lse = cpa.ring_attention(ql, kl, vl, group=group, layout=lay, causal=causal,
                                           window_size=tuple(window), cu_seqlens=cu_arg, **common)
-        loss = (out * shard(dout)).sum()
-        if dlse is not None:
-            loss = loss + (lse * shard(dlse, 2).to(lse.dtype)).sum()
-        loss.backward()
+        dout_l = restride(shard(dout), stride_form) if "dout" in strided else shard(dout)
+        if dlse is None:
+            out.backward(dout_l)
+        else:
+            torch.autograd.backward([out, lse], [dout_l, shard(dlse, 2).to(lse.dtype)])
         return (out, lse, ql.grad, kl.grad, vl.grad) + (() if sl is None else (sl.grad,))
 
     loop = LoopbackGroup(world_size, mesh_shape=mesh_shape)

@@ -29,6 +29,7 @@ from cp_attention.kernels import cuda_flash_attn, get_kernel
 from . import flash_attn_standin
 from .fake_cuda_checks import PreconditionError, register_flash_attn_fakes
 from .fake_cuda_support import FakeCuda, SyncWatch, cuda_guard_problem, phase, summarize, tape
+from .strides import STRIDE_FORMS, restride
 
 # pad_head reads data_ptr(): a fake tensor's is its storage offset in bytes (a real one's is 256-aligned)
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
@@ -99,10 +100,12 @@ def _lengths(world: int, n: int) -> list[int]:
 
 def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dtype=torch.bfloat16, h=8, hkv=2,
               d=64, dv=None, n=64, b=2, causal=True, lengths=None, cu_on_cuda=False, window=(-1, -1),
-              sinks=False, softcap=0.0, use_lse=False, layers=2, implicit=False) -> dict:
+              sinks=False, softcap=0.0, use_lse=False, layers=2, implicit=False, stride_form=None) -> dict:
     """``layers`` ring_attention calls on every rank with one plan (``implicit``: no plan, the plan's
     arguments given to every call), then their backwards in reverse order; returns the problems found
-    and the watcher's events per rank, and the fused-op calls."""
+    and the watcher's events per rank, and the fused-op calls. ``stride_form``: q, k, v and dout in that
+    memory form of :mod:`tests.strides` (a last dim whose stride is not 1)."""
+    form = (lambda t: restride(t, stride_form)) if stride_form else (lambda t: t)  # noqa: E731
     dv = dv or d
     if lengths is not None:
         b = 1
@@ -125,9 +128,9 @@ def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dt
                 plan, given = cpa.plan(layout, rank, causal=causal, cu_seqlens=cu_arg, window_size=window), {}
             inputs = []
             for _ in range(layers):
-                q = env.fake(b, n, h, d, dtype=dtype, requires_grad=True)
-                k = env.fake(b, n, hkv, d, dtype=dtype, requires_grad=True)
-                v = env.fake(b, n, hkv, dv, dtype=dtype, requires_grad=True)
+                q = form(env.fake(b, n, h, d, dtype=dtype, requires_grad=True))
+                k = form(env.fake(b, n, hkv, d, dtype=dtype, requires_grad=True))
+                v = form(env.fake(b, n, hkv, dv, dtype=dtype, requires_grad=True))
                 s = env.fake(h, dtype=torch.float32, requires_grad=True) if sinks else None
                 inputs.append((q, k, v, s))
         results = []
@@ -143,7 +146,7 @@ def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dt
                     problems.append(f"out {tuple(out.shape)} {out.dtype} {out.device}")
                 if tuple(lse.shape) != (b, h, n) or lse.dtype != torch.float32 or lse.device.type != "cuda":
                     problems.append(f"lse {tuple(lse.shape)} {lse.dtype} {lse.device}")
-                dout = env.fake(*out.shape, dtype=out.dtype)
+                dout = form(env.fake(*out.shape, dtype=out.dtype))
                 dlse = env.fake(*lse.shape, dtype=lse.dtype) if use_lse else None
                 grads = env.ring_function.backward(ctx, dout, dlse)
                 if len(grads) != 5 or grads[3] is not None:
@@ -260,6 +263,16 @@ def test_ring_on_fake_cuda(env, kernel, dtype, world, layout, label, kw):
         assert res["calls"].get("_flash_attn_forward"), res["calls"]
         assert res["calls"].get("_flash_attn_backward" if "256" not in label else "_efficient_attention_backward"), \
             res["calls"]
+
+
+@pytest.mark.parametrize("form", list(STRIDE_FORMS))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strided_inputs_on_fake_cuda(env, kernel, form):
+    """q, k, v and dout whose last dim is not contiguous reach every CUDA kernel with a unit last-dim
+    stride (each op's own check, in CheckedAten and the flash-attn stand-in, refuses anything else)."""
+    res = ring_case(env, 2, kernel, "zigzag", torch.bfloat16, layers=1, stride_form=form,
+                    **({"softcap": 30.0} if kernel == "flash_attn" else {}))
+    check_clean(res, None if kernel == "flash_attn" else kernel)
 
 
 @pytest.mark.parametrize("world, layout, kw", [

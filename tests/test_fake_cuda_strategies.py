@@ -14,6 +14,7 @@ from cp_attention.strategies import alltoall, dispatch
 from cp_attention.strategies.composite import CompositeAttentionFunction
 
 from .fake_cuda_support import ManualRingFunction, phase, tape
+from .strides import restride
 from .test_fake_cuda import check_clean, env  # noqa: F401 - env is the module's fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
@@ -29,9 +30,12 @@ CASES = [  # (cp_comm_type, world, mesh shape, kernel, ring_case-like options)
 
 
 def strategy_case(env, comm: str, world: int, mesh, kernel: str, layout: str, h: int = 8, hkv: int = 2, d: int = 64,
-                  n: int = 64, b: int = 1, lengths=None, window=(-1, -1), sinks: bool = False) -> dict:
+                  n: int = 64, b: int = 1, lengths=None, window=(-1, -1), sinks: bool = False,
+                  stride_form: "str | None" = None) -> dict:
     """Two layers' calls with one plan, then their backwards (the composite's and the all-to-all's) in
-    reverse; the problems and the watcher's events of every rank."""
+    reverse; the problems and the watcher's events of every rank. ``stride_form``: q, k, v and dout in
+    that memory form of :mod:`tests.strides` (a last dim whose stride is not 1)."""
+    form = (lambda t: restride(t, stride_form)) if stride_form else (lambda t: t)  # noqa: E731
     cu = None
     if lengths is not None:
         total = n * world
@@ -41,7 +45,7 @@ def strategy_case(env, comm: str, world: int, mesh, kernel: str, layout: str, h:
         problems = []
         with phase(watch, "plan"):
             plan = cpa.plan(layout, rank, causal=True, cu_seqlens=cu, window_size=window)
-            layers = [tuple(env.fake(b, n, hh, d, requires_grad=True) for hh in (h, hkv, hkv)) for _ in range(2)]
+            layers = [tuple(form(env.fake(b, n, hh, d, requires_grad=True)) for hh in (h, hkv, hkv)) for _ in range(2)]
             s = env.fake(h, dtype=torch.float32, requires_grad=True) if sinks else None
         outs = []
         for i, (q, k, v) in enumerate(layers):
@@ -54,7 +58,7 @@ def strategy_case(env, comm: str, world: int, mesh, kernel: str, layout: str, h:
                 if tuple(out.shape) != (b, n, h, d) or tuple(lse.shape) != (b, h, n):
                     problems.append(f"out {tuple(out.shape)}, lse {tuple(lse.shape)}")
                 saved_out = ctx.saved_tensors[3]
-                dq, dk, dv, _, dsinks = env.ring_function.backward(ctx, torch.empty_like(saved_out),
+                dq, dk, dv, _, dsinks = env.ring_function.backward(ctx, form(torch.empty_like(saved_out)),
                                                                    env.fake(*saved_out.shape[:1], saved_out.shape[2],
                                                                             saved_out.shape[1], dtype=torch.float32))
                 if (comm != "all_gather") and dk.shape[2] != kh.shape[2]:
@@ -84,6 +88,16 @@ def test_strategies_on_fake_cuda(env, monkeypatch, comm, world, mesh, kernel, kw
     monkeypatch.setattr(env, "ring_function", function)
     res = strategy_case(env, comm, world, mesh, kernel, **kw)
     check_clean(res, kernel)
+
+
+@pytest.mark.parametrize("comm, world, mesh", [("all_gather", 2, None), ("a2a", 2, None), ("a2a+p2p", 4, (2, 2))])
+def test_strategies_take_strided_inputs_on_fake_cuda(env, monkeypatch, comm, world, mesh):  # noqa: F811
+    """q, k, v and dout whose last dim is not contiguous reach the CUDA kernels with a unit last-dim
+    stride on every strategy (the ops' own checks in CheckedAten refuse anything else)."""
+    function = ManualRingFunction(CompositeAttentionFunction)
+    monkeypatch.setattr(dispatch, "CompositeAttentionFunction", function)
+    monkeypatch.setattr(env, "ring_function", function)
+    check_clean(strategy_case(env, comm, world, mesh, "flash", layout="zigzag", stride_form="transposed"), "flash")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.base import AttentionKernel, accumulation_dtype
+from ..kernels.base import AttentionKernel, accumulation_dtype, unit_stride
 from ..transport.base import Transport
 from .fault import RingFault
 from .sinks import fold_sinks, sinks_grad, with_lse_grad
@@ -188,6 +188,7 @@ class RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
                 sinks: "torch.Tensor | None" = None):
         acc = accumulation_dtype(q.dtype)
+        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # the kernels' contract, once per call
         b, n, h, _ = q.shape
         out = lse = None
         last = len(plan.steps) - 1

@@ -2,7 +2,10 @@
 
 Tensors are bshd: ``q [B, Sq, H, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]`` with
 ``H % Hkv == 0`` (GQA/MQA: the kernel broadcasts K/V heads itself, never the caller). Inputs may be
-strided views (slices along the sequence). ``causal`` is the top-left-aligned lower triangle.
+strided views (slices along the sequence, head-major memory), but every tensor a kernel receives has a
+unit stride in its last dimension: the engine guarantees it once per call (:func:`unit_stride`), because
+the fused ops assume it (PyTorch's CPU flash op silently computes garbage on other strides; the CUDA
+ops refuse them). ``causal`` is the top-left-aligned lower triangle.
 Nothing here assumes a CPU: a kernel declares the devices and dtypes it supports.
 """
 
@@ -15,12 +18,19 @@ import torch
 
 import torch.nn.functional as F
 
-__all__ = ["AttentionKernel", "MaskCache", "accumulation_dtype", "pad_last", "positive_scale"]
+__all__ = ["AttentionKernel", "MaskCache", "accumulation_dtype", "pad_last", "positive_scale", "unit_stride"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype out/LSE/gradients accumulate in: fp32, or fp64 for fp64 inputs (so fp64 stays exact)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension has stride 1, else a contiguous copy of it: the one memory
+    property every kernel relies on (other strides, e.g. ``x[..., ::2]`` or a transposed last dim,
+    give wrong results on PyTorch's CPU flash op, silently)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..engine.fault import RingFault
 from ..engine.ring import RingPlan
 from ..engine.sinks import fold_sinks, sinks_grad, with_lse_grad
 from ..engine.tasks import add_rows, merge_rows, task_backward, task_forward
-from ..kernels.base import accumulation_dtype
+from ..kernels.base import accumulation_dtype, unit_stride
 from ..transport.base import Transport
 
 __all__ = ["CompositePlan", "CompositeAttentionFunction", "pair_steps"]
@@ -180,6 +180,7 @@ class CompositeAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CompositePlan,
                 sinks: "torch.Tensor | None" = None):
         acc = accumulation_dtype(q.dtype)
+        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # the kernels' contract, once per call
         b, m, h, _ = q.shape
         n = m // plan.inner
         out = q.new_zeros(b, m, h, v.shape[-1], dtype=acc)
