@@ -14,11 +14,13 @@ from .engine.plan import AttentionPlan, build_plan, host_cu_seqlens
 from .engine.ring import RingAttentionFunction, RingPlan
 from .layouts.base import Layout
 from .strategies.dispatch import run_strategy, strategy_problem
+from .transport.eager import eager_only
 from .transport.process_group import transport_for
 
 __all__ = ["ring_attention", "plan"]
 
-plan = build_plan
+# Under torch.compile a plan is built eagerly (a graph break): it agrees over the group on the host.
+plan = eager_only("cp_attention.plan")(build_plan)
 
 
 class _Default:
@@ -89,6 +91,7 @@ def _strategy(plan: AttentionPlan, cp_comm_type: str, q: torch.Tensor, k: torch.
     return cp_comm_type
 
 
+@eager_only("cp_attention.ring_attention")
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
