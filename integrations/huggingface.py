@@ -39,11 +39,13 @@ from cp_attention._extras import require_extra
 from cp_attention.kernels import check_kernel_name
 from cp_attention.layouts.documents import longest_document
 from cp_attention.transport import cp_group, group_rank_and_size, mesh_group, transport_for
+from cp_attention.transport.eager import eager_only
 from cp_attention.transport.mesh import is_two_level
 
 from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
 from ._hf_checks import ForwardChecks, check_positions, documents
 from ._hf_gen_state import active_generation
+from ._hf_loss import model_loss
 from ._hf_generate import generate
 from ._hf_masks import RingMask, layer_window, ring_mask
 from ._hf_parallel import checkpoint_activations, parallelize
@@ -85,6 +87,7 @@ _OUTPUT_FLAGS = frozenset({"use_cache", "output_hidden_states", "output_router_l
 _LOSS_ONLY = frozenset({"num_items_in_batch", "shift_labels", "ignore_index"})
 
 
+@eager_only("context-parallel attention (the HF attention function)")
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: "Optional[RingMask]", dropout: float = 0.0,
                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
@@ -167,12 +170,16 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out, None
 
 
+# Under torch.compile the mask check reads the padding mask on the host: eager, as the attention is.
+_EAGER_RING_MASK = eager_only("context-parallel attention's mask (the HF mask function)")(ring_mask)
+
+
 def _register() -> None:
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, _ring_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ring_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _EAGER_RING_MASK)
 
 
 def _refuse_generate(*args, **kwargs):
@@ -198,6 +205,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     data (its position ids, padding, document boundaries) is checked once per forward, before any layer,
     and agreed across the group in one small collective: every rank raises the same error.
     """
+    given = group  # a (dp, cp) mesh: the model's loss cannot tell which mean it should be (see _hf_loss)
     group = group if is_two_level(group) else cp_group(group)  # a DeviceMesh: its "cp" dim, or both levels
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
@@ -207,13 +215,18 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
         return model
     _register()
     checks = ForwardChecks(group, lay, rank, world_size)
+    # labels given to the model: the exact CP loss, or refused by name in the checks (never a per-rank mean)
+    model.loss_function = checks.loss = model_loss(model, given, group, causal_lm_loss)
     state = _CPState(group, lay, kernel, rank, world_size, checks, cp_comm_type)
     for m in model.modules():
         m._cp_attention = state
     for previous in getattr(model, "_cp_checks_hooks", ()):  # patched again: the new checks replace the old
         previous.remove()
-    model._cp_checks_hooks = (model.register_forward_pre_hook(checks, with_kwargs=True),
-                              model.register_forward_hook(checks.post_hook, with_kwargs=True, always_call=True))
+    # The checks agree over the group on the host: under torch.compile they run eagerly (graph breaks).
+    pre, post = (eager_only(f"the context-parallel model's forward {what}")(fn)
+                 for what, fn in (("checks", checks), ("end", checks.post_hook)))
+    model._cp_checks_hooks = (model.register_forward_pre_hook(pre, with_kwargs=True),
+                              model.register_forward_hook(post, with_kwargs=True, always_call=True))
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.generate = _refuse_generate
     return model
