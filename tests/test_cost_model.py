@@ -183,3 +183,38 @@ def test_auto_is_exact(mesh, heads, documents):
     errors = loopback_errors(4, layout="zigzag", causal=True, cp_comm_type="auto", mesh_shape=mesh, heads=heads,
                              kv_heads=2, local_len=8, sinks=True, **extra)
     assert max(errors.values()) <= 0.0, errors
+
+
+def test_auto_is_agreed_when_ranks_model_different_hardware(monkeypatch):
+    """Rank 0 models an H100, rank 1 the CPU preset (as set_hardware or LOCAL_WORLD_SIZE can make
+    them): alone they pick the ring and the all-to-all, and the group would run mismatched
+    collectives. Agreed, both run rank 0's pick, exactly."""
+    import threading
+
+    from cp_attention.strategies import auto
+
+    from .reference import reference_attention
+
+    seat = threading.local()
+    profiles = {0: HARDWARE["h100"], 1: HARDWARE["cpu_gloo"]}
+    monkeypatch.setattr(auto, "current_hardware", lambda device_type: profiles[seat.rank])
+    shape = dict(world_size=2, batch=1, seq_len=16, heads=4, kv_heads=2, head_dim=16, v_head_dim=16, dtype_bytes=8,
+                 causal=True, layout="zigzag", backward=True)
+    assert [choose(Workload(**shape), profiles[r]) for r in (0, 1)] == ["p2p", "a2a"]  # they would differ
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    lay = cpa.get_layout("zigzag")
+
+    def rank_fn(group):
+        seat.rank = group.rank
+        plan = cpa.plan(lay, group, causal=True)
+        ql, kl, vl = (lay.shard(t, 1, group.rank, 2).requires_grad_() for t in (q, k, v))
+        out = cpa.ring_attention(ql, kl, vl, plan=plan, cp_comm_type="auto")
+        return out.detach(), dict(plan._auto)
+
+    results = LoopbackGroup(2, timeout_s=20).run(rank_fn)
+    picks = [set(p.values()) for _, p in results]
+    assert picks == [{"p2p"}, {"p2p"}], picks
+    ref, _ = reference_attention(q, k, v, True, 16 ** -0.5)
+    for r, (out, _) in enumerate(results):
+        assert torch.allclose(out, lay.shard(ref, 1, r, 2), atol=1e-10, rtol=0)

@@ -1,4 +1,6 @@
-"""``cp_comm_type="auto"``: the cost model's pick for a call, made once per plan and call shape."""
+"""``cp_comm_type="auto"``: the cost model's pick for a call, made once per plan and call shape and
+agreed across the group (group rank 0's pick counts), so ranks whose hardware profiles differ
+(``set_hardware``, ``LOCAL_WORLD_SIZE`` by node) still run the same collectives."""
 
 from __future__ import annotations
 
@@ -6,26 +8,32 @@ import torch
 
 from ..engine.plan import AttentionPlan
 from .cost import Workload, choose, current_hardware
+from .names import CP_COMM_TYPES
 
 __all__ = ["auto_comm_type"]
 
 
 def auto_comm_type(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The strategy the cost model (:mod:`.cost`) predicts fastest for this validated call on this group
-    with the process's hardware profile (:func:`.cost.set_hardware`). Every rank picks alike: the
-    inputs are what the group agreed on (shapes, dtype, plan) and the group's shape."""
+    """The strategy the cost model (:mod:`.cost`) predicts fastest for this validated call on this group,
+    as group rank 0 predicts it with its hardware profile (:func:`.cost.set_hardware`).
+
+    Each rank predicts with its own profile, then the group takes rank 0's pick in one all-gather of
+    one int, made once per plan and call shape: the key holds only what the group agreed on (shapes,
+    dtype, plan), so every rank reaches it at the same call. A profile set after a plan's first pick
+    applies to later plans (a plan is usually one batch's).
+    """
     b, n, heads, head_dim = q.shape
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    levels = getattr(plan.transport, "levels", None)
-    hardware = current_hardware(q.device.type)
-    key = (tuple(q.shape), k.shape[2], v.shape[-1], q.dtype, q.device.type, needs_grad, hardware)
+    key = (tuple(q.shape), k.shape[2], v.shape[-1], q.dtype, q.device.type, needs_grad)
     picks = plan.__dict__.setdefault("_auto", {})
     found = picks.get(key)
     if found is None:
+        levels = getattr(plan.transport, "levels", None)
         work = Workload(world_size=plan.world_size, batch=b, seq_len=n * plan.world_size, heads=heads,
                         kv_heads=k.shape[2], head_dim=head_dim, v_head_dim=v.shape[-1],
                         dtype_bytes=q.element_size(), causal=bool(plan.causal), window=tuple(plan.window_size),
                         cu_seqlens=plan.cu_seqlens, layout=plan.layout.name,
                         inner=levels[1].world_size if levels else 1, backward=needs_grad)
-        found = picks[key] = choose(work, hardware)
+        mine = CP_COMM_TYPES.index(choose(work, current_hardware(q.device.type)))
+        found = picks[key] = CP_COMM_TYPES[plan.transport.all_gather_ints([mine])[0][0]]
     return found
