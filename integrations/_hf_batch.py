@@ -46,8 +46,10 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
     Raises ``ValueError`` for ``input_ids`` that are not
     ``[batch, seq]``, ``labels``, ``attention_mask`` (0/1 values) or ``position_ids`` that do not fit
     them, for non-contiguous padding, for packed ``position_ids`` that do not count 0, 1, 2, ... within
-    each document, or for bad ``cu_seq_lens_q/k``; ``NotImplementedError`` for padding combined with
-    packed position ids.
+    each document, or for bad ``cu_seq_lens_q/k``; ``NotImplementedError`` for a padded row whose
+    position ids restart at 0 inside its real tokens (padded and packed). A padded batch may carry
+    position ids that count 0, 1, 2, ... over each row's real tokens (``attention_mask.cumsum(-1) - 1``,
+    whatever the padding's own positions), or the plain ``arange``.
     """
     lay = cpa.get_layout(layout)
     rank, world_size = group_rank_and_size(group)
@@ -186,10 +188,7 @@ def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
             if not torch.equal(given, doc_pos.expand_as(given)):
                 raise ValueError("position_ids disagree with cu_seq_lens_q: they must restart at 0 at every document")
         return [(0, 0, s, cu)]
-    if padded and restarting:
-        raise NotImplementedError("a batch that is both padded (attention_mask with zeros) and packed (position_ids "
-                                  "restarting at 0) is not supported; pack without padding, or pad without packing")
-    if restarting:
+    if restarting and not padded:
         return [(r, 0, s, cu_seqlens_from_position_ids(given.expand(b, s)[r])) for r in range(b)]
     if padded:
         out = []
@@ -201,11 +200,37 @@ def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
             if stop - start != real.numel():
                 raise ValueError(f"attention_mask row {r} has padding between real tokens; only left or right "
                                  "padding (one contiguous run of ones per row) is supported")
+            if restarting:
+                _check_padded_row_positions(given.expand(b, s)[r], r, start, stop)
             out.append((r, start, stop, (0, stop - start)))
         if not out:
             raise ValueError("attention_mask is all zeros: the batch holds no real token")
         return out
     return None
+
+
+def _check_padded_row_positions(row: torch.Tensor, r: int, start: int, stop: int) -> None:
+    """Accept the position ids of padded row ``r`` (real tokens ``start:stop``) if its real tokens are one
+    document: positions 0, 1, 2, ... over them (``attention_mask.cumsum(-1) - 1``, as HF's ``generate``
+    and many collators make; the padding's own positions, -1, 1 or anything, are never used), or
+    ``start, start + 1, ...`` (``arange`` over the row). Raise ``NotImplementedError`` if they restart at 0
+    inside the real tokens (padded AND packed), else ``ValueError``."""
+    real = row[start:stop].to("cpu", torch.int64)
+    count = torch.arange(stop - start)
+    if torch.equal(real, count) or torch.equal(real, count + start):
+        return
+    if int(real[0]) == 0 and int((real == 0).sum()) > 1:
+        restart = int(torch.nonzero(real == 0).flatten()[1]) + start
+        raise NotImplementedError(
+            f"row {r} of the batch is both padded (attention_mask with zeros) and packed (its position_ids restart "
+            f"at 0 at token {restart}, inside its real tokens {start}:{stop}): not supported, as without CP the "
+            "model would attend across those documents through the padding mask. Pack without padding "
+            "(position_ids restarting at 0, no attention_mask), or pad one document per row")
+    bad = int(torch.nonzero((real != count) & (real != count + start)).flatten()[0])
+    raise ValueError(
+        f"position_ids of padded row {r} must count 0, 1, 2, ... over its real tokens {start}:{stop} "
+        f"(attention_mask.cumsum(-1) - 1) or continue the row's arange, got {int(real[bad])} at token "
+        f"{start + bad}; pass such position_ids, or none")
 
 
 def _shard_packed(batch: Mapping[str, torch.Tensor], rows, lay: cpa.Layout, rank: int, world_size: int
