@@ -16,6 +16,10 @@ order payload, manifest, ``latest``: a reader sees a checkpoint whole or not at 
 overwritten, copied in part) is refused with :class:`CorruptCheckpointError` naming the file, and
 :func:`find_complete_checkpoint` (``trainer.resume_from=auto``) skips it for the newest one that is
 complete. A checkpoint without a manifest (older versions) is checked by loading it.
+
+Every payload is read with ``torch.load(..., weights_only=True)``: tensors and plain Python types only,
+so a checkpoint directory cannot run code on resume. A payload holding any other object (a planted
+pickle, or state saved as arbitrary objects) is refused with :class:`UnsafeCheckpointError`, unrun.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -31,7 +36,8 @@ from typing import Any, Callable, Optional
 import torch
 
 __all__ = ["save_checkpoint", "load_checkpoint", "is_sharded", "file_digests", "write_manifest", "latest_checkpoint", "checkpoint_info",
-           "find_complete_checkpoint", "check_resume_compatible", "CorruptCheckpointError", "RESUMABLE_CHANGES"]
+           "find_complete_checkpoint", "check_resume_compatible", "CorruptCheckpointError", "UnsafeCheckpointError",
+           "safe_torch_load", "RESUMABLE_CHANGES"]
 
 _LATEST = "latest"
 _STEP_FILE = re.compile(r"^step_(\d+)(\.pt)?$")  # a file, or a sharded directory
@@ -39,6 +45,43 @@ _STEP_FILE = re.compile(r"^step_(\d+)(\.pt)?$")  # a file, or a sharded director
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated, or differs from its manifest; the message names it."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint file holds objects other than tensors and plain Python types, which only an unsafe
+    (code-running) unpickling could rebuild: refused unrun. A kind of corrupt checkpoint: no save of
+    this library writes one, and ``resume_from=auto`` skips it like any other it cannot load."""
+
+
+def _unsafe_reason(e: BaseException) -> Optional[str]:
+    """The weights-only unpickler's reason for refusing an object (a GLOBAL it does not allow), or None
+    when the failure is something else (a truncated or garbled file)."""
+    if not isinstance(e, pickle.UnpicklingError):
+        return None
+    lines = [part.strip() for part in str(e).split("\n\n") if "GLOBAL" in part]
+    return lines[0] if lines else None
+
+
+def safe_torch_load(path: "str | Path", source: "str | Path | io.BytesIO") -> Any:
+    """``torch.load(source, map_location="cpu", weights_only=True)``; ``path`` names the file in errors.
+
+    Raises :class:`UnsafeCheckpointError` for an object outside tensors and plain Python types (its
+    pickle is never run) and :class:`CorruptCheckpointError` for a file that cannot be unpickled at all.
+    """
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is not one we wrote
+        reason = _unsafe_reason(e)
+        if reason is not None:
+            raise UnsafeCheckpointError(
+                f"checkpoint {str(path)!r} holds an object that is not a tensor or a plain Python type ({reason}), "
+                "and was not loaded: rebuilding it would run code from the file (torch.load with "
+                "weights_only=False), which a checkpoint must never need. This library's saves write tensors and "
+                "plain types only, so the file was written or changed by something else: delete it, or resume "
+                "from another checkpoint. If you wrote it yourself and trust it, store such state as tensors, "
+                "dicts, lists or strings instead") from None  # None: the unpickler's traceback adds nothing
+        raise CorruptCheckpointError(f"checkpoint {str(path)!r} cannot be loaded (truncated or corrupt?): "
+                                     f"{type(e).__name__}: {e}") from e
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -154,16 +197,13 @@ def _read_verified(path: Path) -> "tuple[bytes, Optional[dict]]":
 
 
 def _load_bytes(path: Path, data: bytes) -> dict[str, Any]:
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
-        raise CorruptCheckpointError(f"checkpoint {str(path)!r} cannot be loaded (truncated or corrupt?): "
-                                     f"{type(e).__name__}: {e}") from e
+    return safe_torch_load(path, io.BytesIO(data))
 
 
 def load_checkpoint(path: "str | Path") -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (file or directory), verified against its
-    manifest. Raises ``FileNotFoundError`` (nothing there) or :class:`CorruptCheckpointError`."""
+    manifest, tensors and plain Python types only. Raises ``FileNotFoundError`` (nothing there),
+    :class:`CorruptCheckpointError`, or :class:`UnsafeCheckpointError` (an object only code could rebuild)."""
     path = latest_checkpoint(path)
     if is_sharded(path):
         raise ValueError(f"{str(path)!r} is a sharded (FSDP) checkpoint: resume it with trainer.fsdp=true, or read it "
