@@ -46,7 +46,8 @@ def _implicit_plan(group, layout, causal, cu_seqlens, window_size) -> AttentionP
     transport = transport_for(group)
     cu = host_cu_seqlens(cu_seqlens)
     try:
-        key = (transport.token, layout, bool(causal), cu, tuple(window_size))
+        # causal as given, with its type: neither "no" nor 1.0 may find the plan True built
+        key = (transport.token, layout, type(causal), causal, cu, tuple(window_size))
         hash(key)
     except Exception:  # noqa: BLE001 - bad arguments: an uncached plan, refused by validation
         return AttentionPlan(layout, transport, causal, cu, window_size)
@@ -177,7 +178,7 @@ def ring_attention(
     codes = tensor_codes(q, k, v, softmax_scale, kernel, sinks, softcap, cp_comm_type)
     # A plan the group agreed on needs no new agreement for a new batch's boundaries: see trust_key.
     trusted = (*codes, *plan.trust_key) if plan.agreed else None
-    validate_call(codes + list(plan.codes), plan.layout, transport, in_agreed_forward(transport), trusted)
+    validate_call(codes + list(plan.codes), plan.layout, transport, in_agreed_forward(transport), trusted, sinks)
     n = q.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     kern = plan.kernel(kernel, q.device, q.dtype, softcap > 0, q.shape[-1], v.shape[-1], n)

@@ -124,7 +124,7 @@ def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None
     exception type and message it raised, or ("", "") if it did not raise."""
     spec = dict(batch=1, local_len=4, heads=4, kv_heads=4, head_dim=8, v_dim=8, dtype="float32",
                 layout="zigzag", causal=True, kernel="auto", softmax_scale=None, requires_grad=True, ndim=4,
-                sinks=None, softcap=0.0)
+                sinks=None, sink_value=0.0, softcap=0.0, cp_comm_type="p2p")
     spec.update(kwargs)
     spec.update((per_rank or {}).get(rank, {}))
     dt = dtype_from_name(spec["dtype"])
@@ -139,10 +139,10 @@ def call_and_capture(rank: int, world_size: int, *, per_rank: dict | None = None
     if subgroup is not None:
         group = dist.new_group(subgroup)  # every rank must take part in creating it
     try:
-        sinks = None if spec["sinks"] is None else torch.zeros(spec["sinks"], dtype=dt)
+        sinks = None if spec["sinks"] is None else torch.full((spec["sinks"],), spec["sink_value"], dtype=dt)
         out = cpa.ring_attention(q, k, v, group=group, layout=spec["layout"], causal=spec["causal"],
                                  softmax_scale=spec["softmax_scale"], kernel=spec["kernel"], sinks=sinks,
-                                 softcap=spec["softcap"])
+                                 softcap=spec["softcap"], cp_comm_type=spec["cp_comm_type"])
         if spec["requires_grad"]:
             out.sum().backward()
     except Exception as e:  # noqa: BLE001 - the case reports what was raised

@@ -25,7 +25,12 @@ CASES = {
     "bad_scale": (dict(softmax_scale=float("nan")), None, "softmax_scale must be a finite non-zero float"),
     "one_rank_other_shape": (dict(), {1: dict(local_len=6)}, "same tensor shapes"),
     "one_rank_other_layout": (dict(), {2: dict(layout="interleaved")}, "same layout"),
-    "one_rank_other_dtype": (dict(), {0: dict(dtype="float64")}, "same dtype"),
+    "one_rank_other_dtype": (dict(), {0: dict(dtype="float64")},  # named, not by index
+                             r"same dtype, got rank 0: torch\.float64, rank 1: torch\.float32, rank 2: torch\.float32;"),
+    "one_rank_other_comm_type": (dict(), {1: dict(cp_comm_type="all_gather")},
+                                 r"same cp_comm_type, got rank 0: 'p2p', rank 1: 'all_gather', rank 2: 'p2p';"),
+    "causal_not_a_bool": (dict(causal="no"), None, r"causal must be a bool \(True or False\)"),
+    "one_rank_other_sink_values": (dict(sinks=4), {1: dict(sink_value=0.5)}, "same sinks values"),
     "one_rank_other_causal": (dict(), {2: dict(causal=False)}, "same causal"),
     "one_rank_bad_kernel": (dict(), {1: dict(kernel="nope")}, r"unknown kernel.*\(on rank 1; ranks with bad input: \[1\]\)"),
     "one_rank_no_grad": (dict(), {0: dict(requires_grad=False)}, "same requires_grad"),
@@ -78,3 +83,15 @@ def test_single_process_errors_are_raised_before_work():
         cpa.ring_attention(q, torch.randn(1, 5, 2, 6), q, layout="contiguous")
     with pytest.raises(ValueError, match=r"sinks must be a non-empty 1-D floating tensor \[heads\]"):
         cpa.ring_attention(q, q, q, layout="contiguous", sinks=torch.zeros(1, 2))
+
+
+@pytest.mark.parametrize("bad", ["no", "", 2, 1.0, None, torch.tensor(True)], ids=repr)
+def test_causal_must_be_a_bool(bad):
+    """``causal="no"`` is truthy: it ran as causal. Refused, also after a causal call on the same group
+    made the plan a call without one finds."""
+    q = torch.randn(1, 4, 2, 8)
+    cpa.ring_attention(q, q, q, layout="contiguous", causal=True)
+    with pytest.raises(ValueError, match=r"causal must be a bool \(True or False\)"):
+        cpa.ring_attention(q, q, q, layout="contiguous", causal=bad)
+    with pytest.raises(ValueError, match=r"causal must be a bool \(True or False\)"):
+        cpa.plan("contiguous", causal=bad)

@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..kernels import KERNEL_NAMES, get_kernel
 from ..kernels.dtypes import FLOAT_DTYPES
@@ -56,6 +57,24 @@ class CallSpec:
     packed_len: int = 0  # cu_seqlens[-1]
     cu_hash: int = 0  # a fingerprint of cu_seqlens, so ranks that pass different boundaries are caught
     window: tuple[int, int] = (-1, -1)  # window_size as given; (-2, -2) when not two ints >= -1
+    # A fingerprint of the sinks' values (0: none, or not read): gathered with the signature when the
+    # group agrees a call, never part of its cache key (trained sinks change every step).
+    sink_values: int = 0
+
+
+_SIG_LEN = 30  # tensor_codes' 23 ints and plan_codes' 7: the signature, without the values' fingerprints
+
+
+def sink_values_code(sinks) -> int:
+    """A fingerprint of ``sinks``' values that every process computes alike (0 for no sinks, for a
+    tensor validation refuses anyway, or one with no values to read, such as a fake tensor). Reads
+    the values to the host: called only when the group gathers a new call signature."""
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or not sinks.is_floating_point():
+        return 0
+    if is_fake(sinks):
+        return 0
+    bits = tuple(sinks.detach().double().cpu().view(torch.int64).tolist())  # NaN's hash is per object
+    return (hash(bits) & ((1 << 62) - 1)) or 1
 
 
 def _float_bits(x: float) -> int:
@@ -123,11 +142,16 @@ def plan_codes(layout, causal, cu_seqlens=None, window_size=None) -> list[int]:
         sig = [layout_code(get_layout(layout).name)]
     except (ValueError, TypeError):
         sig = [_UNKNOWN]
-    try:
-        sig.append(int(bool(causal)))
-    except Exception:  # noqa: BLE001 - e.g. a tensor of several values: judged by every rank alike
-        sig.append(_UNKNOWN)
+    sig.append(_causal_code(causal))
     return sig + _cu_codes(cu_seqlens) + _window_codes(window_size)
+
+
+def _causal_code(causal) -> int:
+    """0 or 1 for a bool (or the int 0 or 1), else unknown: a truthy string such as ``"no"`` is not a
+    mask choice (``bool("no")`` is True), nor is a tensor (reading it would sync the device)."""
+    if isinstance(causal, bool) or (type(causal) is int and causal in (0, 1)):
+        return int(causal)
+    return _UNKNOWN
 
 
 def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: "float | None", kernel: str,
@@ -173,10 +197,10 @@ def _decode(sig: list[int]) -> CallSpec:
                    tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
                    for i in range(3))
     (dtype, device, kernel, scale, needs_grad, sinks, softcap, comm, layout, causal, docs, length, cu_hash, w0,
-     w1) = sig[15:]
+     w1) = sig[15:_SIG_LEN]
     causal = causal if causal == _UNKNOWN else bool(causal)
     return CallSpec(shapes, dtype, device, layout, kernel, causal, _bits_float(scale), bool(needs_grad), sinks,
-                    _bits_float(softcap), comm, docs, length, cu_hash, (w0, w1))
+                    _bits_float(softcap), comm, docs, length, cu_hash, (w0, w1), *sig[_SIG_LEN:_SIG_LEN + 1])
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -248,7 +272,7 @@ def _plan_problem(layout: int, causal: "bool | int", documents: int, window: tup
     if layout == _UNKNOWN:
         return f"unknown layout; expected one of {', '.join(layout_names())} (or an alias)"
     if causal == _UNKNOWN:
-        return "causal must be a bool (bool(causal) raised)"
+        return "causal must be a bool (True or False), got another type; pass causal=True or causal=False"
     if documents == _UNKNOWN:
         return ("cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T] of document boundaries: "
                 "starting at 0 and strictly increasing (no empty document)")
@@ -265,11 +289,34 @@ def _raise_first(what: str, problems: list["str | None"]) -> None:
         raise ValueError(f"{what}: {bad[0][1]} (on rank {bad[0][0]}; ranks with bad input: {ranks})")
 
 
+def _name_at(names: tuple, code: int, what: str) -> str:
+    return str(names[code]) if 0 <= code < len(names) else f"an unknown {what}"
+
+
+def _show(field: str, value) -> str:
+    """A signature field's value as a person names it (a dtype, not its index)."""
+    if field == "layout":
+        return _layout_label(value)
+    if field == "dtype":
+        return _name_at(FLOAT_DTYPES, value, "dtype (or q, k, v of different dtypes)")
+    if field == "device":
+        return "q, k, v on different devices" if value == -2 else _name_at(_DEVICE_TYPES, value, "device type")
+    if field == "kernel":
+        return repr(KERNEL_NAMES[value]) if 0 <= value < len(KERNEL_NAMES) else "an unknown kernel"
+    if field == "comm_type":
+        return repr(CP_COMM_TYPES[value]) if 0 <= value < len(CP_COMM_TYPES) else "an unknown cp_comm_type"
+    if field == "sinks":
+        return {0: "none", _UNKNOWN: "not a 1-D float tensor"}.get(value, f"[{value}]")
+    if field == "sink_values":
+        return f"fingerprint {value}"
+    return str(value)
+
+
 def _raise_differing(what: str, fields: dict[str, str], rows: list) -> None:
     for field, label in fields.items():
         values = [row[field] if isinstance(row, dict) else getattr(row, field) for row in rows]
         if any(v != values[0] for v in values):
-            shown = [_layout_label(v) if field == "layout" else v for v in values]
+            shown = [_show(field, v) for v in values]
             per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
             raise ValueError(
                 f"{what}: every rank of the group must pass the same {label}, got {per_rank}; "
@@ -302,7 +349,8 @@ _FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device t
                 "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)",
                 "softcap": "softcap", "comm_type": "cp_comm_type",
                 "documents": "cu_seqlens (given or not, and how many documents)",
-                "cu_hash": "cu_seqlens (document boundaries)", "window": "window_size"}
+                "cu_hash": "cu_seqlens (document boundaries)", "window": "window_size",
+                "sink_values": "sinks values (the same learned logits on every rank, as for any replicated weight)"}
 
 
 def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
@@ -327,7 +375,7 @@ def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
 
 
 def validate_call(sig: list[int], layout: "Layout | None", transport: Transport, in_forward: bool = False,
-                  trusted: "tuple | None" = None) -> None:
+                  trusted: "tuple | None" = None, sinks: "torch.Tensor | None" = None) -> None:
     """Validate a call across the whole group from its signature ``sig`` (:func:`tensor_codes` +
     :func:`plan_codes`); raise the same ``ValueError`` on every rank.
 
@@ -338,6 +386,8 @@ def validate_call(sig: list[int], layout: "Layout | None", transport: Transport,
     agreed before. ``trusted``: a shorter cache key for a call whose plan part the group already agreed
     on (a plan's calls), so a new batch's document boundaries do not make a new signature.
     ``layout`` is the caller's resolved layout (it may be user-defined and known to no registry).
+    ``sinks``: their values are compared whenever the signatures are gathered (on CUDA one small
+    device read, at a moment the gather already blocks), not on the cached calls.
     """
     world_size = transport.world_size
     cached = cache_enabled()
@@ -350,7 +400,10 @@ def validate_call(sig: list[int], layout: "Layout | None", transport: Transport,
     if world_size > 1 and same and in_forward:  # agreed by the adapter: judged here, not remembered
         check_table([sig] * world_size, layout)
         return
-    check_table(transport.all_gather_ints(sig) if world_size > 1 else [sig], layout)
+    if world_size > 1:  # the sinks' values too: they must be the same on every rank, like a weight
+        check_table(transport.all_gather_ints([*sig, sink_values_code(sinks)]), layout)
+    else:
+        check_table([sig], layout)
     if key is not None:
         VERDICTS.add(key)
 
