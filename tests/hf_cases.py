@@ -263,6 +263,12 @@ def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
             mask = torch.ones_like(ids)
             mask[0, 5] = 0
             cphf.shard_batch({"input_ids": ids, "attention_mask": mask}, layout="zigzag")
+        elif case == "labels_dp_cp_mesh":  # the loss's mean (CP group or whole mesh) is the caller's to say
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "cp"))
+            model = cphf.apply_context_parallel(build(family), group=mesh, layout=layout)
+            model(**cphf.shard_batch({"input_ids": ids, "labels": ids}, group=mesh, layout=layout))
         elif case == "padded_and_packed":
             mask = torch.ones_like(ids)
             mask[0, -3:] = 0
@@ -334,12 +340,17 @@ def _documents_batch(mode: str, seed: int = 3):
     ids = torch.randint(0, VOCAB, (len(real), s), generator=g)
     mask = torch.zeros_like(ids)
     for r, n in enumerate(real):
-        if mode == "padded_right":
+        if mode.startswith("padded_right"):
             mask[r, :n] = 1
         else:
             mask[r, s - n:] = 1
     docs = [ids[r][mask[r].bool()] for r in range(len(real))]
-    return {"input_ids": ids, "attention_mask": mask}, docs
+    out = {"input_ids": ids, "attention_mask": mask}
+    if mode.endswith(("_cumsum", "_filled")):  # HF's generate and many collators: 0, 1, ... over real tokens
+        out["position_ids"] = mask.cumsum(-1) - 1  # the padding: -1 on the left, the last position on the right
+        if mode.endswith("_filled"):
+            out["position_ids"].masked_fill_(mask == 0, 1)
+    return out, docs
 
 
 def documents_equivalence(rank: int, world_size: int, *, family: str, layout: str, mode: str) -> dict:

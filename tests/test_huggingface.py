@@ -86,11 +86,12 @@ REFUSALS = {
     "positions_wrong_on_one_rank": r"position_ids must be this rank's GLOBAL positions.*\(on rank 1; ranks refused",
     "output_attentions": "got argument\\(s\\) it does not implement: output_attentions",
     "packed_kwargs": "position_ids must be this rank's positions within their documents",
+    "labels_dp_cp_mesh": r"labels given to a context-parallel model whose CP group is the 'cp' dim of a 2-D mesh",
 }
 
 
 # Refusals that depend on a rank's own data: agreed once per forward, the same error on every rank.
-AGREED = ("padding_forward", "missing_position_ids", "contiguous_missing_position_ids", "padding_on_one_rank",
+AGREED = ("labels_dp_cp_mesh", "padding_forward", "missing_position_ids", "contiguous_missing_position_ids", "padding_on_one_rank",
           "positions_wrong_on_one_rank", "packed_kwargs", "packed_kv_differs", "kv_cache_decode")
 
 
@@ -115,6 +116,9 @@ DOC_MODES = ("packed_positions", "collator", "padded_right", "padded_left")
 DOC_CASES = [(2, fam, lay, mode) for fam in ("llama", "qwen2", "mistral") for lay in cpa.LAYOUT_NAMES
              for mode in DOC_MODES] + [(4, "llama", lay, mode) for lay in cpa.LAYOUT_NAMES for mode in DOC_MODES[::3]]
 DOC_CASES += [(2, "qwen2", "zigzag", "unsplittable"), (4, "llama", "interleaved", "unsplittable")]
+# left or right padding with HF's position ids (attention_mask.cumsum(-1) - 1, the padding's -1 or masked_fill 1)
+DOC_CASES += [(2, "llama", "zigzag", "padded_left_cumsum"), (2, "qwen2", "interleaved", "padded_left_filled"),
+              (4, "mistral", "contiguous", "padded_right_cumsum"), (2, "llama", "zigzag", "padded_right_filled")]
 
 
 @pytest.mark.parametrize("world_size,family,layout,mode", DOC_CASES, ids=["-".join(map(str, c)) for c in DOC_CASES])
