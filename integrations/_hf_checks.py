@@ -86,7 +86,6 @@ class ForwardChecks:
         self.plan: Optional[AttentionPlan] = None  # this forward's, once its data is agreed
         self._agreed = AgreedScope()
         self.loss: Any = None  # the model's loss_function (_hf_loss.CPModelLoss): checks a forward's labels
-        self._labelled = False  # this forward was given labels: its loss must come from self.loss
 
     def accepted_positions(self, position_ids: torch.Tensor) -> bool:
         """Whether ``position_ids`` is the tensor this forward's check accepted."""
@@ -148,9 +147,6 @@ class ForwardChecks:
         same token on every rank) is let through: its layers merge their partial results themselves."""
         self._agreed.leave()  # a forward that ended without its post-hook (not on a normal path)
         self._positions = self._cu_q = self.cu = self.plan = None
-        self._labelled = kwargs.get("labels") is not None
-        if self.loss is not None:
-            self.loss.called = False
         gen = active_generation(getattr(module, "_cp_attention", None))
         if gen is not None:
             if gen.prefilled:
@@ -201,13 +197,6 @@ class ForwardChecks:
         validated outside the agreed scope, as any call is). A generation's prefill gets every rank's
         logits of the prompt rows' last tokens."""
         self._agreed.leave()
-        inline = self._labelled and self.loss is not None and not self.loss.called
-        if inline and getattr(output, "loss", None) is not None:
-            # every rank alike (the same model code): a head that computes its loss inline is per-rank
-            raise NotImplementedError(
-                f"{type(module).__name__} computed its loss from labels without its loss_function, so per rank "
-                "over this rank's shard only (not the loss without CP); pass the batch through model_inputs and "
-                "take the loss as causal_lm_loss(out.logits, local['shift_labels'], group=...)")
         gen = active_generation(getattr(module, "_cp_attention", None))
         if gen is not None and not gen.prefilled and output is not None:
             return gen.finish_prefill(output)

@@ -19,6 +19,10 @@ whose loss is not causal LM cross-entropy; and a CP group taken from a ``(dp, cp
 ``num_items_in_batch``, whose mean must span the CP group or the whole mesh depending on how the
 gradients are reduced (``reduce_gradients`` or ``parallelize``'s FSDP sum): the caller says which
 through :func:`causal_lm_loss`'s ``group``.
+
+A head that computes its loss without ``loss_function`` is not caught (none of the supported families
+does; TRL's fused LM head does, and its trainer takes the loss from its log-probabilities and the CP
+Trainer's ``num_items_in_batch`` instead).
 """
 
 from __future__ import annotations
@@ -51,12 +55,10 @@ class CPModelLoss:
         self.base, self.group, self.cp_loss = base, group, cp_loss
         self.refusal = refusal  # whenever labels are given
         self.uncounted_refusal = uncounted_refusal  # when they are given without num_items_in_batch
-        self.called = False  # set by a forward's loss, read by the post-hook: a model that bypassed it
 
     def check(self, kwargs: dict[str, Any]) -> None:
         """Raise ``ValueError`` or ``NotImplementedError`` if this forward's ``labels`` cannot give the exact
         CP loss (pure: every rank decides alike from the same keys)."""
-        self.called = False
         if kwargs.get("labels") is None:
             return
         if kwargs.get("shift_labels") is None:
@@ -79,7 +81,6 @@ class CPModelLoss:
                  shift_labels: Optional[torch.Tensor] = None, **forward_kwargs: Any) -> torch.Tensor:
         """The loss the model's forward asks for with ``labels`` (transformers hands it the forward's own
         kwargs too, the attention's among them: ``ForCausalLMLoss`` ignores them, and so does this)."""
-        self.called = True
         if shift_labels is None or self.refusal is not None or (self.uncounted_refusal is not None
                                                                  and num_items_in_batch is None):
             raise RuntimeError("CPModelLoss was called with arguments its check refuses: the model's forward "
