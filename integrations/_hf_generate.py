@@ -12,13 +12,16 @@ stopping criteria, scores) with a :func:`~._hf_kvcache.sharded_cache` and this m
   share of the cache and merges the ranks' partial results by log-sum-exp in one small all-gather
   (:func:`cp_attention.engine.decode.decode_attention`); the new token's K/V stay on rank ``step mod N``.
 
-Every rank computes the same logits bit for bit, so it picks (or samples, under the same seed) the
-same token. The state of a generation is per thread (a loopback rank is a thread): :mod:`._hf_gen_state`.
+Every rank computes the same logits bit for bit, so greedy and beam search pick the same token; a sampled
+token is drawn on group rank 0 and shared (:mod:`._hf_gen_draws`), whatever the other ranks' generators
+hold. Before the prefill, every argument's value (the generation config transformers would merge from
+the keywords, ``generation_config`` and ``model.generation_config`` included) is agreed across the group,
+and what the sharded cache cannot serve is refused on every rank alike (:mod:`._hf_gen_args`). The state
+of a generation is per thread (a loopback rank is a thread): :mod:`._hf_gen_state`.
 """
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Optional
 
 import torch
@@ -30,28 +33,25 @@ from cp_attention.transport import group_rank_and_size, transport_for
 from cp_attention.transport.process_group import group_token
 
 from ._agree import agree
-from ._hf_batch import batch_fingerprint
+from ._hf_gen_args import GENERATE_PARAMETERS, differing_arguments, digest, effective_config, named_fingerprints
+from ._hf_gen_args import refused_option
+from ._hf_gen_draws import shared_draws
 from ._hf_gen_state import running
 
 __all__ = ["generate", "Generation"]
 
 _KINDS = (ValueError, NotImplementedError)
-# generate arguments that would need what a sharded cache cannot give: the attention weights, every
-# layer's hidden states, a cropped cache (assisted, prompt-lookup and contrastive decoding), a cache
-# of another kind, or the prompt as embeddings.
+# generate keyword arguments (not generation options) that would need what a sharded cache cannot give
 _REFUSED = {
-    "output_attentions": "the attention weights (ring attention never holds them)",
-    "output_hidden_states": "every layer's hidden states of the whole prompt (each rank holds its shard only)",
     "assistant_model": "assisted decoding (it crops the cache)",
-    "prompt_lookup_num_tokens": "prompt-lookup decoding (it crops the cache)",
-    "penalty_alpha": "contrastive search (it crops the cache)",
-    "prefill_chunk_size": "chunked prefill (the prefill is sharded instead)",
-    "cache_implementation": "another cache (generation uses the sharded KV cache)",
+    "custom_generate": "a decoding loop of its own (the sharded cache serves transformers' greedy, sampling and "
+                       "beam search loops)",
     "past_key_values": "a cache of your own (generation uses the sharded KV cache)",
     "cache": "a cache of your own (generation uses the sharded KV cache)",
     "inputs_embeds": "prompts as embeddings (pass input_ids)",
     "logits_to_keep": "logits_to_keep (generation keeps the last token's logits itself)",
 }
+_NOTE = "(on rank {first}; ranks refused: {bad})"
 
 
 class Generation:
@@ -139,26 +139,44 @@ class Generation:
         return out[:, None], None
 
 
-def _problem(input_ids: Any, attention_mask: Any, kwargs: dict[str, Any], model: Any) -> "tuple[int, str] | None":
+def _problem(model: Any, state: Any, group: Any, layout: Any, input_ids: Any, attention_mask: Any,
+             kwargs: dict[str, Any]) -> "tuple[tuple[int, str] | None, dict[str, tuple[int, str]]]":
+    """This rank's refusal of the call (an index into ``_KINDS`` and a message), or None and every argument's
+    fingerprint (:func:`~._hf_gen_args.named_fingerprints`)."""
+    try:
+        lay = cpa.get_layout(layout)
+    except (ValueError, TypeError, KeyError) as e:
+        return (0, f"generate got layout={layout!r}, which is not a layout: {e}"), {}
+    if group_token(group) != group_token(state.group) or lay != state.layout:
+        return (0, f"generate got group/layout {layout!r} other than the model was patched with "
+                   f"({state.layout.name!r}); pass the ones given to apply_context_parallel"), {}
     refused = [name for name in _REFUSED if kwargs.get(name) not in (None, False)]
-    if kwargs.get("use_cache") is False:
-        return 1, "use_cache=False: context-parallel generation decodes from its sharded KV cache; drop use_cache"
-    if getattr(model.generation_config, "cache_implementation", None) is not None and "generation_config" not in kwargs:
-        refused.append("cache_implementation")
     if refused:
         what = "; ".join(f"{name}: {_REFUSED[name]}" for name in refused)
-        return 1, f"context-parallel generate does not support {what}; drop {', '.join(refused)}"
+        return (1, f"context-parallel generate does not support {what}; drop {', '.join(refused)}"), {}
+    try:  # what transformers would decode with: the keywords, generation_config and model.generation_config
+        config, model_kwargs = effective_config(model, kwargs)
+    except (ValueError, TypeError) as e:
+        return (0, f"the generation options were refused by transformers: {e}"), {}
+    why = refused_option(config, kwargs.get("assistant_model"))
+    if why is not None:
+        return (1, why), {}
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        return 0, "input_ids must be a [batch, seq] integer tensor (the whole prompt, the same on every rank)"
+        return (0, "input_ids must be a [batch, seq] integer tensor (the whole prompt, the same on every rank)"), {}
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-            return 0, f"attention_mask must be a [batch, seq] tensor like input_ids {tuple(input_ids.shape)}"
+            return (0, f"attention_mask must be a [batch, seq] tensor like input_ids {tuple(input_ids.shape)}"), {}
         problem = _left_padding_problem(attention_mask)
         if problem is not None:
-            return 0, f"attention_mask {problem}"
+            return (0, f"attention_mask {problem}"), {}
     if not model._supports_logits_to_keep():
-        return 1, f"{type(model).__name__}.forward takes no logits_to_keep, which the sharded prefill needs"
-    return None
+        return (1, f"{type(model).__name__}.forward takes no logits_to_keep, which the sharded prefill needs"), {}
+    arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "layout": lay.name, **model_kwargs,
+                 **{k: kwargs.get(k) for k in GENERATE_PARAMETERS if k != "generation_config"}}
+    try:
+        return None, named_fingerprints(arguments, config)
+    except Exception as e:  # noqa: BLE001 - a rank leaving here would leave its peers waiting: refuse instead
+        return (0, f"generate could not fingerprint its arguments to agree them across ranks: {e!r}"), {}
 
 
 def _left_padding_problem(mask: torch.Tensor) -> Optional[str]:
@@ -171,12 +189,6 @@ def _left_padding_problem(mask: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _arguments_header(kwargs: dict[str, Any]) -> list[int]:
-    """A fingerprint of the plain-valued generate arguments (objects differ between processes by address)."""
-    plain = sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str, type(None), tuple)))
-    return [zlib.crc32(repr(plain).encode())]
-
-
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, group=None, layout: "str | cpa.Layout" = "zigzag",
              attention_mask: Optional[torch.Tensor] = None, **generate_kwargs: Any) -> Any:
     """What ``model.generate(input_ids, attention_mask=..., **generate_kwargs)`` returns in one process
@@ -184,38 +196,39 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, group=None, layout
 
     ``input_ids [B, S]`` is the whole prompt batch on every rank (left-padded as ``attention_mask``
     says); the prompt is sharded internally, whatever its length, and each rank keeps ~1/N of the KV
-    cache. ``generate_kwargs`` are transformers' (greedy, beam search, sampling with the same seed on
-    every rank, logits processors, stopping criteria, ``output_scores``, ``return_dict_in_generate``...).
+    cache. ``generate_kwargs`` are transformers' (greedy, beam search, sampling, logits processors,
+    stopping criteria, ``generation_config``, ``output_scores``, ``return_dict_in_generate``...). Sampling
+    draws from group rank 0's generator only; every rank gets its tokens.
 
-    Raises ``ValueError`` for a model patched with another group or layout, inputs that differ between
-    ranks, or padding that is not left padding; ``NotImplementedError`` naming a ``generate`` argument
-    the sharded cache cannot serve (attention weights, hidden states, assisted or contrastive decoding,
-    another cache). Raised on every rank alike, before the prefill.
+    Raises ``ValueError`` for a model patched with another group or layout, arguments whose values differ
+    between ranks (naming them and the ranks), or padding that is not left padding; ``NotImplementedError``
+    naming a generation option the sharded cache cannot serve (``use_cache=False``, attention weights,
+    hidden states, assisted, contrastive or group-beam decoding, another cache, ``max_time``), whether it
+    comes as a keyword, in ``generation_config`` or from ``model.generation_config``. Raised on every rank
+    alike, before the prefill.
     """
     state = getattr(model, "_cp_attention", None)
-    rank, world = group_rank_and_size(group)
+    _, world = group_rank_and_size(group)
     if state is None:
         if world == 1:  # apply_context_parallel leaves a world of one untouched
             return type(model).generate(model, input_ids, attention_mask=attention_mask, **generate_kwargs)
-        raise ValueError("generate needs a model patched for context parallelism: call "
-                         "apply_context_parallel(model, group=group, layout=layout) first")
-    if group_token(group) != group_token(state.group) or cpa.get_layout(layout) != state.layout:
-        raise ValueError(f"generate got group/layout {layout!r} other than the model was patched with "
-                         f"({state.layout.name!r}); pass the ones given to apply_context_parallel")
-    problem = _problem(input_ids, attention_mask, generate_kwargs, model)
-    header = _arguments_header(generate_kwargs)
-    if problem is None:
-        header += batch_fingerprint({"input_ids": input_ids, "attention_mask": attention_mask})
-    headers = agree(state.group, world, problem, _KINDS, "(on rank {first}; ranks refused: {bad})", header)
-    if len(set(headers)) > 1:
-        raise ValueError("the ranks passed different prompts or generate arguments; every rank must call generate "
-                         "with the same input_ids, attention_mask and arguments")
+        # agreed, so that ranks whose model is patched are not left waiting for this one
+        agree(group, world, (0, "generate needs a model patched for context parallelism: call "
+                                "apply_context_parallel(model, group=group, layout=layout) first"), _KINDS, _NOTE, [0])
+    problem, named = _problem(model, state, group, layout, input_ids, attention_mask, generate_kwargs)
+    # One digest of every argument's value rides on the agreement; the names come only if it differs.
+    header = [0] if problem else [digest(";".join(f"{k}={v[0]}" for k, v in sorted(named.items())))]
+    headers = agree(state.group, state.world_size, problem, _KINDS, _NOTE, header)
+    if len(set(headers)) > 1:  # every rank sees the same headers: all of them exchange the names
+        raise ValueError(f"the ranks passed different generate arguments: {differing_arguments(state.group, named)}; "
+                         "every rank must call generate with the same input_ids, attention_mask, layout, arguments "
+                         "and generation config (model.generation_config included)")
     from ._hf_kvcache import sharded_cache
 
     gen = Generation(state, None)
     gen.cache = sharded_cache(model.config.get_text_config().num_hidden_layers, gen.keeps_new_token)
     cache_name = "cache" if "cache" in _forward_parameters(model) else "past_key_values"
-    with running(gen):
+    with running(gen), shared_draws(model, gen.transport):  # sampled tokens: group rank 0's draws
         return type(model).generate(model, input_ids, attention_mask=attention_mask, **{cache_name: gen.cache},
                                     **generate_kwargs)
 

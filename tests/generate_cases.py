@@ -1,11 +1,12 @@
 """Generation under CP against single-process ``generate``: every rank's output must equal the unpatched
-model's, sequences exactly and every step's scores within ``atol``. Loopback (every rank a thread) for
-the deterministic modes; gloo processes for sampling (threads would share one random generator)."""
+model's, sequences exactly and every step's scores within ``atol``. Loopback (every rank a thread) and
+gloo processes; sampling draws on group rank 0 only, so loopback threads (one shared generator) and
+differently seeded processes agree, and equal one process seeded as rank 0."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -35,9 +36,10 @@ def _compare(got: Any, want: Any) -> dict:
 
 
 def loopback_generate(world: int, family: str, layout: str, seq: int = 13, pads: tuple = (0, 3), rows: int = 2,
-                      device: str = "cpu", **gen_kwargs: Any) -> list[dict]:
-    """Per rank: whether its sequences equal single-process generate's, its worst score difference, and
-    how many prompt and generated tokens its cache holds (``cached``)."""
+                      device: str = "cpu", seed: Optional[int] = None, **gen_kwargs: Any) -> list[dict]:
+    """Per rank: whether its sequences equal single-process generate's, its worst score difference, how
+    many prompt and generated tokens its cache holds (``cached``) and its ``tokens``. With ``seed``, the
+    process's generator (which every loopback thread shares) is seeded so before either generate."""
     from cp_attention.integrations import huggingface as cphf
     from cp_attention.transport.loopback import LoopbackGroup
 
@@ -45,6 +47,8 @@ def loopback_generate(world: int, family: str, layout: str, seq: int = 13, pads:
     ids, mask = (t.to(device) for t in prompts(rows, seq, pads))
     kwargs = dict(attention_mask=mask, return_dict_in_generate=True, output_scores=True, pad_token_id=0,
                   **gen_kwargs)
+    if seed is not None:
+        torch.manual_seed(seed)
     want = ref.generate(ids, **kwargs)
     loop = LoopbackGroup(world)
     replicas = [cphf.apply_context_parallel(copy.deepcopy(ref), group=loop.rank(r), layout=layout)
@@ -53,13 +57,16 @@ def loopback_generate(world: int, family: str, layout: str, seq: int = 13, pads:
     def rank_fn(group):
         got = cphf.generate(replicas[group.rank], ids, group=group, layout=layout, **kwargs)
         layer = got.cache.layers[0] if hasattr(got, "cache") else got.past_key_values.layers[0]
-        return {**_compare(got, want), "cached": int((layer.positions >= 0).sum())}
+        return {**_compare(got, want), "cached": int((layer.positions >= 0).sum()), "tokens": got.sequences.tolist()}
 
+    if seed is not None:
+        torch.manual_seed(seed)
     return loop.run(rank_fn)
 
 
-def sampled(rank: int, world_size: int, *, family: str, layout: str, seed: int) -> dict:
-    """On a gloo rank: sampling with the same seed on every rank equals single-process sampling."""
+def sampled(rank: int, world_size: int, *, family: str, layout: str, seed: int, rank_seed_step: int = 0) -> dict:
+    """On a gloo rank: sampling under CP against single-process sampling seeded ``seed``; the CP call
+    runs seeded ``seed + rank * rank_seed_step`` (0: every rank alike)."""
     from cp_attention.integrations import huggingface as cphf
 
     ref = build(family)
@@ -69,24 +76,33 @@ def sampled(rank: int, world_size: int, *, family: str, layout: str, seed: int) 
     torch.manual_seed(seed)
     want = ref.generate(ids, **kwargs)
     model = cphf.apply_context_parallel(copy.deepcopy(ref), layout=layout)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + rank * rank_seed_step)
     got = cphf.generate(model, ids, layout=layout, **kwargs)
     return {**_compare(got, want), "tokens": got.sequences.tolist()}
 
 
-def refusals(world: int, case: str) -> list[str]:
-    """What every loopback rank raised for a call that must be refused (empty: none raised)."""
+def refusals(world: int, case: str, timeout_s: float = 60.0) -> list[dict]:
+    """Per loopback rank: what it raised for a call that must be refused (``message``, empty: none raised)
+    and how many forwards its model began (``forwards``: 0 when refused before the prefill). A rank left
+    waiting fails with the loopback's timeout instead of hanging the test."""
+    from transformers import GenerationConfig
+
     from cp_attention.integrations import huggingface as cphf
     from cp_attention.transport.loopback import LoopbackGroup
 
     ref = build("llama")
     ids, mask = prompts()
-    loop = LoopbackGroup(world)
+    loop = LoopbackGroup(world, timeout_s=timeout_s)
     replicas = [cphf.apply_context_parallel(copy.deepcopy(ref), group=loop.rank(r), layout="zigzag")
                 for r in range(world)]
+    forwards = [0] * world
+    for r, replica in enumerate(replicas):  # prepended: counts a forward even if a later hook refuses it
+        replica.register_forward_pre_hook(lambda *_, r=r: forwards.__setitem__(r, forwards[r] + 1), prepend=True)
 
     def rank_fn(group):
-        model, kwargs, prompt = replicas[group.rank], dict(attention_mask=mask, max_new_tokens=2, pad_token_id=0), ids
+        rank = group.rank
+        model, kwargs, prompt = replicas[rank], dict(attention_mask=mask, max_new_tokens=2, pad_token_id=0), ids
+        layout = "zigzag"
         if case == "model.generate":
             call = lambda: model.generate(prompt, **kwargs)  # noqa: E731
         else:
@@ -94,13 +110,29 @@ def refusals(world: int, case: str) -> list[str]:
                 kwargs.update(output_attentions=True, return_dict_in_generate=True)
             elif case == "right_padding":
                 kwargs["attention_mask"] = mask.flip(1)
-            elif case == "differing_prompts" and group.rank == 1:
+            elif case == "differing_prompts" and rank == 1:
                 prompt = ids.roll(1, 1)
-            call = lambda: cphf.generate(model, prompt, group=group, layout="zigzag", **kwargs)  # noqa: E731
+            elif case == "differing_generation_config":  # equal objects' values would agree, not their identity
+                del kwargs["max_new_tokens"], kwargs["pad_token_id"]
+                kwargs["generation_config"] = GenerationConfig(max_new_tokens=2 + rank, pad_token_id=0)
+            elif case == "differing_do_sample":  # a keyword on one rank, a GenerationConfig field on the other
+                if rank == 1:
+                    kwargs["generation_config"] = GenerationConfig(do_sample=True, top_k=5)
+            elif case == "differing_layout" and rank == 1:
+                layout = "contiguous"
+            elif case == "generation_config_use_cache":
+                kwargs["generation_config"] = GenerationConfig(use_cache=False)
+            elif case == "model_generation_config_use_cache":
+                model.generation_config.use_cache = False
+            elif case == "max_time":
+                kwargs["max_time"] = 60.0
+            elif case == "group_beam_search":
+                kwargs.update(num_beams=2, num_beam_groups=2, diversity_penalty=0.5)
+            call = lambda: cphf.generate(model, prompt, group=group, layout=layout, **kwargs)  # noqa: E731
         try:
             call()
         except (ValueError, NotImplementedError) as e:
-            return f"{type(e).__name__}: {e}"
-        return ""
+            return {"message": f"{type(e).__name__}: {e}", "forwards": forwards[rank]}
+        return {"message": "", "forwards": forwards[rank]}
 
     return loop.run(rank_fn)

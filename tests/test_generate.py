@@ -1,7 +1,11 @@
 """Issue 27: generation from a sharded prompt and KV cache equals single-process ``generate`` (tokens and
 every step's scores), for every layout, N in {2, 4}, odd prompt lengths with left padding, and models
 with sliding windows shorter than the prompt (Mistral), softcap and alternating windows (Gemma2) and
-sinks (GPT-OSS); beam search, logits processors and sampling; the refusals alike on every rank."""
+sinks (GPT-OSS); beam search, logits processors and sampling; the refusals alike on every rank.
+
+Issue 32: a sampled token is drawn once (on group rank 0) and shared, so ranks whose generators are out of
+step (loopback threads, differently seeded processes) agree; every argument's value, GenerationConfig
+objects included, is agreed before the prefill, and what is refused is refused there on every rank."""
 
 from __future__ import annotations
 
@@ -52,23 +56,55 @@ def test_one_prompt_runs_the_plain_schedule(layout, pad):
         assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
 
 
-def test_sampling_is_identical_on_every_rank(pools):
+@pytest.mark.parametrize("rank_seed_step", [0, 1000], ids=["same-seed", "seeded-differently"])
+def test_sampling_is_identical_on_every_rank(pools, rank_seed_step):
+    """gloo processes: the same tokens on both ranks, and what one process seeded as rank 0 samples, also
+    when rank 1's generator is seeded otherwise (rank 0's draw counts)."""
     results = pools(2).run(generate_cases.sampled, family="gpt_oss_window", layout="interleaved", seed=3,
-                           timeout=180)
+                           rank_seed_step=rank_seed_step, timeout=180)
     assert results[0]["tokens"] == results[1]["tokens"]
     for r in results:
         assert r["sequences"] and r["scores"] <= ATOL, r
+
+
+@pytest.mark.parametrize("world,kwargs", [
+    (2, dict(do_sample=True, top_k=20, temperature=0.9, max_new_tokens=6)),
+    (4, dict(do_sample=True, num_beams=2, max_new_tokens=4)),
+], ids=["sample-N2", "beam-sample-N4"])
+def test_sampling_on_loopback_equals_one_process(world, kwargs):
+    """Loopback ranks are threads drawing from ONE generator: unless one rank draws for all, each step's
+    token differs between ranks. Seeded alike, the result is one process's, tokens and scores."""
+    results = generate_cases.loopback_generate(world, "llama", "zigzag", seed=11, **kwargs)
+    assert all(r["tokens"] == results[0]["tokens"] for r in results), [r["tokens"] for r in results]
+    for rank, r in enumerate(results):
+        assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
 
 
 @pytest.mark.parametrize("case,expected", [
     ("model.generate", "NotImplementedError: model.generate() on a context-parallel model"),
     ("output_attentions", "NotImplementedError: context-parallel generate does not support output_attentions"),
     ("right_padding", "ValueError: attention_mask must hold left padding only"),
-    ("differing_prompts", "ValueError: the ranks passed different prompts"),
-])
+    ("differing_prompts", "ValueError: the ranks passed different generate arguments: input_ids (rank 0: a "
+                          "torch.int64 tensor (2, 13) of fingerprint "),
+    ("differing_generation_config", "ValueError: the ranks passed different generate arguments: max_new_tokens "
+                                    "(rank 0: 2; rank 1: 3)"),
+    ("differing_do_sample", "ValueError: the ranks passed different generate arguments: do_sample (rank 0: False; "
+                            "rank 1: True), top_k (rank 0: 50; rank 1: 5)"),
+    ("differing_layout", "ValueError: generate got group/layout 'contiguous' other than the model was patched with"),
+    ("generation_config_use_cache", "NotImplementedError: use_cache=False (a generate keyword, or a field of "
+                                    "generation_config or model.generation_config)"),
+    ("model_generation_config_use_cache", "NotImplementedError: use_cache=False"),
+    ("max_time", "NotImplementedError: context-parallel generate does not support max_time=60.0"),
+    ("group_beam_search", "NotImplementedError: context-parallel generate does not support the generation mode "
+                          "'group_beam_search'"),
+], ids=lambda v: v if " " not in v else "")
 def test_refusals_alike_on_every_rank(case, expected):
-    messages = generate_cases.refusals(2, case)
+    """The same error on every rank, before any forward (the prefill never starts); never a rank left
+    waiting (the loopback's timeout would fail the test)."""
+    results = generate_cases.refusals(2, case, timeout_s=30)
+    messages = [r["message"] for r in results]
     assert len(set(messages)) == 1 and messages[0].startswith(expected), messages
+    assert [r["forwards"] for r in results] == [0, 0], results
 
 
 def _bench_on_rank(rank: int, world_size: int, *args):
