@@ -136,3 +136,19 @@ def refusals(world: int, case: str, timeout_s: float = 60.0) -> list[dict]:
         return {"message": "", "forwards": forwards[rank]}
 
     return loop.run(rank_fn)
+
+
+def differing_config(rank: int, world_size: int) -> str:
+    """On a gloo rank: generate with a GenerationConfig of this rank's own; what it raised (empty: none)."""
+    from transformers import GenerationConfig
+
+    from cp_attention.integrations import huggingface as cphf
+
+    ids, mask = prompts()
+    model = cphf.apply_context_parallel(build("llama"), layout="zigzag")
+    config = GenerationConfig(max_new_tokens=2, pad_token_id=0, do_sample=rank > 0)
+    try:
+        cphf.generate(model, ids, layout="zigzag", attention_mask=mask, generation_config=config)
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return ""

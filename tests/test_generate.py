@@ -107,6 +107,15 @@ def test_refusals_alike_on_every_rank(case, expected):
     assert [r["forwards"] for r in results] == [0, 0], results
 
 
+def test_differing_generation_config_refused_on_gloo(pools):
+    """Real processes: a GenerationConfig that differs between the ranks (equal objects would agree) raises
+    the same ValueError on both, naming the option and the ranks, instead of one rank hanging."""
+    messages = pools(2).run(generate_cases.differing_config, timeout=120)
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("ValueError: the ranks passed different generate arguments: do_sample (rank 0: "
+                                  "False; rank 1: True)"), messages
+
+
 def _bench_on_rank(rank: int, world_size: int, *args):
     from cp_attention.experiments import generate_bench
 
@@ -131,10 +140,14 @@ def test_generate_benchmark_figures(pools):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["mistral_window", "gpt_oss_window"])
-def test_generate_on_cuda(family):
+@pytest.mark.parametrize("family,kwargs", [
+    ("mistral_window", dict(num_beams=2)),
+    ("gpt_oss_window", dict(num_beams=2)),
+    ("llama", dict(do_sample=True, top_k=20)),  # rank 0 draws from the CUDA generator; the ranks share it
+], ids=["mistral_window-beam", "gpt_oss_window-beam", "llama-sample"])
+def test_generate_on_cuda(family, kwargs):
     """fp64 on one GPU (the ring's CUDA path falls back where a kernel lacks fp64), every rank a thread."""
     results = generate_cases.loopback_generate(4, family, "zigzag", seq=17, device="cuda", max_new_tokens=5,
-                                               num_beams=2)
+                                               seed=5, **kwargs)
     for rank, r in enumerate(results):
         assert r["sequences"] and r["scores"] <= ATOL, (rank, r)
