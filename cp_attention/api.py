@@ -20,7 +20,7 @@ from .transport.process_group import transport_for
 __all__ = ["ring_attention", "plan"]
 
 # Under torch.compile a plan is built eagerly (a graph break): it agrees over the group on the host.
-plan = eager_only("cp_attention.plan")(build_plan)
+plan = eager_only(build_plan)
 
 
 class _Default:
@@ -92,7 +92,7 @@ def _strategy(plan: AttentionPlan, cp_comm_type: str, q: torch.Tensor, k: torch.
     return cp_comm_type
 
 
-@eager_only("cp_attention.ring_attention")
+@eager_only
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -87,7 +87,7 @@ _OUTPUT_FLAGS = frozenset({"use_cache", "output_hidden_states", "output_router_l
 _LOSS_ONLY = frozenset({"num_items_in_batch", "shift_labels", "ignore_index"})
 
 
-@eager_only("context-parallel attention (the HF attention function)")
+@eager_only
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: "Optional[RingMask]", dropout: float = 0.0,
                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
@@ -171,7 +171,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 # Under torch.compile the mask check reads the padding mask on the host: eager, as the attention is.
-_EAGER_RING_MASK = eager_only("context-parallel attention's mask (the HF mask function)")(ring_mask)
+_EAGER_RING_MASK = eager_only(ring_mask)
 
 
 def _register() -> None:
@@ -180,6 +180,17 @@ def _register() -> None:
 
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, _ring_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _EAGER_RING_MASK)
+
+
+def _eager_hook(hook):
+    """``hook`` (the forward checks, which agree over the group on the host) as a plain function that
+    runs eagerly under torch.compile: a graph break, named in a ``fullgraph=True`` error."""
+
+    @eager_only
+    def context_parallel_forward_checks(*args: Any, **kwargs: Any) -> Any:
+        return hook(*args, **kwargs)
+
+    return context_parallel_forward_checks
 
 
 def _refuse_generate(*args, **kwargs):
@@ -222,11 +233,9 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
         m._cp_attention = state
     for previous in getattr(model, "_cp_checks_hooks", ()):  # patched again: the new checks replace the old
         previous.remove()
-    # The checks agree over the group on the host: under torch.compile they run eagerly (graph breaks).
-    pre, post = (eager_only(f"the context-parallel model's forward {what}")(fn)
-                 for what, fn in (("checks", checks), ("end", checks.post_hook)))
-    model._cp_checks_hooks = (model.register_forward_pre_hook(pre, with_kwargs=True),
-                              model.register_forward_hook(post, with_kwargs=True, always_call=True))
+    model._cp_checks_hooks = (model.register_forward_pre_hook(_eager_hook(checks), with_kwargs=True),
+                              model.register_forward_hook(_eager_hook(checks.post_hook), with_kwargs=True,
+                                                          always_call=True))
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.generate = _refuse_generate
     return model

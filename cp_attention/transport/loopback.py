@@ -160,7 +160,7 @@ class LoopbackRank:
         # verdicts (a rank that saw another's verdict would skip an all-gather the others wait in).
         return self
 
-    @eager_only("LoopbackRank.exchange")
+    @eager_only
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Posted:
         """Post ``send`` to the rank ``hop`` places on and receives from the rank ``hop`` places back;
         ``wait()`` on the result fills ``recv``."""
@@ -169,17 +169,17 @@ class LoopbackRank:
             self.group._post(self.rank, to, t)
         return _Posted(self, recv, [self.group._reserve(frm, self.rank) for _ in recv])
 
-    @eager_only("LoopbackRank.all_gather_ints")
+    @eager_only
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values``, in rank order (validation's signature table, the adapters' verdicts)."""
         return self.group._all_gather(self.rank, list(values))
 
-    @eager_only("LoopbackRank.all_gather_tensor")
+    @eager_only
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (a copy of each), in rank order."""
         return [t.clone() for t in self.group._all_gather(self.rank, tensor.detach().clone())]
 
-    @eager_only("LoopbackRank.all_reduce_sum_")
+    @eager_only
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (in rank order, so every rank gets the same bits)."""
         parts = self.group._all_gather(self.rank, tensor.detach().clone())
@@ -206,7 +206,7 @@ class _LoopbackLevel:
     def token(self) -> tuple:
         return (self._handle, tuple(self._members))
 
-    @eager_only("a loopback mesh dim's exchange")
+    @eager_only
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Posted:
         """As :meth:`LoopbackRank.exchange`, with ``hop`` counted along this dim."""
         me, group = self._handle.rank, self._handle.group

@@ -23,7 +23,7 @@ from .mesh import cp_group, mesh_levels
 __all__ = ["ProcessGroupTransport", "group_rank_and_size", "group_token", "transport_for", "two_level_transport"]
 
 
-@eager_only("cp_attention.transport.group_rank_and_size")
+@eager_only
 def group_rank_and_size(group=None) -> tuple[int, int]:
     """This process's rank in ``group`` and the group's size; (0, 1) without torch.distributed.
 
@@ -132,7 +132,7 @@ class ProcessGroupTransport:
         pg = self.group if self._group is not None else dist.group.WORLD
         return dist.get_global_rank(pg, (self.rank + offset) % self.world_size)
 
-    @eager_only("ProcessGroupTransport.exchange")
+    @eager_only
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], hop: int = 1) -> _Pending:
         """See :meth:`~.base.Transport.exchange`: ``send`` must not be written nor ``recv`` read until
         ``wait()`` on the returned handle."""
@@ -142,7 +142,7 @@ class ProcessGroupTransport:
         ops += [dist.P2POp(dist.irecv, t, frm, group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops))
 
-    @eager_only("ProcessGroupTransport.all_gather_ints")
+    @eager_only
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` in rank order: one all-gather on the CPU (gloo) or the current CUDA
         device (NCCL), the one device rule of every agreement in the library."""
@@ -155,7 +155,7 @@ class ProcessGroupTransport:
             dist.all_gather(parts, mine, group=self.group)
         return torch.stack(parts).tolist()
 
-    @eager_only("ProcessGroupTransport.all_gather_tensor")
+    @eager_only
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's contiguous ``tensor``, in rank order (one all-gather)."""
         if self.world_size == 1:
@@ -166,7 +166,7 @@ class ProcessGroupTransport:
             dist.all_gather(parts, tensor, group=self.group)
         return parts
 
-    @eager_only("ProcessGroupTransport.all_reduce_sum_")
+    @eager_only
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group in place, wherever it lives (a no-op alone): the reduction runs
         on the device the backend needs (this rank's CUDA device for NCCL, the CPU for gloo), with a
@@ -186,7 +186,7 @@ _TOKENS: "weakref.WeakKeyDictionary[Any, object]" = weakref.WeakKeyDictionary()
 _TOKENS_LOCK = threading.Lock()
 
 
-@eager_only("cp_attention.transport.group_token")
+@eager_only
 def group_token(group: Any) -> object:
     """A stand-in for ``group`` in cache keys: one unique object per group, which does not keep the
     group alive (a gloo group kept past ``destroy_process_group`` is freed at interpreter exit, where
@@ -210,7 +210,7 @@ def group_token(group: Any) -> object:
         return token
 
 
-@eager_only("cp_attention.transport.transport_for")
+@eager_only
 def transport_for(group=None):
     """The :class:`~.base.Transport` for ``group``: a transport (the loopback's ranks, a replay) is
     returned as it is; a process group, ``None`` or a ``DeviceMesh`` (its ``"cp"`` dim) gets a
@@ -225,7 +225,7 @@ def transport_for(group=None):
     return ProcessGroupTransport(group)
 
 
-@eager_only("cp_attention.transport.two_level_transport")
+@eager_only
 def two_level_transport(whole, outer, inner) -> ProcessGroupTransport:
     """The transport of a two-level CP group: ``whole`` (every rank; rank = outer rank x inner size +
     inner rank) with ``levels`` = the transports of this rank's ``outer`` group (the ring of
