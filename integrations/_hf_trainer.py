@@ -11,15 +11,20 @@ The Trainer stays in charge of everything it does; the subclass changes four thi
   so the Trainer's own loss (``sum / num_items_in_batch``, times the world size that DDP's average
   divides by again) weighs every label token of the global batch alike. The model gets
   ``labels=shift_labels`` and ``shift_labels``: transformers' loss and TRL's fused head then do not
-  shift again;
-- **evaluation**: the loss is the CP group's token mean, the logits are gathered to the full batch,
-  and the metrics' all-gather keeps one copy per dp group;
+  shift again. The same all-reduce counts each batch's real tokens for TRL's ``num_tokens`` (TRL's own
+  count would include the layout's padding);
+- **evaluation** (:mod:`._hf_trainer_eval`): the eval loader yields real batches only (a short last
+  batch, one-example fillers with masked labels where a dp rank has none left) instead of accelerate's
+  repeated examples; each step's loss is the token mean over every dp group's real examples (the one
+  process's loss on the same global batch), the logits are gathered to the full batch, and the loop's
+  all-gather keeps one copy per dp group of the real examples only. ``compute_loss`` runs the base's
+  own (TRL's metrics included), its ``gather_for_metrics`` summing every rank's share;
 - ``get_cp_size()`` is cp, so the Trainer's batch-size arithmetic counts dp ranks.
 
 Why a subclass: accelerate's ``ParallelismConfig(cp_size=...)`` and the Trainer's CP path run
 PyTorch's own context parallelism only (``cp_backend="torch"``, SDPA, GPU, FSDP2); neither offers a
 hook through which a third-party CP backend can register. The subclass uses the Trainer's documented
-override points (``get_batch_samples``, ``get_*_dataloader``, ``prediction_step``,
+override points (``get_batch_samples``, ``get_*_dataloader``, ``compute_loss``, ``prediction_step``,
 ``evaluation_loop``, ``get_cp_size``).
 """
 
@@ -34,6 +39,8 @@ import cp_attention as cpa
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import transport_for
 
+from ._hf_trainer_eval import EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, world_gathers
+
 __all__ = ["context_parallel_trainer"]
 
 
@@ -41,6 +48,11 @@ def _refusals(trainer, cp_size: int, world: int) -> None:
     """What a CP Trainer cannot honour exactly; raised before any communication (the same on every
     rank: the Trainer's arguments are)."""
     args = trainer.args
+    if cp_size > 1 and not trainer.model_accepts_loss_kwargs:
+        raise NotImplementedError("the model's forward takes no loss kwargs (the Trainer's model_accepts_loss_kwargs "
+                                  "is False), so under context parallelism its loss would be each rank's own token "
+                                  "mean, not the global batch's; use a model whose forward takes **kwargs (every "
+                                  "transformers causal LM does)")
     if cp_size < 1 or world % cp_size:
         raise ValueError(f"cp_size={cp_size} must divide the world size {world} (dp = world / cp_size); set cp_size "
                          f"to a divisor of {world} or change torchrun's --nproc-per-node")
@@ -79,10 +91,12 @@ def context_parallel_trainer(base: type) -> type:
 
     Under ``torchrun --nproc-per-node=W`` the world is dp x cp, dp = W / cp_size: the model's attention
     runs ring attention over each CP group, and training, evaluation and ``predict`` equal the Trainer
-    without CP on the same global batch. Raises ``TypeError`` for a base that is not a Trainer; the
-    constructor raises ``ValueError`` for a cp_size that does not divide the world or an unknown
-    layout or kernel, and ``NotImplementedError`` for label smoothing, ``compute_loss_func`` or
-    ``n_gpu > 1``.
+    without CP in one process on the same global batch (``batch * dp``), for any eval set size. Raises
+    ``TypeError`` for a base that is not a Trainer; the constructor raises ``ValueError`` for a cp_size
+    that does not divide the world or an unknown layout or kernel, and ``NotImplementedError`` for label
+    smoothing, ``compute_loss_func``, a model whose forward takes no loss kwargs or ``n_gpu > 1``;
+    ``evaluate``/``predict`` raise ``NotImplementedError`` where the eval loader's repeated examples
+    cannot be told apart (see :mod:`._hf_trainer_eval`).
     """
     from transformers import Trainer
 
@@ -99,6 +113,7 @@ class _ContextParallelMixin:
     def __init__(self, *args: Any, cp_size: int = 1, cp_layout: Union[str, cpa.Layout] = "zigzag",
                  cp_kernel: str = "auto", cp_comm_type: str = "p2p", **kwargs: Any) -> None:
         self.cp_layout, self.cp_size, self._cp_group, self._cp_mesh = cpa.get_layout(cp_layout), cp_size, None, None
+        self._cp_eval: Optional[EvalSteps] = None  # the evaluation loop's steps, while one runs
         check_kernel_name(cp_kernel)
         if cpa.check_comm_type_name(cp_comm_type) == "a2a+p2p":
             raise NotImplementedError("the CP Trainer's CP group is one level (a (dp, cp) mesh's cp dim); "
@@ -128,10 +143,13 @@ class _ContextParallelMixin:
         return self._cp_loader(super().get_train_dataloader())
 
     def get_eval_dataloader(self, eval_dataset=None):
-        return self._cp_loader(super().get_eval_dataloader(eval_dataset))
+        return self._cp_eval_loader(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
-        return self._cp_loader(super().get_test_dataloader(test_dataset))
+        return self._cp_eval_loader(super().get_test_dataloader(test_dataset))
+
+    def _cp_eval_loader(self, loader):
+        return loader if self._cp_group is None else fill_eval_loader(self._cp_loader(loader), self._dp)
 
     def _cp_loader(self, loader):
         return loader if self._cp_group is None else _shard_over_dp(loader, self._dp, self._dp_rank)
@@ -154,7 +172,8 @@ class _ContextParallelMixin:
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """The Trainer's next ``num_batches`` batches, sharded, and the label tokens of the whole
-        global step (every rank's, each counted once) as ``num_items_in_batch``."""
+        global step (every rank's, each counted once) as ``num_items_in_batch``. For TRL's SFTTrainer each
+        batch also carries its real tokens over the world (``_TRAIN_TOKENS``, for its ``num_tokens``)."""
         if self._cp_group is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches = []
@@ -163,25 +182,31 @@ class _ContextParallelMixin:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        refused = None
+        refused, tokens = None, [_real_tokens(b) for b in batches] if hasattr(self, "_total_train_tokens") else None
         try:  # agreed within the CP group by shard_batch; across the dp groups below
             batches = [self._cp_shard(b) for b in batches]
         except (ValueError, NotImplementedError, TypeError) as e:
             refused = e
         counting = refused is None and bool(batches) and "labels" in batches[0] and self.model_accepts_loss_kwargs
-        # [this rank's label tokens, whether its batch was refused] summed over the world, in the one
-        # collective the Trainer's own count takes: a refusal stops every rank, none waits in DDP's all-reduce
-        stats = torch.zeros(2, dtype=torch.int64, device=device)
+        # [this rank's label tokens, whether its batch was refused, each batch's real tokens] summed over the
+        # world, in the one collective the Trainer's own count takes: a refusal stops every rank, none waits
+        # in DDP's all-reduce
+        stats = torch.zeros(2 + num_batches, dtype=torch.int64, device=device)
         if counting:
             stats[0] = sum((b["shift_labels"] != -100).sum() for b in batches)
         local_count = stats[0].clone()
         stats[1] = refused is not None
+        if tokens:
+            stats[2:2 + len(tokens)] = torch.stack([t.to(device) for t in tokens])
         transport_for(None).all_reduce_sum_(stats)
         if refused is not None:
             raise refused
         if int(stats[1]):
             raise RuntimeError("another dp group's batch was refused by shard_batch (its ranks raised the reason); "
                                "every rank stops")
+        if tokens:  # every CP rank of a dp group counted its batch's tokens: each group's count once
+            for batch, count in zip(batches, stats[2:] // self.cp_size):
+                batch[_TRAIN_TOKENS] = count
         if not counting:
             return batches, None
         if self.args.average_tokens_across_devices:  # the Trainer then multiplies the loss by the world size
@@ -190,40 +215,91 @@ class _ContextParallelMixin:
         transport_for(self._cp_group).all_reduce_sum_(local_count)
         return batches, local_count / self.cp_size
 
+    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """The base's own loss, its ``gather_for_metrics`` summing every rank's share (TRL's token,
+        entropy and accuracy sums: see :func:`world_gathers`); TRL's ``num_tokens`` then counts the
+        batch's real tokens, not the layout's padding."""
+        if self._cp_group is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        tokens = inputs.pop(_TRAIN_TOKENS, None)
+        before = getattr(self, "_total_train_tokens", None)
+        with world_gathers(self.accelerator):
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
+        if tokens is not None and before is not None:  # TRL added the padded stream's length: replace it
+            self._total_train_tokens = before + int(tokens) // getattr(self, "_tp_size", 1)
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return out
+
     # ---------------------------------------------------------------------------- evaluation
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None):
-        """The CP group's token-mean loss (the same on its ranks), and the logits gathered and unpacked to
-        the batch's ``[batch, seq, vocab]`` (zeros at padding) with the batch's labels."""
+        """The step's loss over every dp group's real examples (the same on every rank: one process's
+        loss on the same global batch), from the base's ``compute_loss`` given the step's label tokens;
+        and the logits gathered and unpacked to the batch's ``[batch, seq, vocab]`` (zeros at padding)
+        with the batch's labels."""
         if self._cp_group is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        from .huggingface import causal_lm_loss, gather_sequence
+        from .huggingface import gather_sequence
 
+        real = self._cp_eval.advance() if self._cp_eval is not None else None
         inputs = self._prepare_inputs(inputs)
         local = self._cp_shard(inputs)
-        labels = local.pop("labels", None)
-        shift = local.pop("shift_labels", None)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            logits = model(**local).logits
-            loss = None if shift is None else causal_lm_loss(logits, shift, group=self._cp_group).detach()
+        loss = outputs = None
+        if "labels" in local:
+            if real is not None and real[self._dp_rank] == 0:  # a filler batch: no token of it counts
+                local["labels"] = local["shift_labels"] = torch.full_like(local["shift_labels"], -100)
+            count = (local["shift_labels"] != -100).sum().reshape(1)
+            transport_for(None).all_reduce_sum_(count)
+            with torch.no_grad(), self.compute_loss_context_manager():
+                result = self.compute_loss(model, local, return_outputs=not prediction_loss_only,
+                                           num_items_in_batch=count[0])
+            loss, outputs = (result, None) if prediction_loss_only else result
+            # Each rank's loss is its share's sum over the step's count (times the world size the base
+            # multiplies by for DDP's average when averaging tokens across devices): sum the shares
+            total = loss.detach().double().reshape(1)
+            transport_for(None).all_reduce_sum_(total)
+            averaged = self.args.average_tokens_across_devices
+            loss = (total[0] / (self.accelerator.num_processes // self.get_tp_size() if averaged else 1)).to(loss.dtype)
         if prediction_loss_only:
             return loss, None, None
-        full = gather_sequence(logits, group=self._cp_group, layout=self.cp_layout,
+        if outputs is None:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                outputs = model(**local)
+        full = gather_sequence(outputs["logits"], group=self._cp_group, layout=self.cp_layout,
                                cu_seqlens=local.get("cu_seq_lens_q"))
-        return loss, _unpack(full, inputs), (inputs.get("labels") if labels is not None else None)
+        return loss, _unpack(full, inputs), inputs.get("labels")
 
-    def evaluation_loop(self, *args: Any, **kwargs: Any):
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: Optional[bool] = None,
+                        ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"):
+        """The Trainer's loop, its gathers keeping the real examples of each step once (see
+        :func:`gather_real_rows`)."""
         if self._cp_group is None:
-            return super().evaluation_loop(*args, **kwargs)
-        # The Trainer gathers through self.gather_function (its accelerator's gather_for_metrics, bound
-        # at construction); the loop's own calls of the accelerator's method are covered too
-        accelerator, saved = self.accelerator, self.gather_function
-        one_copy = functools.partial(_gather_one_copy, accelerator, self._dp, self.cp_size)
-        accelerator.gather_for_metrics = self.gather_function = one_copy
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        steps = EvalSteps.of(dataloader, self._dp, self.args.dataloader_drop_last)
+        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        if self._dp > 1 and (not loss_only or "inputs" in self.args.include_for_metrics):
+            refuse_rows_not_examples(dataloader)
+        # The Trainer gathers through self.gather_function (its accelerator's gather_for_metrics, bound at
+        # construction; the loop resets it to that at its end)
+        saved, self._cp_eval = self.gather_function, steps
+        self.gather_function = functools.partial(gather_real_rows, self.accelerator, self._dp, self.cp_size, steps)
         try:
-            return super().evaluation_loop(*args, **kwargs)
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
         finally:
-            self.gather_function = saved
-            del accelerator.gather_for_metrics  # the class's method again
+            self.gather_function, self._cp_eval = saved, None
+
+
+_TRAIN_TOKENS = "_cp_train_tokens"  # a training batch's real tokens over the world, for TRL's num_tokens
+
+
+def _real_tokens(batch: dict) -> torch.Tensor:
+    """The batch's real tokens as TRL counts them in one process: its attention mask's ones, or every
+    token of a padding-free batch (the layout's padding comes later, in shard_batch)."""
+    mask = batch.get("attention_mask")
+    return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel())
 
 
 def _unpack(stream: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -239,25 +315,3 @@ def _unpack(stream: torch.Tensor, batch: dict) -> torch.Tensor:
     real = mask.bool()
     out[real] = stream[0, : int(real.sum())]  # rows of real tokens, in order, are the stream's start
     return out
-
-
-def _gather_one_copy(accelerator, dp: int, cp: int, data, use_gather_object: bool = False):
-    """``accelerator.gather_for_metrics`` that keeps one copy per dp group (the CP ranks of a group hold
-    the same batch's results), then drops the last batch's repeated samples as accelerate does."""
-    from accelerate.utils import recursively_apply
-
-    if use_gather_object:
-        raise NotImplementedError("evaluation outputs that are not tensors cannot be gathered under context "
-                                  "parallelism; return tensors from compute_metrics' inputs")
-    gathered = accelerator.gather(data)
-
-    def one_copy(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 0:
-            return x
-        return x.reshape(dp, cp, x.shape[0] // (dp * cp), *x.shape[1:])[:, 0].flatten(0, 1)
-
-    gathered = recursively_apply(one_copy, gathered)
-    state = accelerator.gradient_state
-    if state.end_of_dataloader and state.remainder > 0:
-        gathered = recursively_apply(lambda x: x[: state.remainder], gathered)
-    return gathered

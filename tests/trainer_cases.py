@@ -117,20 +117,39 @@ def train(rank: int, world_size: int, *, kind: str, family: str, layout: str, cp
             "impl": model.config._attn_implementation}
 
 
-def evaluate(rank: int, world_size: int, *, family: str, layout: str, cp: int) -> dict:
-    """``evaluate()`` and ``predict()`` on 13 examples, one per device per batch (so the per-batch
-    means the Trainer averages are per example in every layout of the run); rank 0's figures."""
+def evaluate(rank: int, world_size: int, *, family: str, layout: str, cp: int, rows: int, batch: int) -> dict:
+    """``evaluate()`` and ``predict()`` on ``rows`` held-out examples, ``batch`` per device (under CP per dp
+    rank: the global eval batch is ``batch * dp``); rank 0's predictions, every rank's losses. Rows whose
+    count no global batch divides leave a short last batch (and, at dp > 1, dp ranks without one), which
+    accelerate fills with repeated examples."""
     model = build(family)
     model.config.use_cache = False
     data = Rows(examples(SEQ, varied=False))
-    held_out = Rows(examples(SEQ, varied=False, seed=9)[:13])  # 13: the last dp batch is short
+    held_out = Rows(examples(SEQ, varied=False, seed=9)[:rows])
     with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
-        trainer = _trainer("trainer", model, data, out, batch=1, accum=1, steps=1, cp=cp, layout=layout,
+        trainer = _trainer("trainer", model, data, out, batch=batch, accum=1, steps=1, cp=cp, layout=layout,
                            eval_dataset=held_out)
         loss = trainer.evaluate()["eval_loss"]
         predicted = trainer.predict(held_out)
-    return {"loss": loss, "logits": torch.as_tensor(predicted.predictions) if rank == 0 else None,
+    return {"loss": loss, "test_loss": predicted.metrics["test_loss"],
+            "logits": torch.as_tensor(predicted.predictions) if rank == 0 else None,
             "labels": torch.as_tensor(predicted.label_ids) if rank == 0 else None}
+
+
+def sft_metrics(rank: int, world_size: int, *, cp: int, batch: int, eval_rows: int, steps: int = 2) -> dict:
+    """TRL's SFTTrainer with packing: ``steps`` training steps, then ``evaluate()`` on ``eval_rows`` held-out
+    examples (packed too); every rank's logged training metrics and evaluation metrics."""
+    model = build("qwen2")
+    model.config.use_cache = False
+    data = Rows(examples(SEQ, varied=True))
+    held_out = Rows([{"input_ids": e["input_ids"]} for e in examples(SEQ, varied=True, seed=9)[:eval_rows]])
+    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
+        trainer = _trainer("sft", model, data, out, batch=batch, accum=1, steps=steps, cp=cp, layout="zigzag",
+                           eval_dataset=held_out)
+        trainer.train()
+        logged = [log for log in trainer.state.log_history if "loss" in log]
+        metrics = trainer.evaluate()
+    return {"train": logged, "eval": metrics}
 
 
 def resume(rank: int, world_size: int, *, layout: str, cp: int) -> dict:
