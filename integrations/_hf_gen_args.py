@@ -18,12 +18,16 @@ import hashlib
 import types
 from typing import Any, Mapping, Optional
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
 
 from cp_attention.transport import transport_for
 
 from ._hf_batch import batch_fingerprint
+
+if TYPE_CHECKING:  # transformers is the hf extra's: imported where generate runs, so a missing extra is named
+    from transformers import GenerationConfig
 
 __all__ = ["GENERATE_PARAMETERS", "effective_config", "refused_option", "named_fingerprints", "digest",
            "differing_arguments"]
@@ -32,8 +36,7 @@ __all__ = ["GENERATE_PARAMETERS", "effective_config", "refused_option", "named_f
 GENERATE_PARAMETERS = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
                        "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
                        "negative_prompt_attention_mask", "custom_generate")
-_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
-                    GenerationMode.BEAM_SAMPLE)
+_SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")  # GenerationMode values
 # generation options (fields of the merged config) whose decoding a sharded cache cannot serve, and why
 _REFUSED_OPTIONS = {
     "output_attentions": "the attention weights (ring attention never holds them)",
@@ -67,8 +70,8 @@ def refused_option(config: GenerationConfig, assistant_model: Any) -> Optional[s
         what = "; ".join(f"{name}={getattr(config, name)!r}: {_REFUSED_OPTIONS[name]}" for name in refused)
         return f"context-parallel generate does not support {what}; drop {', '.join(refused)} {_WHERE}"
     mode = config.get_generation_mode(assistant_model)
-    if mode not in _SUPPORTED_MODES:
-        names = ", ".join(m.value for m in _SUPPORTED_MODES)
+    if mode.value not in _SUPPORTED_MODES:
+        names = ", ".join(_SUPPORTED_MODES)
         return (f"context-parallel generate does not support the generation mode {mode.value!r} (set by the "
                 f"generation options {_WHERE}); expected one of {names}: use greedy search, sampling or beam search")
     return None
@@ -100,6 +103,8 @@ def _canonical(value: Any, depth: int = 0) -> str:
         return f"method {value.__func__.__qualname__} of {_canonical(value.__self__, depth + 1)}"
     if isinstance(value, torch.nn.Module) or depth > 3:  # a model's weights are not compared
         return kind
+    from transformers import GenerationConfig
+
     if isinstance(value, GenerationConfig):
         return f"{kind}{_canonical(value.to_dict(), depth)}"
     if isinstance(value, Mapping):
