@@ -3,6 +3,9 @@
 The ring exchange is batched P2P (send to rank r+hop, receive from r-hop); the small blocking
 all-gather of integers that the checks use runs on the device the backend needs. With no initialised
 process group the group has one member and nothing is ever sent.
+
+Every function and operation here that may touch the group is ``eager_only``: under ``torch.compile`` a
+graph break, never traced (Dynamo cannot trace a process group's C++ object; see :mod:`.eager`).
 """
 
 from __future__ import annotations
