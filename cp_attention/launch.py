@@ -114,10 +114,30 @@ def exit_without_finalising(code: int) -> None:
     still references (a user's cache, a library's global; torch's private CP ring registers its
     groups) would be freed during finalisation, with the interpreter half torn down, which can abort
     the process ("terminate called without an active exception") after a successful run.
+
+    multiprocessing's own exit work still runs first (see :func:`_finish_multiprocessing`).
     """
+    _finish_multiprocessing()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _finish_multiprocessing() -> None:
+    """Run what a multiprocessing child runs after its target returns, which ``os._exit`` skips: the
+    finalizers that unlink named semaphores and unregister them from the resource tracker (tqdm's write
+    lock is one: a progress bar creates a ``multiprocessing.RLock``), and the join of its own children.
+
+    A spawned rank shares its parent's resource tracker; a semaphore left registered there makes the
+    parent warn "resource_tracker: There appear to be 1 leaked semaphore objects to clean up at
+    shutdown" after a successful job. ``multiprocessing.util._exit_function`` is private (stable since
+    Python 2.6): without it, this does nothing.
+    """
+    import multiprocessing.util
+
+    finish = getattr(multiprocessing.util, "_exit_function", None)
+    if finish is not None:
+        finish()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional[int] = None,
