@@ -21,6 +21,7 @@ import argparse
 
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from cp_attention.experiments import attention_bench, gpu_bench
+from cp_attention.training.summary import benchmark_summary
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -50,3 +51,4 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 if __name__ == "__main__":
     parsed = parse_args()
     (gpu_bench if parsed.device == "cuda" else attention_bench).run(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

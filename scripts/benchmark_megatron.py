@@ -14,6 +14,7 @@ import argparse
 
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from cp_attention.experiments import megatron_bench
+from cp_attention.training.summary import benchmark_summary
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -37,3 +38,4 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     megatron_bench.run(parse_args())
+    print(benchmark_summary(None, json_option=False), flush=True)

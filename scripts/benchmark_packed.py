@@ -12,6 +12,7 @@ import argparse
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.experiments import packed_bench
+from cp_attention.training.summary import benchmark_summary
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -38,3 +39,4 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     packed_bench.run(parse_args())
+    print(benchmark_summary(None, json_option=False), flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from cp_attention.experiments import plan_bench
+from cp_attention.training.summary import benchmark_summary
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -21,3 +22,4 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     plan_bench.run(parse_args())
+    print(benchmark_summary(None, json_option=False), flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from cp_attention.experiments import strategy_bench
+from cp_attention.training.summary import benchmark_summary
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -22,4 +23,6 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    strategy_bench.run(parse_args())
+    parsed = parse_args()
+    strategy_bench.run(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

@@ -15,6 +15,7 @@ import argparse
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.experiments import window_bench
+from cp_attention.training.summary import benchmark_summary
 
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
@@ -52,4 +53,6 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    window_bench.run(parse_args())
+    parsed = parse_args()
+    window_bench.run(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

@@ -20,6 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from cp_attention.experiments import compare_layouts
+from cp_attention.training.summary import directory_summary
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="compare_layouts")
@@ -33,7 +34,9 @@ def main(cfg: DictConfig) -> None:
         compare_layouts.check_config(resolved)
     except ValueError as e:  # a config mistake: say it plainly instead of a traceback
         sys.exit(f"compare_layouts: {e}")
-    compare_layouts.run(resolved, out)
+    report = compare_layouts.run(resolved, out)
+    print(directory_summary("compare_layouts.py", out, {"report": report.name, "config": "config.yaml"},
+                            {"pictures": "*.png", "tables": "*.csv"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,19 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from cp_attention.training.loop import launch
+    from cp_attention.training.summary import resume_command, training_summary
 
-    run_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
     if _RANK == "0":
         Path(run_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    launch(OmegaConf.to_container(cfg, resolve=True), run_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    final = launch(resolved, run_dir)
+    if _RANK == "0":  # where the results went, the loss reached, how to go on
+        world = int(os.environ.get("WORLD_SIZE", resolved["nproc"]))
+        setup = f"{resolved['layout']['name']}, dp={world // resolved['cp_size']} x cp={resolved['cp_size']}"
+        command = resume_command(sys.argv[0], hydra_cfg.overrides.task, run_dir)
+        print(training_summary(run_dir, final, command, resolved["trainer"]["steps"], setup=setup), flush=True)
 
 
 if __name__ == "__main__":

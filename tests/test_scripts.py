@@ -26,6 +26,7 @@ def test_benchmark_smoke(tmp_path):
         # torch's ring may disappear in a future torch; then its row must say why instead of timing.
         assert (r["fwdbwd_ms"] or 0) > 0 or (r["impl"].startswith("torch_ring") and r["error"]), r
     assert "fwd+bwd x" in proc.stdout
+    assert proc.stdout.splitlines()[-2:] == ["== benchmark.py: done ==", f"results (JSON)  {out}"], proc.stdout[-500:]
 
 
 def test_benchmark_packed_smoke():
@@ -76,6 +77,11 @@ def test_example_smoke(script, needs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and all(l == l and 0 < l < 10 for l in losses), proc.stdout
+    summary = proc.stdout[proc.stdout.index(f"== {script}: done, 3 steps =="):].splitlines()
+    assert summary[1:3] == ["output      printed above (stdout) only: this example writes no files",
+                            f"loss        final {losses[-1]:.4f} (step 3), best {min(losses):.4f} "
+                            f"(step {losses.index(min(losses)) + 1})"], summary
+    assert not [line for line in proc.stderr.splitlines() if "warn" in line.lower()], proc.stderr[-3000:]
 
 
 def test_trainer_example_smoke():
@@ -86,6 +92,7 @@ def test_trainer_example_smoke():
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
     assert "train_loss" in done and 0 < float(done.split("'train_loss': ")[1].split(",")[0].strip("'")) < 10, done
+    assert "== finetune_trainer.py: done, 5 steps ==" in proc.stdout and "nothing saved" in proc.stdout, proc.stdout
 
 
 def test_hf_example_bf16_on_cpu():

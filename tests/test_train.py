@@ -37,8 +37,25 @@ def weights(run_dir: Path) -> dict:
     return load_checkpoint(run_dir / "checkpoints")["model"]
 
 
+def _summary(stdout: str) -> dict[str, str]:
+    """The rows of the summary train.py prints last (``key  value``; a file row's key is indented)."""
+    lines = stdout[stdout.index("== train.py: done"):].splitlines()[1:]
+    return {line[:15].strip(): line[15:] for line in lines if line[:15].strip()}
+
+
 def test_outputs_and_falling_loss(tmp_path):
-    train(tmp_path, "trainer.steps=12")
+    """The default job, small: its files, a falling loss, a clean exit (no warning: the spawned ranks
+    once leaked tqdm's semaphore), and a last summary naming files that exist."""
+    proc = train(tmp_path, "trainer.steps=12")
+    warned = [line for line in proc.stderr.splitlines() if any(w in line.lower() for w in ("warn", "leaked"))]
+    assert not warned, proc.stderr[-3000:]
+    rows = _summary(proc.stdout)
+    assert rows["run directory"] == f"{tmp_path}/"
+    for key in ("metrics", "checkpoint", "config", "loss curve"):
+        assert (tmp_path / rows[key].split()[0]).is_file(), (key, rows[key])
+    assert rows["checkpoint"].startswith("checkpoints/step_0000012.pt")
+    assert rows["loss"].startswith("final ") and rows["throughput"].endswith(" tokens/s"), rows
+    assert f"hydra.run.dir={tmp_path} trainer.resume_from=auto" in rows["resume"]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 13))
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5, metrics  # bytes: ~5.6 at random init

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .data import load_bytes
 from .device import autocast, rank_device
 from .steps import progress_line, train_step
+from .summary import example_summary
 
 __all__ = ["build_model", "train"]
 
@@ -63,7 +64,7 @@ def train(args: argparse.Namespace) -> list[float]:
             loss = cphf.causal_lm_loss(out.logits, local["shift_labels"])
         return loss, loss.detach()
 
-    losses = []
+    losses, tok_s = [], None
     t0 = time.perf_counter()
     for step in range(args.steps):
         starts = torch.randint(0, data.numel() - args.seq_len, (args.batch,), generator=gen)
@@ -72,4 +73,6 @@ def train(args: argparse.Namespace) -> list[float]:
         if dist.get_rank() == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             tok_s = (step + 1) * args.batch * args.seq_len / (time.perf_counter() - t0)
             print(progress_line(step, losses[-1], tok_s), flush=True)
+    if dist.get_rank() == 0:
+        print(example_summary("finetune_hf.py", losses, tok_s), flush=True)
     return losses

@@ -285,10 +285,11 @@ def _died_message(e: BaseException, run_dir: str) -> str:
             f"trainer.resume_from=auto hydra.run.dir={run_dir} to continue from the newest complete checkpoint")
 
 
-def launch(cfg: dict, run_dir: str) -> None:
+def launch(cfg: dict, run_dir: str) -> Optional[dict]:
     """Run training: under ``torchrun`` on the ranks it started, otherwise on ``cfg['nproc']`` ranks
     spawned here, on ``trainer.device`` with ``trainer.backend`` (auto: NCCL on CUDA, gloo on CPU; see
-    :mod:`.device`). All ranks write to rank 0's ``run_dir``.
+    :mod:`.device`). All ranks write to rank 0's ``run_dir``. Returns rank 0's last metrics (``{}``
+    when no step ran) on rank 0 (spawned: in this process), None on the other ranks.
 
     Raises what :func:`validate_config` raises, before any rank starts; :class:`PeerRankError` on a
     rank whose peer died or failed (under torchrun), and ``RuntimeError`` naming the rank when a
@@ -302,7 +303,7 @@ def launch(cfg: dict, run_dir: str) -> None:
     if where.note and os.environ.get("RANK", "0") == "0":
         print(where.note, file=sys.stderr, flush=True)
     try:
-        run_on_ranks(_train_in_shared_dir, world, cfg, run_dir, where.device, backend=where.backend,
-                     timeout_s=cfg["trainer"].get("dist_timeout_s"))
+        return run_on_ranks(_train_in_shared_dir, world, cfg, run_dir, where.device, backend=where.backend,
+                            timeout_s=cfg["trainer"].get("dist_timeout_s"))
     except ProcessExitedException as e:  # a spawned rank was killed (a signal): it could say nothing itself
         raise RuntimeError(_died_message(e, run_dir)) from e

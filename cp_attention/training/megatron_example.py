@@ -24,6 +24,7 @@ from .cli import comm_problem, example_parser
 from .data import load_bytes
 from .device import all_reduce_, autocast, rank_device
 from .steps import progress_line, train_step
+from .summary import example_summary
 
 __all__ = ["build_model", "batches", "train", "parse_args", "unsupported_precision", "comm_types", "NUM_LAYERS"]
 
@@ -44,7 +45,8 @@ def build_model(args: argparse.Namespace):
     config = TransformerConfig(
         num_layers=NUM_LAYERS, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
         normalization="RMSNorm", attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size, params_dtype=dtype)
+        tensor_model_parallel_size=args.tp_size, context_parallel_size=args.cp_size, params_dtype=dtype,
+        cuda_graph_scope=[])  # what its default "full" becomes, without the deprecation warning it prints
     torch.manual_seed(args.seed)
     spec = cpm.get_gpt_layer_ring_spec(args.layout, kernel=args.kernel, normalization="RMSNorm",
                                        cp_comm_type=comm_types(args))
@@ -118,7 +120,7 @@ def train(args: argparse.Namespace) -> list[float]:
         # This rank's share of the sequence's mean loss: summed over CP it is the full gradient.
         return local_sum / stats[1], stats[0] / stats[1]
 
-    losses = []
+    losses, tok_s = [], None
     t0 = time.perf_counter()
     try:
         for step in range(args.steps):
@@ -129,6 +131,8 @@ def train(args: argparse.Namespace) -> list[float]:
                 print(progress_line(step, losses[-1], tok_s), flush=True)
     finally:
         ps.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        print(example_summary("pretrain_megatron.py", losses, tok_s), flush=True)
     return losses
 
 

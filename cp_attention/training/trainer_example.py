@@ -11,13 +11,16 @@ packing instead.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
+from pathlib import Path
 
 import torch
 
 from ..strategies import CP_COMM_TYPES
 from .data import load_documents
 from .hf_example import build_model
+from .summary import example_summary, shown
 
 __all__ = ["parser", "train", "id_tokenizer"]
 
@@ -63,7 +66,8 @@ def train(args: argparse.Namespace) -> dict:
     rows = [{"input_ids": d, "labels": d} for d in docs]
     common = dict(output_dir=args.output_dir or tempfile.mkdtemp(), per_device_train_batch_size=args.batch,
                   max_steps=args.steps, learning_rate=args.lr, logging_steps=5, report_to=[], save_strategy="no",
-                  disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+                  disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+                  ddp_find_unused_parameters=False)  # every parameter is used: spare DDP's search (and its warning)
     model = build_model(seed=0)
     if args.sft:
         import datasets
@@ -81,4 +85,22 @@ def train(args: argparse.Namespace) -> dict:
     trainer = CPTrainer(model=model, cp_size=args.cp_size, cp_layout=args.layout,
                         cp_comm_type=getattr(args, "cp_comm_type", "p2p"), **extra)
     trainer.train()
+    if not args.output_dir and not os.listdir(common["output_dir"]):
+        os.rmdir(common["output_dir"])  # our temporary default, left empty (save_strategy="no")
+    if trainer.is_world_process_zero():
+        print(_summary(args, common["output_dir"], trainer.state.log_history), flush=True)
     return trainer.state.log_history[-1]
+
+
+def _summary(args: argparse.Namespace, output_dir: str, history: list[dict]):
+    """The example's summary from the Trainer's log: its loss records, its speed (samples/s x
+    ``--seq-len``: rows of at most that many tokens, so an upper bound with ``--packing``), what the
+    output directory holds."""
+    last = history[-1] if history else {}
+    samples_s = last.get("train_samples_per_second")
+    kept = sorted(p.name for p in Path(output_dir).iterdir()) if Path(output_dir).is_dir() else []
+    written = (f"{shown(output_dir)}{os.sep} ({', '.join(kept)})" if kept else
+               "printed above (stdout) only: nothing saved (save_strategy='no')")
+    logged = [r for r in history if "loss" in r]
+    return example_summary("finetune_trainer.py", [r["loss"] for r in logged],
+                           samples_s * args.seq_len if samples_s else None, written, [r["step"] for r in logged])
