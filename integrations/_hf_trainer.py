@@ -182,11 +182,13 @@ class _ContextParallelMixin:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        refused, tokens = None, [_real_tokens(b) for b in batches] if hasattr(self, "_total_train_tokens") else None
+        refused, full = None, batches
         try:  # agreed within the CP group by shard_batch; across the dp groups below
             batches = [self._cp_shard(b) for b in batches]
         except (ValueError, NotImplementedError, TypeError) as e:
             refused = e
+        # TRL's SFTTrainer counts the tokens it trains on; counted once shard_batch has checked the batches
+        tokens = [_real_tokens(b) for b in full] if refused is None and hasattr(self, "_total_train_tokens") else None
         counting = refused is None and bool(batches) and "labels" in batches[0] and self.model_accepts_loss_kwargs
         # [this rank's label tokens, whether its batch was refused, each batch's real tokens] summed over the
         # world, in the one collective the Trainer's own count takes: a refusal stops every rank, none waits
@@ -199,11 +201,7 @@ class _ContextParallelMixin:
         if tokens:
             stats[2:2 + len(tokens)] = torch.stack([t.to(device) for t in tokens])
         transport_for(None).all_reduce_sum_(stats)
-        if refused is not None:
-            raise refused
-        if int(stats[1]):
-            raise RuntimeError("another dp group's batch was refused by shard_batch (its ranks raised the reason); "
-                               "every rank stops")
+        _stop_if_refused(refused, int(stats[1]))
         if tokens:  # every CP rank of a dp group counted its batch's tokens: each group's count once
             for batch, count in zip(batches, stats[2:] // self.cp_size):
                 batch[_TRAIN_TOKENS] = count
@@ -244,16 +242,26 @@ class _ContextParallelMixin:
 
         real = self._cp_eval.advance() if self._cp_eval is not None else None
         inputs = self._prepare_inputs(inputs)
-        local = self._cp_shard(inputs)
+        refused = local = None
+        try:  # agreed within the CP group by shard_batch; across the dp groups below
+            local = self._cp_shard(inputs)
+        except (ValueError, NotImplementedError, TypeError) as e:
+            refused = e
+        labelled = local is not None and "labels" in local
+        if labelled and real is not None and real[self._dp_rank] == 0:  # a filler batch: no token of it counts
+            local["labels"] = local["shift_labels"] = torch.full_like(local["shift_labels"], -100)
+        # [this rank's label tokens, whether its batch was refused] summed over the world
+        stats = torch.zeros(2, dtype=torch.int64, device=self.args.device)
+        if labelled:
+            stats[0] = (local["shift_labels"] != -100).sum()
+        stats[1] = refused is not None
+        transport_for(None).all_reduce_sum_(stats)
+        _stop_if_refused(refused, int(stats[1]))
         loss = outputs = None
-        if "labels" in local:
-            if real is not None and real[self._dp_rank] == 0:  # a filler batch: no token of it counts
-                local["labels"] = local["shift_labels"] = torch.full_like(local["shift_labels"], -100)
-            count = (local["shift_labels"] != -100).sum().reshape(1)
-            transport_for(None).all_reduce_sum_(count)
+        if labelled:
             with torch.no_grad(), self.compute_loss_context_manager():
                 result = self.compute_loss(model, local, return_outputs=not prediction_loss_only,
-                                           num_items_in_batch=count[0])
+                                           num_items_in_batch=stats[0])
             loss, outputs = (result, None) if prediction_loss_only else result
             # Each rank's loss is its share's sum over the step's count (times the world size the base
             # multiplies by for DDP's average when averaging tokens across devices): sum the shares
@@ -290,6 +298,16 @@ class _ContextParallelMixin:
                                            metric_key_prefix)
         finally:
             self.gather_function, self._cp_eval = saved, None
+
+
+def _stop_if_refused(refused: Optional[Exception], refusals: int) -> None:
+    """Raise this rank's refusal, or stop because another dp group's batch was refused (``refusals``: the
+    ranks that refused, summed over the world): no rank goes on into a collective the others left."""
+    if refused is not None:
+        raise refused
+    if refusals:
+        raise RuntimeError("another dp group's batch was refused by shard_batch (its ranks raised the reason); "
+                           "every rank stops")
 
 
 _TRAIN_TOKENS = "_cp_train_tokens"  # a training batch's real tokens over the world, for TRL's num_tokens

@@ -80,6 +80,13 @@ def test_evaluate_and_predict_equal_one_process(pools, dp, cp, rows, batch):
     assert got[0]["labels"].equal(ref["labels"])
 
 
+def test_an_eval_batch_refused_on_one_dp_group_stops_every_rank(pools):
+    pytest.importorskip("accelerate", reason="needs the trainer extra: pip install -e '.[trainer]'")
+    got = pools(4).run(trainer_cases.evaluate_refused, cp=2, timeout=60)
+    assert all(r.startswith("RuntimeError: another dp group's batch was refused") for r in got[:2]), got
+    assert all(r.startswith("ValueError: attention_mask row 0 has padding between real tokens") for r in got[2:]), got
+
+
 def test_sft_metrics_equal_one_process(pools):
     """TRL's SFTTrainer (packing, padding-free): the logged training metrics (num_tokens counting real
     tokens, not the layout's padding) and evaluate()'s loss, entropy, token accuracy and num_tokens equal

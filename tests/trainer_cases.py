@@ -136,6 +136,23 @@ def evaluate(rank: int, world_size: int, *, family: str, layout: str, cp: int, r
             "labels": torch.as_tensor(predicted.label_ids) if rank == 0 else None}
 
 
+def evaluate_refused(rank: int, world_size: int, *, cp: int) -> str:
+    """``evaluate()`` on 2 examples, one per dp rank: the second's attention_mask has a hole, which
+    shard_batch refuses on its dp group only. What every rank raised (the others must stop, not wait)."""
+    model = build("llama")
+    model.config.use_cache = False
+    held_out = [dict(e, attention_mask=[1] * SEQ) for e in examples(SEQ, varied=False, seed=9)[:2]]
+    held_out[1]["attention_mask"][SEQ // 2] = 0
+    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
+        trainer = _trainer("trainer", model, Rows(examples(SEQ, varied=False)), out, batch=1, accum=1, steps=1,
+                           cp=cp, layout="zigzag", eval_dataset=Rows(held_out))
+        try:
+            trainer.evaluate()
+        except (ValueError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
+    return "nothing raised"
+
+
 def sft_metrics(rank: int, world_size: int, *, cp: int, batch: int, eval_rows: int, steps: int = 2) -> dict:
     """TRL's SFTTrainer with packing: ``steps`` training steps, then ``evaluate()`` on ``eval_rows`` held-out
     examples (packed too); every rank's logged training metrics and evaluation metrics."""
