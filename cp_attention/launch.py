@@ -124,20 +124,23 @@ def exit_without_finalising(code: int) -> None:
 
 
 def _finish_multiprocessing() -> None:
-    """Run what a multiprocessing child runs after its target returns, which ``os._exit`` skips: the
-    finalizers that unlink named semaphores and unregister them from the resource tracker (tqdm's write
-    lock is one: a progress bar creates a ``multiprocessing.RLock``), and the join of its own children.
+    """Run the finalizers a multiprocessing child runs as it exits, which ``os._exit`` skips: those
+    that release resources (exit priority >= 0), such as unlinking a named semaphore and unregistering
+    it from the resource tracker (tqdm's write lock is one: a progress bar creates a
+    ``multiprocessing.RLock``).
 
     A spawned rank shares its parent's resource tracker; a semaphore left registered there makes the
     parent warn "resource_tracker: There appear to be 1 leaked semaphore objects to clean up at
-    shutdown" after a successful job. ``multiprocessing.util._exit_function`` is private (stable since
-    Python 2.6): without it, this does nothing.
+    shutdown" after a successful job. The negative-priority ones (joining a queue's feeder thread) and
+    the join of child processes are left out: they can block when the process on the other end is
+    gone, and this exit must not hang. ``multiprocessing.util._run_finalizers`` is private (stable
+    since Python 2.6): without it, this does nothing.
     """
     import multiprocessing.util
 
-    finish = getattr(multiprocessing.util, "_exit_function", None)
-    if finish is not None:
-        finish()
+    run_finalizers = getattr(multiprocessing.util, "_run_finalizers", None)
+    if run_finalizers is not None:
+        run_finalizers(0)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional[int] = None,
