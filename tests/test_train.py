@@ -181,6 +181,8 @@ def test_sweep_over_layouts(tmp_path):
     runs = sorted(p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file())
     assert len(runs) == 2 and runs[0].startswith("0_layout=contiguous,") and \
         runs[1].startswith("1_layout=interleaved,"), runs
+    assert proc.stdout.count("== train.py: done, step 2 of 2 (") == 2  # a summary per job, resumable by itself
+    assert "layout=interleaved trainer.steps=2" in proc.stdout.split("(interleaved,")[1]
 
 
 def test_torchrun_ranks_share_one_output_dir(tmp_path):
@@ -188,6 +190,7 @@ def test_torchrun_ranks_share_one_output_dir(tmp_path):
     proc = train(tmp_path / "run", "trainer.steps=2", launcher=launcher)
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
     assert proc.stdout.count("train zigzag") <= 1  # only rank 0 reports
+    assert proc.stdout.count("== train.py: done") == 1 and "torchrun --nproc-per-node=2 scripts/train.py" in proc.stdout
 
 
 @pytest.mark.parametrize("overrides,message", [
