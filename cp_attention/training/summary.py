@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["Summary", "shown", "read_metrics", "loss_rows", "plot_loss", "resume_command", "training_summary",
-           "example_summary", "directory_summary", "outputs_summary",
-           "benchmark_summary"]
+           "example_summary", "directory_summary", "outputs_summary", "benchmark_summary"]
 
 _PLOTS_MISSING = "not drawn: matplotlib is not installed (pip install 'cp_attention[plots]')"
 
@@ -32,10 +31,12 @@ class Summary:
     rows: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, key: str, value: str) -> "Summary":
+        """Append a row (``value`` may hold several lines, aligned under the first); returns self."""
         self.rows.append((key, value))
         return self
 
     def render(self) -> str:
+        """The summary as printed."""
         width = max((len(k) for k, _ in self.rows), default=0)
         lines = [f"== {self.title} =="]
         for key, value in self.rows:
