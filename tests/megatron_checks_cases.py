@@ -23,6 +23,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "gather", "scatter", "reduce")
 # Host syncs and per-layer checks the issue forbids per layer.
 SYNCS = ((torch.Tensor, "item"), (torch.Tensor, "tolist"), (torch, "equal"))
+DYNAMO = os.sep + os.path.join("torch", "_dynamo") + os.sep  # torch.compiler.disable's wrapper frames
 
 
 @contextlib.contextmanager
@@ -40,8 +41,11 @@ def counting() -> Iterator[Counter]:
 
     def caller(collective: bool) -> str:
         frame = sys._getframe(2)
-        while collective and frame is not None and frame.f_code.co_filename.startswith(seam):
-            frame = frame.f_back  # a collective the adapter asked the transport for is the adapter's
+        # a collective the adapter asked the transport for is the adapter's (through torch.compiler.disable's
+        # wrapper frames, which every transport operation has)
+        while collective and frame is not None and (frame.f_code.co_filename.startswith(seam)
+                                                    or DYNAMO in frame.f_code.co_filename):
+            frame = frame.f_back
         return "" if frame is None else frame.f_code.co_filename
 
     def wrap(owner, name, collective):

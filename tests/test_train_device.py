@@ -127,6 +127,7 @@ def test_autocast_contexts():
 # --- every collective of the training loops, recorded on 2 gloo ranks ---------------------------------
 
 TRANSPORT = str(Path(cp_attention.transport.__file__).parent)
+DYNAMO = os.sep + os.path.join("torch", "_dynamo") + os.sep  # torch.compiler.disable's wrapper frames
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
                 "reduce", "all_to_all_single")
 
@@ -143,7 +144,8 @@ def _record_collectives_and_forwards(run) -> dict:
         def recorded(tensor, *args, **kwargs):
             group = kwargs.get("group")
             caller = sys._getframe(1)
-            while caller.f_code.co_filename.startswith(TRANSPORT):  # the transport runs it for its caller
+            # the transport runs it for its caller (through torch.compiler.disable's wrapper frames)
+            while caller.f_code.co_filename.startswith(TRANSPORT) or DYNAMO in caller.f_code.co_filename:
                 caller = caller.f_back
             outer = caller.f_back
             first = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
