@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 
 from ..layouts import Layout, get_layout
 from ..schedules import rank_plan, source_rank
-from ..strategies.cost import matmul_flops
+from ..strategies.cost import accumulator_bytes, matmul_flops, pairs, ring_bytes_per_rank
+from ..strategies.cost import kv_bytes_per_hop as _shard_bytes
 
 __all__ = [
     "WorkSummary",
@@ -50,8 +51,9 @@ def split_problem(layout: "str | Layout", seq_len: int, world_size: int) -> Opti
 
 
 def min_pairs(seq_len: int, causal: bool) -> int:
-    """The (query, key) pairs full attention must compute: S(S+1)/2 causal, S² otherwise."""
-    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+    """The (query, key) pairs full attention must compute: S(S+1)/2 causal, S² otherwise (the cost
+    model's :func:`cp_attention.strategies.cost.pairs`)."""
+    return pairs(seq_len, causal)
 
 
 def document_pairs(lengths: Sequence[int], causal: bool) -> int:
@@ -186,33 +188,30 @@ class AttentionShape:
     @property
     def acc_bytes(self) -> int:
         """The engine accumulates dK/dV in fp32, or fp64 for fp64 inputs."""
-        return 8 if self.elem_bytes == 8 else 4
+        return accumulator_bytes(self.elem_bytes)
 
 
 def kv_bytes_per_hop(seq_len: int, world_size: int, shape: AttentionShape, elem_bytes: Optional[int] = None
                      ) -> int:
-    """Bytes of one K/V shard (what one ring hop sends): ``B * (S/N) * Hkv * (D + Dv) * elem``."""
+    """Bytes of one K/V shard (what one ring hop sends): ``B * (S/N) * Hkv * (D + Dv) * elem``
+    (:func:`cp_attention.strategies.cost.kv_bytes_per_hop`)."""
     elem = shape.elem_bytes if elem_bytes is None else elem_bytes
-    return shape.batch * (seq_len // world_size) * shape.kv_heads * (shape.head_dim + shape.dv) * elem
+    return _shard_bytes(shape.batch, seq_len // world_size, shape.kv_heads, shape.head_dim, shape.dv, elem)
 
 
 def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape, ring_steps: Optional[int] = None
                         ) -> tuple[int, int]:
     """Bytes each rank sends: ``(forward, backward)``, the same for every layout.
 
-    Mirrors the engine (``cp_attention/ring.py``) for a ring of ``ring_steps`` steps (default
-    ``world_size``; fewer under a sliding window, see :func:`cp_attention.ring_length`): forward sends
-    K/V ``ring_steps - 1`` times. Backward runs the steps in reverse from the shard the forward held
-    last, so it sends K/V ``ring_steps - 2`` times, plus the dK/dV accumulators (fp32)
-    ``ring_steps - 1`` times: a rank's own contribution stays home, and the others' accumulator
-    travels with the K/V back to the owner.
+    Mirrors the engine for a ring of ``ring_steps`` steps (default ``world_size``; fewer under a
+    sliding window, see :func:`cp_attention.ring_length`): the cost model's
+    :func:`cp_attention.strategies.cost.ring_bytes_per_rank`.
     """
     steps = world_size if ring_steps is None else ring_steps
-    if world_size == 1 or steps <= 1:
+    if world_size == 1:
         return 0, 0
-    kv = kv_bytes_per_hop(seq_len, world_size, shape)
-    dkv = kv_bytes_per_hop(seq_len, world_size, shape, shape.acc_bytes)
-    return (steps - 1) * kv, (steps - 2) * kv + (steps - 1) * dkv
+    return ring_bytes_per_rank(kv_bytes_per_hop(seq_len, world_size, shape),
+                               kv_bytes_per_hop(seq_len, world_size, shape, shape.acc_bytes), steps)
 
 
 def pair_owners(layout: "str | Layout", causal: bool, seq_len: int, world_size: int

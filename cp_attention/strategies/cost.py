@@ -376,3 +376,29 @@ def choose(w: Workload, hw: Hardware) -> str:
     """The feasible strategy with the least modelled time (ties: the order of ``STRATEGIES``)."""
     best = min((estimate(w, s, hw).total_s, i, s) for i, s in enumerate(STRATEGIES) if infeasible(w, s) is None)
     return best[2]
+
+
+# The ring's bytes, shared with the benchmarks' projections (benchmarks/layout_comparison/analysis.py)
+# so that the library holds the one performance model.
+
+def accumulator_bytes(elem_bytes: int) -> int:
+    """Bytes of one dK/dV accumulator element: the engine accumulates in fp32, or fp64 for fp64 inputs."""
+    return 8 if elem_bytes == 8 else 4
+
+
+def kv_bytes_per_hop(batch: int, tokens: int, kv_heads: int, head_dim: int, v_head_dim: int,
+                     elem_bytes: int) -> int:
+    """Bytes of one K/V shard of ``tokens`` tokens, what one ring hop sends: ``B * tokens * Hkv * (D + Dv) * elem``."""
+    return batch * tokens * kv_heads * (head_dim + v_head_dim) * elem_bytes
+
+
+def ring_bytes_per_rank(kv_bytes: int, dkv_bytes: int, steps: int) -> tuple[int, int]:
+    """Bytes each rank of a ring of ``steps`` steps sends, ``(forward, backward)``, the same for every layout.
+
+    Forward sends its K/V shard (``kv_bytes``) ``steps - 1`` times. Backward runs the steps in reverse
+    from the shard the forward held last, so it sends K/V ``steps - 2`` times, plus the dK/dV
+    accumulators (``dkv_bytes``) ``steps - 1`` times: a rank's own contribution stays home, and the
+    others' accumulator travels with the K/V back to the owner."""
+    if steps <= 1:
+        return 0, 0
+    return (steps - 1) * kv_bytes, (steps - 2) * kv_bytes + (steps - 1) * dkv_bytes
