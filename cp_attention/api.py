@@ -10,8 +10,10 @@ import torch
 
 from .checks.agreement import in_agreed_forward
 from .checks.validation import tensor_codes, validate_call
+from .engine.function import AttentionFunction
 from .engine.plan import AttentionPlan, build_plan, host_cu_seqlens
-from .engine.ring import RingAttentionFunction, RingPlan
+from .engine.ring import RingSchedule
+from .engine.tasks import KernelSettings
 from .layouts.base import Layout
 from .strategies.dispatch import run_strategy, strategy_problem
 from .transport.eager import eager_only
@@ -42,7 +44,7 @@ _PLANS_LOCK = threading.Lock()
 _MAX_PLANS = 8
 
 
-def _implicit_plan(group, layout, causal, cu_seqlens, window_size) -> AttentionPlan:
+def _cached_plan(group, layout, causal, cu_seqlens, window_size) -> AttentionPlan:
     transport = transport_for(group)
     cu = host_cu_seqlens(cu_seqlens)
     try:
@@ -169,7 +171,7 @@ def ring_attention(
 
     if plan is None:
         group = None if group is _GROUP else group
-        plan = _implicit_plan(group, layout.value if layout is _LAYOUT else layout,
+        plan = _cached_plan(group, layout.value if layout is _LAYOUT else layout,
                               causal.value if causal is _CAUSAL else causal, cu_seqlens,
                               window_size.value if window_size is _WINDOW else window_size)
     else:
@@ -187,7 +189,7 @@ def ring_attention(
         out, lse = run_strategy(q, k, v, plan, strategy, kern, scale, float(softcap), sinks, return_lse)
         return (out, lse) if return_lse else out
     steps = plan.steps(n, kern, q.device, q.shape[-1], v.shape[-1])
-    ring = RingPlan(transport, steps, kern, scale, float(softcap), packed=plan.packed,
-                    first_step_tiles=plan.first_step_tiles(n))
-    out, lse = RingAttentionFunction.apply(q, k, v, ring, sinks)
+    ring = RingSchedule(transport, steps, KernelSettings.of(kern, scale, softcap, packed=plan.packed),
+                        first_step_tiles=plan.first_step_tiles(n))
+    out, lse = AttentionFunction.apply(q, k, v, ring, sinks)
     return (out, lse) if return_lse else out

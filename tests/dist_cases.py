@@ -14,7 +14,9 @@ from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.transport import transport_for
 from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.kernels import MathKernel
-from cp_attention.engine.ring import RingAttentionFunction, RingPlan
+from cp_attention.engine.function import AttentionFunction
+from cp_attention.engine.ring import RingSchedule
+from cp_attention.engine.tasks import KernelSettings
 from cp_attention.schedules import rank_plan
 
 from .reference import excess_error, reference_attention
@@ -111,8 +113,8 @@ def pairs_computed(rank: int, world_size: int, *, layout: str, causal: bool, loc
     lay = cpa.get_layout(layout)
     ql, kl, vl = (lay.shard(t, 1, rank, world_size) for t in (q, k, v))
     comm = transport_for(None)
-    plan = RingPlan(comm, rank_plan(lay, causal, rank, world_size, local_len), Spy(), 8 ** -0.5)
-    out, _ = RingAttentionFunction.apply(ql, kl, vl, plan)
+    plan = RingSchedule(comm, rank_plan(lay, causal, rank, world_size, local_len), KernelSettings.of(Spy(), 8 ** -0.5))
+    out, _ = AttentionFunction.apply(ql, kl, vl, plan)
     out_ref, _ = reference_attention(q, k, v, causal, 8 ** -0.5)
     return {"pairs": sum(seen), "calls": len(seen),
             "max_err": (out - lay.shard(out_ref, 1, rank, world_size)).abs().max().item()}

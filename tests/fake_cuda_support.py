@@ -28,8 +28,8 @@ What is patched, none of it in cp_attention's source, all of it undone by the ca
       a rank thread holds while it runs and releases only while it waits for a message
       (FakeTensorMode is not thread-safe).
   P5  the autograd engine is not used (on a CPU-only build it refuses CUDA tensors):
-      ``cp_attention.api.RingAttentionFunction`` is replaced by an object whose ``apply`` calls
-      ``RingAttentionFunction.forward`` with a minimal ctx; the test calls ``.backward`` itself.
+      ``cp_attention.api.AttentionFunction`` is replaced by an object whose ``apply`` calls
+      ``AttentionFunction.forward`` with a minimal ctx; the test calls ``.backward`` itself.
   P6  ``torch.cuda.is_initialized`` -> True, ``torch.cuda.get_device_capability`` -> (9, 0) and
       ``torch.cuda.current_device`` -> 0, for the kernels' capability questions (an H100).
   P7  the kernel modules' ``_aten`` is a :class:`CheckedAten`: each fused-op call is bound to the real
@@ -237,7 +237,7 @@ def summarize(events: list, kinds=("d2h", "h2d_blocking"), phases=None) -> list[
 
 # ----------------------------------------------------------------------------------- P5 manual ctx
 class ManualCtx:
-    """What RingAttentionFunction.forward/backward use of an autograd ctx."""
+    """What AttentionFunction.forward/backward use of an autograd ctx."""
 
     def __init__(self, needs_input_grad):
         self.needs_input_grad = needs_input_grad
@@ -262,7 +262,7 @@ def tape() -> list:
 
 
 class ManualRingFunction:
-    """Replaces ``cp_attention.api.RingAttentionFunction``: ``apply`` runs ``forward`` directly (under
+    """Replaces ``cp_attention.api.AttentionFunction``: ``apply`` runs ``forward`` directly (under
     no_grad, as the autograd engine would) and keeps the ctx on this thread's tape."""
 
     def __init__(self, function) -> None:
@@ -310,7 +310,7 @@ class FakeCuda:
         import cp_attention.checks.validation as validation
         import cp_attention.engine.doc_batch as doc_batch
         import cp_attention.engine.plan as plan_mod
-        import cp_attention.engine.ring as ring
+        import cp_attention.engine.function as function
         import cp_attention.engine.varlen_batch as varlen_batch
         from cp_attention.engine.fault import RingFault
         from cp_attention.kernels import cuda_cudnn, cuda_efficient, cuda_flash
@@ -329,8 +329,8 @@ class FakeCuda:
         mp.setattr(torch.Tensor, "pin_memory", _pin_memory)
         mp.setattr(plan_mod, "cu_seqlens_tuple", self._host_read(plan_mod.cu_seqlens_tuple))
         # P5
-        self.ring_function = ManualRingFunction(ring.RingAttentionFunction)
-        mp.setattr(api, "RingAttentionFunction", self.ring_function)
+        self.ring_function = ManualRingFunction(function.AttentionFunction)
+        mp.setattr(api, "AttentionFunction", self.ring_function)
         # P6
         mp.setattr(torch.cuda, "is_initialized", lambda: True)
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

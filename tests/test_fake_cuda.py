@@ -327,21 +327,21 @@ def test_calls_without_a_plan(env, kernel):
 def _calls_per_step(env, kernel: str, docs: int) -> tuple[int, int]:
     """The most fused-op calls rank 0 makes at one ring step (forward, backward), for ``docs``
     documents of 16 tokens at N=2 (zigzag: every document has rows on both ranks)."""
-    from cp_attention.engine import ring
+    from cp_attention.engine.ring import RingSchedule
     fwd_steps, bwd_steps = {}, {}
 
     def counting(fn, steps):
-        def wrapped(plan, t, s, *args):
+        def wrapped(schedule, s, *args):
             before = sum(env.aten.calls.values())
-            try:
-                return fn(plan, t, s, *args)
+            try:  # a step's tasks (forward yields each task's results: all run here)
+                return list(fn(schedule, s, *args))
             finally:  # ranks run one at a time, and never wait for a message inside a task
-                if plan.comm.rank == 0:
+                if schedule.comm.rank == 0:
                     steps[s] = steps.get(s, 0) + sum(env.aten.calls.values()) - before
         return wrapped
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ring, "task_forward", counting(ring.task_forward, fwd_steps))
-        mp.setattr(ring, "task_backward", counting(ring.task_backward, bwd_steps))
+        mp.setattr(RingSchedule, "_step_forward", counting(RingSchedule._step_forward, fwd_steps))
+        mp.setattr(RingSchedule, "_step_backward", counting(RingSchedule._step_backward, bwd_steps))
         res = ring_case(env, 2, kernel, "zigzag", torch.bfloat16, n=docs * 16 // 2, lengths=[16] * docs, layers=1)
     check_clean(res, kernel)
     print(f"\n[issue 23] {kernel}: {docs} documents x 16 tokens, N=2: fused-op calls per ring step on rank 0: "

@@ -11,7 +11,7 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.strategies import alltoall, dispatch
-from cp_attention.strategies.composite import CompositeAttentionFunction
+from cp_attention.engine.function import AttentionFunction
 
 from .fake_cuda_support import ManualRingFunction, phase, tape
 from .strides import restride
@@ -83,8 +83,8 @@ def strategy_case(env, comm: str, world: int, mesh, kernel: str, layout: str, h:
                          ids=[f"{c[0]}-N{c[1]}-{c[3]}-{c[4]['layout']}{'-packed' if 'lengths' in c[4] else ''}"
                               f"{'-window' if 'window' in c[4] else ''}" for c in CASES])
 def test_strategies_on_fake_cuda(env, monkeypatch, comm, world, mesh, kernel, kw):  # noqa: F811 - the fixture
-    function = ManualRingFunction(CompositeAttentionFunction)
-    monkeypatch.setattr(dispatch, "CompositeAttentionFunction", function)
+    function = ManualRingFunction(AttentionFunction)
+    monkeypatch.setattr(dispatch, "AttentionFunction", function)
     monkeypatch.setattr(env, "ring_function", function)
     res = strategy_case(env, comm, world, mesh, kernel, **kw)
     check_clean(res, kernel)
@@ -94,8 +94,8 @@ def test_strategies_on_fake_cuda(env, monkeypatch, comm, world, mesh, kernel, kw
 def test_strategies_take_strided_inputs_on_fake_cuda(env, monkeypatch, comm, world, mesh):  # noqa: F811
     """q, k, v and dout whose last dim is not contiguous reach the CUDA kernels with a unit last-dim
     stride on every strategy (the ops' own checks in CheckedAten refuse anything else)."""
-    function = ManualRingFunction(CompositeAttentionFunction)
-    monkeypatch.setattr(dispatch, "CompositeAttentionFunction", function)
+    function = ManualRingFunction(AttentionFunction)
+    monkeypatch.setattr(dispatch, "AttentionFunction", function)
     monkeypatch.setattr(env, "ring_function", function)
     check_clean(strategy_case(env, comm, world, mesh, "flash", layout="zigzag", stride_form="transposed"), "flash")
 

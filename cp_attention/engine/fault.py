@@ -41,6 +41,12 @@ class RingFault:
         if self.ok:
             self.error = error
 
+    def contained(self) -> "_Contained":
+        """``with fault.contained(): ...``: an exception in the block is this rank's failure (see
+        :meth:`fail`), not raised; the pass goes on exchanging and the frame raises it after the last
+        exchange (:meth:`raise_if_failed`). Run only while :attr:`ok`."""
+        return _Contained(self)
+
     def _failed_rank(self) -> int:
         """-1 if no rank of the group failed this pass, else the lowest group rank that did."""
         code = torch.tensor([self.comm.rank + 1 if self.error is not None else 0], dtype=torch.int64)
@@ -58,3 +64,19 @@ class RingFault:
             raise RuntimeError(
                 f"ring attention {what} failed on rank {failed} of the group (see that rank's error); this rank "
                 "finished its exchanges and raises too, so no rank goes on alone; the group is still usable")
+
+
+class _Contained:
+    """The context of :meth:`RingFault.contained`."""
+
+    def __init__(self, fault: RingFault) -> None:
+        self.fault = fault
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, trace) -> bool:
+        if isinstance(error, Exception):  # contained: re-raised after the last exchange
+            self.fault.fail(error)
+            return True
+        return False

@@ -71,9 +71,18 @@ class AttentionPlan:
         # The cache key of a call's agreed verdict, beyond its tensors: the plan's fields but the
         # document boundaries' fingerprint, so a new batch of the same length needs no new agreement.
         self.trust_key = self.codes[:2] + (min(self.codes[2], 1), self.codes[3]) + self.codes[5:]
+        # Caches, built lazily: per local length, (length, lowering mode, device), kernel query.
         self._windows: dict[int, Optional[Window]] = {}
         self._steps: dict[tuple, Steps] = {}
         self._kernels: dict[tuple, AttentionKernel] = {}
+        # Plans derived from this one: per (causal, window) (:meth:`variant`), and per seat, a group
+        # rank or "alone", for the strategies' virtual ranks (strategies.dispatch).
+        self._variants: dict[tuple, "AttentionPlan"] = {}
+        self._seats: dict[Any, "AttentionPlan"] = {}
+        # The strategies' caches: all-to-all sequence orders per (local length, device)
+        # (strategies.dispatch) and the agreed cp_comm_type="auto" pick per call shape (strategies.auto).
+        self._orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._auto_picks: dict[tuple, str] = {}
 
     @property
     def rank(self) -> int:
@@ -102,10 +111,9 @@ class AttentionPlan:
         key = (bool(causal), tuple(window_size))
         if key == (bool(self.causal), tuple(self.window_size)):
             return self
-        variants = self.__dict__.setdefault("_variants", {})
-        found = variants.get(key)
+        found = self._variants.get(key)
         if found is None:
-            found = variants[key] = AttentionPlan(self.layout, self.transport, causal, self.cu_seqlens, window_size,
+            found = self._variants[key] = AttentionPlan(self.layout, self.transport, causal, self.cu_seqlens, window_size,
                                                   agreed=self.agreed)
         return found
 
@@ -135,10 +143,10 @@ class AttentionPlan:
         that takes variable-length batches runs each step's documents as one call per mask kind; one
         that takes masks, small documents as padded batches."""
         mode = "plain"
-        if self.packed and self.window(local_len) is None and getattr(kernel, "supports_varlen", False) \
+        if self.packed and self.window(local_len) is None and kernel.supports_varlen \
                 and kernel.supports_shape(head_dim, v_head_dim):
             mode = "varlen"
-        elif self.packed and getattr(kernel, "supports_mask", False):
+        elif self.packed and kernel.supports_mask:
             mode = "batched"
         key = (local_len, mode, device)
         steps = self._steps.get(key)

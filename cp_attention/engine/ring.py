@@ -1,8 +1,9 @@
-"""The ring engine: one autograd Function that executes any layout's schedule with any kernel.
+"""The ring: K/V shards travelling round the group, as the source of the engine's autograd Function
+(:class:`~cp_attention.engine.function.AttentionFunction`), for any layout's schedule and any kernel.
 
 Forward: at step s this rank holds the K/V shard of rank (r - s) mod N. It posts the exchange of
 that shard to the next rank (double buffer), runs the step's block tasks, and folds each block into
-fp32 out/LSE accumulators. Backward replays the same plan in reverse, starting with the shard the
+fp32 out/LSE accumulators. Backward replays the same steps in reverse, starting with the shard the
 forward held last (kept for it): K/V ride the ring backwards, and a fp32 dK/dV accumulator travels
 with each shard, collecting every other rank's contribution, back to its owner, where the owner's
 own part waited. So backward sends K/V one hop fewer than forward (none at N=2), and no hop follows
@@ -15,30 +16,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.base import AttentionKernel, accumulation_dtype, unit_stride
 from ..transport.base import Transport
 from .fault import RingFault
-from .sinks import fold_sinks, sinks_grad, with_lse_grad
-from .tasks import add_rows, merge_rows, set_rows, task_backward, task_forward
+from .tasks import KernelSettings, add_rows, merge_rows, set_rows, task_backward, task_forward
 
-__all__ = ["RingPlan", "RingAttentionFunction"]
+__all__ = ["RingSchedule"]
 
 
 @dataclass(frozen=True)
-class RingPlan:
-    """Everything one call of the engine needs besides the tensors: the transport, this rank's tasks
-    per ring step (from the batch's :class:`~cp_attention.engine.plan.AttentionPlan`), the kernel."""
+class RingSchedule:
+    """The ring as a call's K/V source (:class:`~cp_attention.engine.function.KVSource`): the
+    transport, this rank's tasks per ring step (from the batch's
+    :class:`~cp_attention.engine.plan.AttentionPlan`), the kernel settings."""
 
     comm: Transport
     # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents batches of
     # document blocks (engine.doc_batch.DocBatch, engine.varlen_batch.VarlenBatch) with the same
     # forward/backward/first interface
     steps: "list[tuple] | tuple[tuple, ...]"
-    kernel: AttentionKernel
-    scale: float
-    softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
-    # Steps from packed documents: K/V rows are gathered, so kept token-major.
-    packed: bool = False
+    settings: KernelSettings
     # Step 0's tasks cover every query row and every held key row exactly once (schedules.lowering
     # checks it for packed documents without a window), so the accumulators are written there, not
     # merged into zeros. (A DocBatch says for itself whether it writes first: folded documents'
@@ -46,13 +42,111 @@ class RingPlan:
     first_step_tiles: bool = False
 
     @property
-    def kernel_head_major(self) -> bool:
-        return not self.packed and getattr(self.kernel, "head_major_kv", False)
+    def fault_comm(self) -> Transport:
+        return self.comm
 
-    @property
-    def kernel_kwargs(self) -> dict:
-        """Optional kernel arguments: only what is in use, so kernels without them keep working."""
-        return {"softcap": self.softcap} if self.softcap else {}
+    def _step_forward(self, s: int, q, kc, vc, k, v):
+        """Step ``s``'s tasks' ``(first, results)`` against the held shard ``kc``/``vc``, one task at a
+        time (each folded before the next runs)."""
+        tiles = self.first_step_tiles and s == 0
+        for t in self.steps[s]:
+            yield task_forward(self.settings, t, q, kc, vc, k, v, tiles)
+
+    def _step_backward(self, s: int, dout, q, kc, vc, k, v, out, lse) -> list:
+        """Step ``s``'s tasks' ``(first, gradients)`` against the held shard ``kc``/``vc``."""
+        tiles = self.first_step_tiles and s == 0
+        return [task_backward(self.settings, t, dout, q, kc, vc, k, v, out, lse, tiles) for t in self.steps[s]]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fault: RingFault, acc: torch.dtype):
+        """The ring's forward; keeps the shard held last for backward, which starts with it (see
+        :meth:`backward`): at N=2 backward then moves no K/V at all."""
+        n = q.shape[1]
+        out = lse = None
+        last = len(self.steps) - 1
+        ring = _KVRing(self.comm, (k, v), last, head_major=self.settings.head_major)
+        for s in range(last + 1):
+            if s < last:
+                ring.start()
+            if fault.ok:
+                with fault.contained():
+                    for first, results in self._step_forward(s, q, *ring.views(), k, v):
+                        for rows, o_blk, lse_blk in results:
+                            if first:  # the rows' first result: written, not merged
+                                out = set_rows(out, rows, o_blk, n, acc)
+                                lse = set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
+                                                lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
+                            else:
+                                out, lse = merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
+            if s < last:
+                ring.finish()
+        return out, lse, (ring.views() if last > 0 else ())
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, fault: RingFault,
+                 acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The ring's backward: this rank's ``dq``, ``dk``, ``dv`` (in ``acc``) given the final ``out``/``lse``.
+
+        The steps run in reverse, starting with ``held``, the shard the forward held last (``()`` with a
+        single step). At step s this rank holds rank (r - s)'s shard; the shard for step s - 1 comes from
+        rank r + 1, and so does the dK/dV accumulator of the shard held, carrying the contributions of
+        steps last..s+1 of the ranks after this one. This rank adds its own and passes it on to rank r - 1.
+        At step 0 the accumulator for this rank's own shard arrives complete, so no hop follows the last
+        compute, and K/V make one hop fewer than in forward order (none at N=2).
+        """
+        n = q.shape[1]
+        last = len(self.steps) - 1
+        comm = self.comm
+        head_major = self.settings.head_major
+        # ``held`` is saved for backward, so never received into: a second backward (retain_graph) reads it again.
+        kv = _KVRing(comm, held, last - 1, head_major=head_major) if last else None
+        dq = None
+        own = (None, None)  # this rank's contributions to its own shard's gradients (step 0, folded documents)
+        dkv = None  # the travelling accumulator of the shard held now
+        for s in range(last, -1, -1):
+            if s > 1:
+                kv.start(-1)
+            grads = []
+            if fault.ok:
+                with fault.contained():
+                    if s > 0:
+                        kc, vc = kv.views()
+                    else:  # our own shard; head-major copies where the kernel runs faster on them
+                        kc, vc = _KVRing(comm, (k, v), 0, head_major=head_major).views()
+                    grads = self._step_backward(s, dout, q, kc, vc, k, v, out, lse)
+            if s < last:
+                dkv.finish()
+            travelling = dkv.current if s < last else (None, None)
+            for first, results in grads:
+                for q_rows, dq_blk, keys in results:
+                    # Reverse order: dq rows may already hold a later step's part, so always add.
+                    dq = add_rows(dq, q_rows, dq_blk, n, acc)
+                    for home, kv_rows, dk_blk, dv_blk in keys:
+                        if home or s == 0:
+                            # This rank's own rows: step 0's tasks and folded documents each cover
+                            # different rows, so a first result writes them, whichever comes first.
+                            update = set_rows if first else add_rows
+                            own = (update(own[0], kv_rows, dk_blk, n, acc), update(own[1], kv_rows, dv_blk, n, acc))
+                        else:
+                            travelling = (add_rows(travelling[0], kv_rows, dk_blk, n, acc),
+                                          add_rows(travelling[1], kv_rows, dv_blk, n, acc))
+            if s > 0:
+                if dkv is None:  # the step that starts the accumulator
+                    travelling = tuple(torch.zeros_like(t, dtype=acc) if a is None else a
+                                       for t, a in zip((k, v), travelling))
+                    dkv = _KVRing(comm, travelling, last, owned=True)
+                dkv.start(-1)
+            if 1 < s:
+                kv.finish()
+        if not fault.ok:  # the frame raises; nothing to add up
+            return None, None, None
+        dk, dv = own
+        if dkv is not None:  # the other ranks' contributions to this rank's shard
+            dk = dkv.current[0] if dk is None else dk.add_(dkv.current[0])
+            dv = dkv.current[1] if dv is None else dv.add_(dkv.current[1])
+        dk = torch.zeros_like(k, dtype=acc) if dk is None else dk
+        dv = torch.zeros_like(v, dtype=acc) if dv is None else dv
+        dq = torch.zeros_like(q, dtype=acc) if dq is None else dq
+        return dq, dk, dv
 
 
 class _KVRing:
@@ -105,137 +199,3 @@ class _KVRing:
         self._remaining -= 1
         if self._remaining > 0 and sent is not self._callers:
             self._spare = sent
-
-
-def _backward_pass(plan: RingPlan, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, acc: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ring's backward: this rank's ``dq``, ``dk``, ``dv`` (in ``acc``) given the final ``out``/``lse``.
-
-    The steps run in reverse, starting with ``held``, the shard the forward held last (``()`` with a
-    single step). At step s this rank holds rank (r - s)'s shard; the shard for step s - 1 comes from
-    rank r + 1, and so does the dK/dV accumulator of the shard held, carrying the contributions of
-    steps last..s+1 of the ranks after this one. This rank adds its own and passes it on to rank r - 1.
-    At step 0 the accumulator for this rank's own shard arrives complete, so no hop follows the last
-    compute, and K/V make one hop fewer than in forward order (none at N=2).
-    """
-    n = q.shape[1]
-    last = len(plan.steps) - 1
-    comm = plan.comm
-    # ``held`` is saved for backward, so never received into: a second backward (retain_graph) reads it again.
-    kv = _KVRing(comm, held, last - 1, head_major=plan.kernel_head_major) if last else None
-    dq = None
-    own = (None, None)  # this rank's contributions to its own shard's gradients (step 0, folded documents)
-    dkv = None  # the travelling accumulator of the shard held now
-    fault = RingFault(comm)
-    for s in range(last, -1, -1):
-        if s > 1:
-            kv.start(-1)
-        grads = []
-        if fault.ok:
-            try:
-                if s > 0:
-                    kc, vc = kv.views()
-                else:  # our own shard; head-major copies where the kernel runs faster on them
-                    kc, vc = _KVRing(comm, (k, v), 0, head_major=plan.kernel_head_major).views()
-                grads = [task_backward(plan, t, s, dout, q, kc, vc, k, v, out, lse) for t in plan.steps[s]]
-            except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
-                fault.fail(e)
-        if s < last:
-            dkv.finish()
-        travelling = dkv.current if s < last else (None, None)
-        for first, results in grads:
-            for q_rows, dq_blk, keys in results:
-                # Reverse order: dq rows may already hold a later step's part, so always add.
-                dq = add_rows(dq, q_rows, dq_blk, n, acc)
-                for home, kv_rows, dk_blk, dv_blk in keys:
-                    if home or s == 0:
-                        # This rank's own rows: step 0's tasks and folded documents each cover
-                        # different rows, so a first result writes them, whichever comes first.
-                        update = set_rows if first else add_rows
-                        own = (update(own[0], kv_rows, dk_blk, n, acc), update(own[1], kv_rows, dv_blk, n, acc))
-                    else:
-                        travelling = (add_rows(travelling[0], kv_rows, dk_blk, n, acc),
-                                      add_rows(travelling[1], kv_rows, dv_blk, n, acc))
-        if s > 0:
-            if dkv is None:  # the step that starts the accumulator
-                travelling = tuple(torch.zeros_like(t, dtype=acc) if a is None else a for t, a in zip((k, v), travelling))
-                dkv = _KVRing(comm, travelling, last, owned=True)
-            dkv.start(-1)
-        if 1 < s:
-            kv.finish()
-    fault.raise_if_failed("backward")
-    dk, dv = own
-    if dkv is not None:  # the other ranks' contributions to this rank's shard
-        dk = dkv.current[0] if dk is None else dk.add_(dkv.current[0])
-        dv = dkv.current[1] if dv is None else dv.add_(dkv.current[1])
-    dk = torch.zeros_like(k, dtype=acc) if dk is None else dk
-    dv = torch.zeros_like(v, dtype=acc) if dv is None else dv
-    dq = torch.zeros_like(q, dtype=acc) if dq is None else dq
-    return dq, dk, dv
-
-
-class RingAttentionFunction(torch.autograd.Function):
-    """Ring attention over local shards ``q [B, n, H, D]``, ``k [B, n, Hkv, D]``, ``v [B, n, Hkv, Dv]``.
-
-    Returns ``out [B, n, H, Dv]`` in q's dtype and ``lse [B, H, n]`` (fp32; fp64 for fp64 inputs),
-    both differentiable.
-    ``sinks [H]`` adds one logit per head to every softmax denominator (GPT-OSS ``s_aux``); its
-    gradient is this rank's queries' share, so summed over the group it is the full gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
-                sinks: "torch.Tensor | None" = None):
-        acc = accumulation_dtype(q.dtype)
-        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # the kernels' contract, once per call
-        b, n, h, _ = q.shape
-        out = lse = None
-        last = len(plan.steps) - 1
-        ring = _KVRing(plan.comm, (k, v), last, head_major=plan.kernel_head_major)
-        fault = RingFault(plan.comm)
-        for s, tasks in enumerate(plan.steps):
-            if s < last:
-                ring.start()
-            if fault.ok:
-                try:
-                    kc, vc = ring.views()
-                    for t in tasks:
-                        first, results = task_forward(plan, t, s, q, kc, vc, k, v)
-                        for rows, o_blk, lse_blk in results:
-                            if first:  # the rows' first result: written, not merged
-                                out = set_rows(out, rows, o_blk, n, acc)
-                                lse = set_rows(lse.transpose(1, 2) if lse is not None else None, rows,
-                                                lse_blk.transpose(1, 2), n, acc).transpose(1, 2)
-                            else:
-                                out, lse = merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
-                except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
-                    fault.fail(e)
-            if s < last:
-                ring.finish()
-        fault.raise_if_failed("forward")
-        if out is None:  # no task at all: every row attends to nothing
-            out = q.new_zeros(b, n, h, v.shape[-1], dtype=acc)
-            lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
-        out, lse = fold_sinks(out, lse, sinks, acc)
-        out = out.to(q.dtype)
-        ctx.plan = plan
-        # The shard held last is kept for backward, which starts with it (see _backward_pass): at N=2
-        # backward then moves no K/V at all.
-        ctx.save_for_backward(q, k, v, out, lse, sinks, *(ring.views() if last > 0 else ()))
-        ctx.set_materialize_grads(False)  # an unused LSE must cost nothing in backward
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout: "torch.Tensor | None", dlse: "torch.Tensor | None"):
-        plan: RingPlan = ctx.plan
-        q, k, v, out, lse, sinks, *held = ctx.saved_tensors
-        acc = accumulation_dtype(q.dtype)
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dsinks = sinks_grad(dout, out, lse, dlse, sinks, acc) if sinks is not None and ctx.needs_input_grad[4] else None
-        dv_dim = v.shape[-1]
-        if dlse is not None:
-            out, dout, v, *held_v = with_lse_grad(out, dout, dlse, v, *held[1:])
-            held = [*held[:1], *held_v]  # the held shard's V gets the column, its K not
-        dq, dk, dv = _backward_pass(plan, dout, q, k, v, tuple(held), out, lse, acc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

@@ -1,17 +1,43 @@
-"""A rank's block tasks at one step, and the accumulators they fold into: shared by the ring and by
-the other strategies (:mod:`cp_attention.strategies`), which run the same tasks with K/V from
-elsewhere."""
+"""A rank's block tasks at one step, the kernel settings they run with, and the accumulators they
+fold into: shared by the ring and by the other strategies (:mod:`cp_attention.strategies`), which run
+the same tasks with K/V from elsewhere."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
+from ..kernels.base import AttentionKernel
 from ..schedules.blocks import BlockTask
 from .merge import merge_at, merge_block
 
-__all__ = ["add_rows", "set_rows", "merge_rows", "band_mask", "task_forward", "task_backward"]
+__all__ = ["KernelSettings", "add_rows", "set_rows", "merge_rows", "band_mask", "task_forward", "task_backward"]
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """How one call runs its blocks: the kernel, the softmax scale, the softcap, and whether K/V
+    that travel are kept head-major for it (see :meth:`of`)."""
+
+    kernel: AttentionKernel
+    scale: float
+    softcap: float = 0.0  # 0: none; else flash-attn's softcap on the scaled scores
+    # Keep travelling K/V shards in [B, H, n, D] memory, for a kernel that runs faster on it.
+    head_major: bool = False
+
+    @classmethod
+    def of(cls, kernel: AttentionKernel, scale: float, softcap: float = 0.0, packed: bool = False
+           ) -> "KernelSettings":
+        """The settings of a call: head-major K/V when the kernel prefers them (``head_major_kv``),
+        except for ``packed`` documents, whose K/V rows are gathered, so kept token-major."""
+        return cls(kernel, scale, float(softcap), head_major=not packed and kernel.head_major_kv)
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        """Optional kernel arguments: only what is in use, so kernels without them keep working."""
+        return {"softcap": self.softcap} if self.softcap else {}
 
 
 def _covers(rows: slice, length: int) -> bool:
@@ -72,29 +98,32 @@ def band_mask(rows: int, cols: int, lo: int, hi: int, device: torch.device) -> t
     return ((offset >= lo) & (offset <= hi))[None]
 
 
-def _block_kwargs(plan, t: BlockTask, q: torch.Tensor) -> dict:
+def _block_kwargs(settings: KernelSettings, t: BlockTask, q: torch.Tensor) -> dict:
     if t.band is None:
-        return plan.kernel_kwargs
+        return settings.kernel_kwargs
     mask = band_mask(t.q_stop - t.q_start, t.kv_stop - t.kv_start, *t.band, q.device)
-    return {**plan.kernel_kwargs, "mask": mask}
+    return {**settings.kernel_kwargs, "mask": mask}
 
 
-def task_forward(plan, t, s: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor):
-    """A task's results at step ``s``: (whether they are the first for their rows, a list of
-    ``(rows, out, lse)``). ``k``/``v``: the shard held now; ``k_own``/``v_own``: this rank's own."""
+def task_forward(settings: KernelSettings, t, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_own: torch.Tensor, v_own: torch.Tensor, tiles: bool = False):
+    """A task's results: (whether they are the first for their rows, a list of ``(rows, out, lse)``).
+    ``k``/``v``: the shard held now; ``k_own``/``v_own``: this rank's own. ``tiles``: the step's plain
+    blocks cover every row once, so theirs are first (a document batch says so for itself)."""
     if not isinstance(t, BlockTask):  # a batch of document blocks (DocBatch, VarlenBatch)
-        return t.first, t.forward(plan.kernel, q, k, v, k_own, v_own, plan.scale, plan.kernel_kwargs)
-    o_blk, lse_blk = plan.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, plan.scale,
-                                         **_block_kwargs(plan, t, q))
-    return plan.first_step_tiles and s == 0, [(t.q, o_blk, lse_blk)]
+        return t.first, t.forward(settings.kernel, q, k, v, k_own, v_own, settings.scale, settings.kernel_kwargs)
+    o_blk, lse_blk = settings.kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, settings.scale,
+                                             **_block_kwargs(settings, t, q))
+    return tiles, [(t.q, o_blk, lse_blk)]
 
 
-def task_backward(plan, t, s: int, dout, q, k, v, k_own, v_own, out, lse):
-    """A task's gradients at step ``s``: (whether they are the first for their rows, a list of
-    ``(q_rows, dq, keys)`` with ``keys`` a list of ``(own, kv_rows, dk, dv)``; ``own`` rows index
-    this rank's own shard, the others the shard held now)."""
+def task_backward(settings: KernelSettings, t, dout, q, k, v, k_own, v_own, out, lse, tiles: bool = False):
+    """A task's gradients: (whether they are the first for their rows, a list of ``(q_rows, dq, keys)``
+    with ``keys`` a list of ``(own, kv_rows, dk, dv)``; ``own`` rows index this rank's own shard, the
+    others the shard held now). ``tiles`` as for :func:`task_forward`."""
     if not isinstance(t, BlockTask):
-        return t.first, t.backward(plan.kernel, dout, q, k, v, k_own, v_own, out, lse, plan.scale, plan.kernel_kwargs)
-    dq, dk, dv = plan.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q], lse[:, :, t.q],
-                                      t.causal, plan.scale, **_block_kwargs(plan, t, q))
-    return plan.first_step_tiles and s == 0, [(t.q, dq, [(False, t.kv, dk, dv)])]
+        return t.first, t.backward(settings.kernel, dout, q, k, v, k_own, v_own, out, lse, settings.scale,
+                                   settings.kernel_kwargs)
+    dq, dk, dv = settings.kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], out[:, t.q],
+                                          lse[:, :, t.q], t.causal, settings.scale, **_block_kwargs(settings, t, q))
+    return tiles, [(t.q, dq, [(False, t.kv, dk, dv)])]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionKernel, accumulation_dtype
+from .base import AttentionKernel, KernelBase, accumulation_dtype
 from .cpu_flash import CpuFlashKernel
 from .cuda_cudnn import CudnnKernel
 from .cuda_efficient import EfficientKernel
@@ -24,8 +24,8 @@ from .math import MathKernel
 
 SdpaCpuKernel = CpuFlashKernel  # the old class name (``cp_attention.kernels.sdpa`` is gone)
 
-__all__ = ["AttentionKernel", "accumulation_dtype", "check_kernel_name", "CpuFlashKernel", "CudnnKernel",
-           "EfficientKernel", "FlashAttnKernel", "FlashKernel", "get_kernel", "KERNEL_NAMES", "MathKernel",
+__all__ = ["AttentionKernel", "KernelBase", "accumulation_dtype", "check_kernel_name", "CpuFlashKernel",
+           "CudnnKernel", "EfficientKernel", "FlashAttnKernel", "FlashKernel", "get_kernel", "KERNEL_NAMES", "MathKernel",
            "resolve_kernel_name", "SdpaCpuKernel"]
 
 _KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
@@ -57,8 +57,7 @@ def resolve_kernel_name(name: str) -> str:
 
 
 def _shape_ok(kernel: AttentionKernel, head_dim: "int | None", v_head_dim: "int | None") -> bool:
-    check = getattr(kernel, "supports_shape", None)
-    return head_dim is None or check is None or check(head_dim, v_head_dim or head_dim)
+    return head_dim is None or kernel.supports_shape(head_dim, v_head_dim or head_dim)
 
 
 def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, softcap: bool = False,
@@ -75,8 +74,8 @@ def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, soft
     device = torch.device(device)
 
     def fits(kernel: AttentionKernel) -> bool:
-        return (kernel.supports(device, dtype) and (not softcap or getattr(kernel, "supports_softcap", False))
-                and (not mask or getattr(kernel, "supports_mask", False)) and _shape_ok(kernel, head_dim, v_head_dim))
+        return (kernel.supports(device, dtype) and (not softcap or kernel.supports_softcap)
+                and (not mask or kernel.supports_mask) and _shape_ok(kernel, head_dim, v_head_dim))
 
     if name == "auto":
         for n in _AUTO_ORDER:
@@ -92,9 +91,9 @@ def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, soft
             f"use kernel={able!r} (or kernel='auto')"
         )
     if not fits(kernel):
-        if softcap and not getattr(kernel, "supports_softcap", False):
+        if softcap and not kernel.supports_softcap:
             problem = "cannot apply softcap"
-        elif mask and not getattr(kernel, "supports_mask", False):
+        elif mask and not kernel.supports_mask:
             problem = "cannot apply sliding windows (masks)"
         else:
             problem = f"does not take head dim {head_dim}" + (f" with v head dim {v_head_dim}" if v_head_dim else "")

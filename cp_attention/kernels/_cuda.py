@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import pad_last, positive_scale
+from .base import KernelBase, pad_last, positive_scale
 from .math import MathKernel
 
 _BF16_CAPABILITY = (8, 0)
@@ -66,7 +66,7 @@ def _slice_kwargs(kwargs: dict, rows: slice, keys: slice) -> dict:
     return kwargs if mask is None else {**kwargs, "mask": mask[:, rows, keys]}
 
 
-class FusedKernel:
+class FusedKernel(KernelBase):
     """Base of the CUDA kernels: subclasses implement ``_fwd``/``_bwd`` for blocks whose causal mask,
     if any, is square (unless ``top_left_native``); this class handles the rest of the protocol.
 

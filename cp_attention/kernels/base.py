@@ -18,7 +18,8 @@ import torch
 
 import torch.nn.functional as F
 
-__all__ = ["AttentionKernel", "MaskCache", "accumulation_dtype", "pad_last", "positive_scale", "unit_stride"]
+__all__ = ["AttentionKernel", "KernelBase", "MaskCache", "accumulation_dtype", "pad_last", "positive_scale",
+           "unit_stride"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -50,22 +51,28 @@ def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float, 
 
 @runtime_checkable
 class AttentionKernel(Protocol):
-    """A local attention backend."""
+    """A local attention backend. Its optional capabilities are attributes every kernel has: inherit
+    :class:`KernelBase` for their defaults (off) and override what the kernel does."""
 
     name: str
-    # Optional: True if the kernel runs faster on K/V stored head-major ([B, H, S, D] memory). The
-    # engine then keeps travelling shards that way and still passes [B, S, H, D]-shaped views.
-    # head_major_kv: bool = False
-    # Optional: True if forward and backward take ``softcap`` (flash-attn's: scores become
+    # True if the kernel runs faster on K/V stored head-major ([B, H, S, D] memory). The engine then
+    # keeps travelling shards that way and still passes [B, S, H, D]-shaped views.
+    head_major_kv: bool
+    # True if forward and backward take ``softcap`` (flash-attn's: scores become
     # softcap * tanh(scores / softcap) after scaling, before masking). The engine passes it only
     # when it is non-zero, so a kernel without it keeps the plain signature.
-    # supports_softcap: bool = False
-    # Optional: True if forward and backward take ``mask [B, Sq, Sk]`` (bool, True = may attend,
-    # combined with ``causal``). Packed documents then batch many small blocks into one call;
-    # without it each document block runs as its own call. Passed only when in use.
-    # supports_mask: bool = False
-    # Optional: ``supports_shape(head_dim, v_head_dim) -> bool``, whether the kernel takes these head
-    # dims; ``get_kernel(..., head_dim=...)`` consults it. Without it every head dim is taken.
+    supports_softcap: bool
+    # True if forward and backward take ``mask [B, Sq, Sk]`` (bool, True = may attend, combined with
+    # ``causal``). Packed documents then batch many small blocks into one call; without it each
+    # document block runs as its own call. Passed only when in use.
+    supports_mask: bool
+    # True if the kernel has ``forward_varlen``/``backward_varlen`` (variable-length batches of packed
+    # documents, one call per mask kind) for the head dims :meth:`supports_shape` takes.
+    supports_varlen: bool
+
+    def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
+        """Whether the kernel takes these q/k and v head dims; ``get_kernel(..., head_dim=...)`` consults it."""
+        ...
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with inputs of ``dtype``."""
@@ -86,6 +93,21 @@ class AttentionKernel(Protocol):
         Returns ``dq [B, Sq, H, D]``, ``dk [B, Sk, Hkv, D]``, ``dv [B, Sk, Hkv, Dv]`` in any float dtype.
         """
         ...
+
+
+class KernelBase:
+    """The defaults of :class:`AttentionKernel`'s optional capabilities, all off: every kernel inherits
+    them and overrides what it supports."""
+
+    name: str = "kernel"
+    head_major_kv: bool = False
+    supports_softcap: bool = False
+    supports_mask: bool = False
+    supports_varlen: bool = False
+
+    def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
+        """Every head dim, unless the kernel says otherwise."""
+        return True
 
 
 class MaskCache:

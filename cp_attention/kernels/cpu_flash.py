@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .base import MaskCache, pad_last, positive_scale
+from .base import KernelBase, MaskCache, pad_last, positive_scale
 from .dtypes import FLOAT_DTYPES
 
 __all__ = ["CpuFlashKernel"]
@@ -50,7 +50,7 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, causal: bool, mask) -> bool:
     return causal and mask is None and q.shape[1] == k.shape[1] and _CHUNKED[0] <= q.shape[1] < _CHUNKED[1]
 
 
-class CpuFlashKernel:
+class CpuFlashKernel(KernelBase):
     """Fused flash attention on CPU, forward and backward."""
 
     name = "cpu_flash"

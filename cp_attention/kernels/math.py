@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import accumulation_dtype
+from .base import KernelBase, accumulation_dtype
 
 __all__ = ["MathKernel"]
 
@@ -16,7 +16,7 @@ __all__ = ["MathKernel"]
 _SCORE_BUDGET = 1 << 24
 
 
-class MathKernel:
+class MathKernel(KernelBase):
     """Reference attention in plain PyTorch ops; the fp64 ground truth for every other kernel."""
 
     name = "math"

@@ -25,7 +25,7 @@ def auto_comm_type(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: tor
     b, n, heads, head_dim = q.shape
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = (tuple(q.shape), k.shape[2], v.shape[-1], q.dtype, q.device.type, needs_grad)
-    picks = plan.__dict__.setdefault("_auto", {})
+    picks = plan._auto_picks
     found = picks.get(key)
     if found is None:
         levels = getattr(plan.transport, "levels", None)

@@ -1,5 +1,6 @@
-"""The executor of the strategies other than the ring: the layout's own per-rank tasks, run by
-"virtual ranks" against K/V that come from an all-gather or from a ring over fewer, larger shards.
+"""The K/V source of the strategies other than the ring: the layout's own per-rank tasks, run by
+"virtual ranks" against K/V that come from an all-gather or from a ring over fewer, larger shards
+(the engine's :class:`~cp_attention.engine.function.AttentionFunction` runs it).
 
 After Ulysses' all-to-all a process holds, for its H/A heads, the tokens of A ranks of the layout
 ("virtual ranks" a = 0..A-1, flattened rank f = p*A + a, rows a*n:(a+1)*n of its tensors). A ring
@@ -22,13 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.fault import RingFault
-from ..engine.ring import RingPlan
-from ..engine.sinks import fold_sinks, sinks_grad, with_lse_grad
-from ..engine.tasks import add_rows, merge_rows, task_backward, task_forward
-from ..kernels.base import accumulation_dtype, unit_stride
+from ..engine.tasks import KernelSettings, add_rows, merge_rows, task_backward, task_forward
 from ..transport.base import Transport
 
-__all__ = ["CompositePlan", "CompositeAttentionFunction", "pair_steps"]
+__all__ = ["CompositeSchedule", "pair_steps"]
 
 
 def pair_steps(step_counts: "tuple[int, ...]", world_size: int, inner: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -45,13 +43,14 @@ def pair_steps(step_counts: "tuple[int, ...]", world_size: int, inner: int) -> t
 
 
 @dataclass(frozen=True)
-class CompositePlan:
-    """One call's execution: ``ring`` (kernel, scale, softcap, packed) for the task helpers; ``comm``
-    the outer group (P ranks) that the shards travel or are gathered over; ``fault_comm`` the whole
-    group, which agrees on failures; ``virtual[a][t]`` virtual rank a's tasks at ring step t;
-    ``pairs`` from :func:`pair_steps`; ``gather``: all-gather the shards instead of a ring."""
+class CompositeSchedule:
+    """One call's K/V source (:class:`~cp_attention.engine.function.KVSource`): ``settings`` the
+    kernel settings; ``comm`` the outer group (P ranks) that the shards travel or are gathered over;
+    ``fault_comm`` the whole group, which agrees on failures; ``virtual[a][t]`` virtual rank a's tasks
+    at ring step t; ``pairs`` from :func:`pair_steps`; ``gather``: all-gather the shards instead of a
+    ring."""
 
-    ring: RingPlan
+    settings: KernelSettings
     comm: Transport
     fault_comm: Transport
     virtual: tuple
@@ -63,11 +62,30 @@ class CompositePlan:
     def steps(self) -> int:
         return len(self.pairs)
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fault: RingFault, acc: torch.dtype):
+        """Every block LSE-merged into accumulators that start empty; nothing held for backward."""
+        b, m, h, _ = q.shape
+        n = m // self.inner
+        out = q.new_zeros(b, m, h, v.shape[-1], dtype=acc)
+        lse = q.new_full((b, h, m), float("-inf"), dtype=acc)
+        shards = _Shards(self, (k, v))
+        for s in range(self.steps):
+            kc, vc = shards.at(s)
+            if fault.ok:
+                with fault.contained():
+                    _forward_blocks(self, s, q, kc, vc, k, v, out, lse, n, acc)
+        return out, lse, ()
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, fault: RingFault,
+                 acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward_pass(self, dout, q, k, v, out, lse, fault, acc)
+
 
 class _Shards:
     """The K/V shard held at each outer step: gathered up front, or passed round the ring."""
 
-    def __init__(self, plan: CompositePlan, own: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, plan: CompositeSchedule, own: tuple[torch.Tensor, ...]) -> None:
         self.plan, self.own = plan, tuple(t.contiguous() for t in own)
         last = plan.steps - 1
         self.held = self.own
@@ -96,17 +114,17 @@ def _rows(t: torch.Tensor, a: int, n: int) -> torch.Tensor:
     return t[:, a * n:(a + 1) * n]
 
 
-def _forward_blocks(plan: CompositePlan, s: int, q, kc, vc, k, v, out, lse, n: int, acc) -> None:
+def _forward_blocks(plan: CompositeSchedule, s: int, q, kc, vc, k, v, out, lse, n: int, acc) -> None:
     for a, b, t in plan.pairs[s]:
         qa, oa, la = _rows(q, a, n), _rows(out, a, n), lse[:, :, a * n:(a + 1) * n]
         for task in plan.virtual[a][t]:
-            _, results = task_forward(plan.ring, task, t, qa, _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
+            _, results = task_forward(plan.settings, task, qa, _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
                                       _rows(v, a, n))
             for rows, o_blk, lse_blk in results:
                 merge_rows(oa, la, rows, o_blk, lse_blk, n, acc)
 
 
-def _backward_blocks(plan: CompositePlan, s: int, dout, q, kc, vc, k, v, out, lse, dq, own, held, n: int,
+def _backward_blocks(plan: CompositeSchedule, s: int, dout, q, kc, vc, k, v, out, lse, dq, own, held, n: int,
                      acc) -> None:
     """Add step ``s``'s gradients: ``dq``, this process's own shard's ``own`` (dk, dv) and the held
     shard's ``held`` (dk, dv), all accumulators of full rows."""
@@ -114,7 +132,7 @@ def _backward_blocks(plan: CompositePlan, s: int, dout, q, kc, vc, k, v, out, ls
         args = (_rows(dout, a, n), _rows(q, a, n), _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
                 _rows(v, a, n), _rows(out, a, n), lse[:, :, a * n:(a + 1) * n])
         for task in plan.virtual[a][t]:
-            _, results = task_backward(plan.ring, task, t, *args)
+            _, results = task_backward(plan.settings, task, *args)
             for q_rows, dq_blk, keys in results:
                 add_rows(_rows(dq, a, n), q_rows, dq_blk, n, acc)
                 for home, kv_rows, dk_blk, dv_blk in keys:
@@ -123,7 +141,7 @@ def _backward_blocks(plan: CompositePlan, s: int, dout, q, kc, vc, k, v, out, ls
                     add_rows(_rows(target[1], at, n), kv_rows, dv_blk, n, acc)
 
 
-def _backward_pass(plan: CompositePlan, dout, q, k, v, out, lse, acc):
+def _backward_pass(plan: CompositeSchedule, dout, q, k, v, out, lse, fault: RingFault, acc):
     n = q.shape[1] // plan.inner
     last = plan.steps - 1
     comm = plan.comm
@@ -131,7 +149,6 @@ def _backward_pass(plan: CompositePlan, dout, q, k, v, out, lse, acc):
     dq = q.new_zeros(q.shape, dtype=acc)
     own = (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
     shards = _Shards(plan, (k, v))
-    fault = RingFault(plan.fault_comm)
     posted = []  # gather: each step's partial on its way home; ring: the accumulator on its way on
     travelling = None
     for s in range(last + 1):
@@ -144,10 +161,8 @@ def _backward_pass(plan: CompositePlan, dout, q, k, v, out, lse, acc):
             posted.pop().wait()
             held = travelling
         if fault.ok:
-            try:
+            with fault.contained():
                 _backward_blocks(plan, s, dout, q, kc, vc, k, v, out, lse, dq, own, held, n, acc)
-            except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
-                fault.fail(e)
         if s == 0:
             continue
         if plan.gather:  # home now: to the rank s back, whose shard it is
@@ -166,51 +181,5 @@ def _backward_pass(plan: CompositePlan, dout, q, k, v, out, lse, acc):
         posted.pop().wait()
         own[0].add_(travelling[0])
         own[1].add_(travelling[1])
-    fault.raise_if_failed("backward")
     return dq, own[0], own[1]
 
-
-class CompositeAttentionFunction(torch.autograd.Function):
-    """Attention over ``q [B, A*n, H, D]``, ``k [B, A*n, Hkv, D]``, ``v [B, A*n, Hkv, Dv]`` (this
-    process's A virtual ranks' rows) under a :class:`CompositePlan`. Returns ``out [B, A*n, H, Dv]``
-    in q's dtype and ``lse [B, H, A*n]`` (fp32, fp64 for fp64), both differentiable; ``sinks [H]``
-    as for :class:`~cp_attention.engine.ring.RingAttentionFunction` (this process's rows' share)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CompositePlan,
-                sinks: "torch.Tensor | None" = None):
-        acc = accumulation_dtype(q.dtype)
-        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # the kernels' contract, once per call
-        b, m, h, _ = q.shape
-        n = m // plan.inner
-        out = q.new_zeros(b, m, h, v.shape[-1], dtype=acc)
-        lse = q.new_full((b, h, m), float("-inf"), dtype=acc)
-        shards = _Shards(plan, (k, v))
-        fault = RingFault(plan.fault_comm)
-        for s in range(plan.steps):
-            kc, vc = shards.at(s)
-            if fault.ok:
-                try:
-                    _forward_blocks(plan, s, q, kc, vc, k, v, out, lse, n, acc)
-                except Exception as e:  # noqa: BLE001 - contained: re-raised after the last exchange
-                    fault.fail(e)
-        fault.raise_if_failed("forward")
-        out, lse = fold_sinks(out, lse, sinks, acc)
-        out = out.to(q.dtype)
-        ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.set_materialize_grads(False)  # an unused LSE must cost nothing in backward
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout: "torch.Tensor | None", dlse: "torch.Tensor | None"):
-        plan: CompositePlan = ctx.plan
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        acc = accumulation_dtype(q.dtype)
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dsinks = sinks_grad(dout, out, lse, dlse, sinks, acc) if sinks is not None and ctx.needs_input_grad[4] else None
-        dv_dim = v.shape[-1]
-        if dlse is not None:
-            out, dout, v = with_lse_grad(out, dout, dlse, v)
-        dq, dk, dv = _backward_pass(plan, dout, q, k, v, out, lse, acc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

@@ -14,13 +14,14 @@ from typing import Optional
 import torch
 
 from ..engine import doc_batch
+from ..engine.function import AttentionFunction
 from ..engine.plan import AttentionPlan
-from ..engine.ring import RingPlan
+from ..engine.tasks import KernelSettings
 from ..kernels.base import AttentionKernel
 from ..layouts.registry import get_layout
 from ..transport.base import Transport
 from .alltoall import heads_to_seq, seq_to_heads
-from .composite import CompositeAttentionFunction, CompositePlan, pair_steps
+from .composite import CompositeSchedule, pair_steps
 
 __all__ = ["a2a_degree", "strategy_problem", "run_strategy"]
 
@@ -28,7 +29,7 @@ _CONTIGUOUS = get_layout("contiguous")
 
 
 class _Seat:
-    """A rank's place in the group, without communication: what a virtual rank's plan needs."""
+    """A rank's place in the group, without communication: what a seat's plan needs."""
 
     host_agreement = False
     token = None
@@ -64,10 +65,10 @@ def strategy_problem(transport: Transport, cp_comm_type: str, heads: int) -> Opt
     return None
 
 
-def _virtual_plan(plan: AttentionPlan, rank: int, alone: bool = False) -> AttentionPlan:
-    """The batch's plan as rank ``rank`` of the group sees it, or (``alone``) as one rank holding the
-    whole sequence in order would; cached on ``plan``."""
-    seats = plan.__dict__.setdefault("_seats", {})
+def _seat_plan(plan: AttentionPlan, rank: int, alone: bool = False) -> AttentionPlan:
+    """The batch's plan as rank ``rank`` of the group sees it (a virtual rank's seat), or (``alone``)
+    as one rank holding the whole sequence in order would; cached in ``plan._seats``."""
+    seats = plan._seats
     key = "alone" if alone else rank
     found = seats.get(key)
     if found is None:
@@ -78,8 +79,9 @@ def _virtual_plan(plan: AttentionPlan, rank: int, alone: bool = False) -> Attent
 
 def _sequence_order(plan: AttentionPlan, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order, inverse)`` on ``device``: the rows of every rank's shard in rank order are the sequence's
-    positions ``order``; ``index_select(1, inverse)`` puts them in sequence order (cached on ``plan``)."""
-    cache = plan.__dict__.setdefault("_orders", {})
+    positions ``order``; ``index_select(1, inverse)`` puts them in sequence order (cached in
+    ``plan._orders``)."""
+    cache = plan._orders
     found = cache.get((n, device))
     if found is None:
         total = n * plan.world_size
@@ -106,12 +108,12 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
     ``return_lse`` an all-to-all strategy does not send the LSE back (``lse`` is None)."""
     transport = plan.transport
     n, device = q.shape[1], q.device
-    ring = RingPlan(transport, (), kern, scale, softcap, packed=plan.packed)
+    settings = KernelSettings.of(kern, scale, softcap, packed=plan.packed)
     if cp_comm_type == "all_gather":
         steps = plan.steps(n, kern, device, q.shape[-1], v.shape[-1])
-        cplan = CompositePlan(ring, transport, transport, (steps,), pair_steps((len(steps),), plan.world_size, 1),
-                              1, gather=True)
-        return CompositeAttentionFunction.apply(q, k, v, cplan, sinks)
+        source = CompositeSchedule(settings, transport, transport, (steps,),
+                                   pair_steps((len(steps),), plan.world_size, 1), 1, gather=True)
+        return AttentionFunction.apply(q, k, v, source, sinks)
     outer, inner = transport.levels if cp_comm_type == "a2a+p2p" else (None, transport)
     degree = inner.world_size
     heads = q.shape[2] // degree
@@ -120,19 +122,19 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
     if outer is None:  # the whole sequence is here: put it in order and attend it as one rank would
         order, inverse = _sequence_order(plan, n, device)
         qh, kh, vh = (t.index_select(1, inverse) for t in (qh, kh, vh))
-        whole = _virtual_plan(plan, 0, alone=True)
+        whole = _seat_plan(plan, 0, alone=True)
         steps = whole.steps(n * degree, kern, device, q.shape[-1], v.shape[-1])
-        cplan = CompositePlan(RingPlan(transport, (), kern, scale, softcap, packed=whole.packed), inner, transport,
-                              (steps,), pair_steps((len(steps),), 1, 1), 1, gather=False)
-        out_h, lse_h = CompositeAttentionFunction.apply(qh, kh, vh, cplan, sinks_h)
+        source = CompositeSchedule(KernelSettings.of(kern, scale, softcap, packed=whole.packed), inner, transport,
+                                   (steps,), pair_steps((len(steps),), 1, 1), 1, gather=False)
+        out_h, lse_h = AttentionFunction.apply(qh, kh, vh, source, sinks_h)
         out_h, lse_h = out_h.index_select(1, order), lse_h.index_select(2, order)
     else:
         p = outer.rank
-        virtual = tuple(_virtual_plan(plan, p * degree + a).steps(n, kern, device, q.shape[-1], v.shape[-1])
+        virtual = tuple(_seat_plan(plan, p * degree + a).steps(n, kern, device, q.shape[-1], v.shape[-1])
                         for a in range(degree))
         pairs = pair_steps(tuple(len(s) for s in virtual), plan.world_size, degree)
-        cplan = CompositePlan(ring, outer, transport, virtual, pairs, degree, gather=False)
-        out_h, lse_h = CompositeAttentionFunction.apply(qh, kh, vh, cplan, sinks_h)
+        source = CompositeSchedule(settings, outer, transport, virtual, pairs, degree, gather=False)
+        out_h, lse_h = AttentionFunction.apply(qh, kh, vh, source, sinks_h)
     if not return_lse:
         return heads_to_seq(inner, out_h)[0], None
     out, lse = heads_to_seq(inner, out_h, lse_h.transpose(1, 2).unsqueeze(-1))
