@@ -71,13 +71,6 @@ def source_rank(rank: int, world_size: int, step: int) -> int:
     return (rank - step) % world_size
 
 
-def _task(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[BlockTask, ...]:
-    # Empty blocks are dropped here so no kernel ever sees one (the CPU flash op crashes on them).
-    if q1 <= q0 or k1 <= k0:
-        return ()
-    return (BlockTask(q0, q1, k0, k1, causal),)
-
-
 def task_pairs(task: BlockTask) -> int:
     """Number of (query, key) score pairs the task computes."""
     a = task.q_stop - task.q_start
