@@ -1,5 +1,5 @@
 """The attention benchmark: causal ring attention (forward, forward+backward) on CPU gloo against
-full attention, with PyTorch's own ring as a peer row (``scripts/benchmark.py``).
+full attention, with PyTorch's own ring as a peer row.
 
 Rows per sequence length S:
   baseline           one process, full sequence, the same kernel, ``world_size`` threads
@@ -9,24 +9,39 @@ Rows per sequence length S:
 Workers receive an ``args`` namespace with: world_size, layouts, batch, heads, kv_heads, head_dim,
 dtype, kernel, repeats, torch_ring, timeout, causal. ``layouts`` holds names or Layout objects: a
 user-defined layout reaches the spawned workers by pickle, which imports the module that registers it.
+
+GPU (``--device cuda``, see benchmarks/gpu.py): Llama-3-8B attention shapes
+(32/8 heads, head_dim 128, bf16), 8K tokens per rank, N in {2, 4, 8, 16}: each CUDA kernel's TFLOP/s
+against F.scaled_dot_product_attention, each layout's schedule efficiency (ideal / busiest rank), and
+the peak memory per rank.
+
+Usage (from the repo root):  python benchmarks/attention.py [--quick] [--seq-lens 8192 16384] [--json out.json]
+                             python benchmarks/attention.py --device cuda [--world-sizes 2 4 8 16]
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
+
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..kernels.dtypes import dtype_from_name
-from ..launch import spawn
-from ..layouts import Layout, get_layout
-from .. import ring_attention
-from .measure import Row, measure, memory_method, sweep
+from cp_attention.kernels.dtypes import dtype_from_name
+from cp_attention.launch import spawn
+from cp_attention.layouts import Layout, get_layout
+from cp_attention import ring_attention
+from benchmarks.measure import Row, measure, memory_method, sweep
+from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
+from benchmarks import gpu
 
 __all__ = ["make_inputs", "ours", "torch_ring", "baseline_worker", "ring_worker", "measure_seq", "run"]
 
@@ -189,3 +204,35 @@ def run(args: argparse.Namespace) -> list[Row]:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
     return rows
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
+                   help="global sequence lengths S")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
+    p.add_argument("--batch", type=int, default=1)
+    gpu.add_arguments(p)
+    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES,
+                   help="cp_attention kernel (torch's ring always uses the flash op)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, after 1 warm-up")
+    p.add_argument("--no-torch-ring", dest="torch_ring", action="store_false", help="skip torch's ring row")
+    p.add_argument("--quick", action="store_true", help="smoke test: S = 1024 2048")
+    p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    gpu.resolve_defaults(args)
+    args.kv_heads = args.kv_heads or args.heads
+    args.causal = True
+    if args.quick:
+        args.seq_lens = [1024, 2048]
+    return args
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    parsed = parse_args()
+    (gpu.run if parsed.device == "cuda" else run)(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

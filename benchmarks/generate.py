@@ -1,4 +1,4 @@
-"""Long-prompt generation under context parallelism (``scripts/benchmark_generate.py``).
+"""Long-prompt generation under context parallelism.
 
 For each prompt length S and each world size N, a random-weight fp32 Llama generates ``--new-tokens``
 tokens greedily from one S-token prompt: N = 1 is plain ``model.generate`` in this process (the
@@ -11,21 +11,30 @@ pass-Q decoding). Reported per configuration (the slowest or largest rank):
   comm B/step     bytes one rank contributes to the decoding steps' all-gathers, per generated token,
                   summed over layers (each rank's partial out and LSE: ``layers x batch x heads x
                   (head_dim + 1)`` values); 0 without CP.
+
+Usage (from the repo root):
+  python benchmarks/generate.py [--prompt-lens 4096 16384] [--worlds 1 2 4] [--new-tokens 8]
+                                       [--quick] [--json out.json]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
 
 import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
-from ..launch import run_on_ranks
+from cp_attention.launch import run_on_ranks
 
 __all__ = ["add_arguments", "measure", "run"]
 
@@ -81,7 +90,7 @@ def measure(args: argparse.Namespace, seq: int) -> dict:
     """One generation on this rank (plain without a process group, CP with one); this rank's figures."""
     import torch.distributed as dist
 
-    from ..transport.process_group import ProcessGroupTransport
+    from cp_attention.transport.process_group import ProcessGroupTransport
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = _model(args, seq + args.new_tokens)
@@ -162,3 +171,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump({"setup": vars(args), "rows": rows}, f, indent=1)
     return rows
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    parsed = parse_args()
+    run(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

@@ -1,4 +1,4 @@
-"""The GPU benchmark (``scripts/benchmark.py --device cuda``): kernels and ring schedules on one GPU.
+"""The GPU benchmark (``benchmarks/attention.py --device cuda``): kernels and ring schedules on one GPU.
 
 Shapes default to Llama-3-8B attention: 32 query heads, 8 K/V heads, head_dim 128, bf16, 8K tokens
 per rank, causal, world sizes N in {2, 4, 8, 16}. For each N, on the full sequence S = N x 8K:
@@ -27,12 +27,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .analysis import AttentionShape, flops_per_pair, min_pairs
-from ..kernels.dtypes import DTYPES
-from ..kernels import get_kernel
-from ..layouts import get_layout
-from ..engine.ring import RingAttentionFunction, RingPlan
-from ..schedules import rank_plan
+from benchmarks.layout_comparison.analysis import AttentionShape, flops_per_pair, min_pairs
+from cp_attention.kernels.dtypes import DTYPES
+from cp_attention.kernels import get_kernel
+from cp_attention.layouts import get_layout
+from cp_attention.schedules import rank_plan
 
 __all__ = ["add_arguments", "resolve_defaults", "KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda", "run"]
 
@@ -42,7 +41,7 @@ _DEVICE_DEFAULTS = {"heads": (8, 32), "kv_heads": (None, 8), "head_dim": (64, 12
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``scripts/benchmark.py``'s device switch, the shape options (None until :func:`resolve_defaults`
+    """``benchmarks/attention.py``'s device switch, the shape options (None until :func:`resolve_defaults`
     fills them by device) and the CUDA-only options."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: gloo ranks as processes; cuda: kernels and per-rank schedules on one GPU")
@@ -208,10 +207,15 @@ def _kernel_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[K
 
 def _replay(args, layout, rank: int, n: int, kernel) -> tuple[float, float, float]:
     """(fwd ms, fwd+bwd ms, peak MiB beyond the inputs) of rank ``rank``'s whole schedule."""
+    from cp_attention.engine.function import AttentionFunction  # the engine's internals: CUDA path only
+    from cp_attention.engine.ring import RingSchedule
+    from cp_attention.engine.tasks import KernelSettings
+
     local = args.tokens_per_rank
     q, k, v, dout = _inputs(args, local, seed=rank)
-    plan = RingPlan(ReplayComm(rank, n), rank_plan(layout, True, rank, n, local), kernel, args.head_dim ** -0.5)
-    call = lambda a, b, c: RingAttentionFunction.apply(a, b, c, plan, None)[0]  # noqa: E731
+    plan = RingSchedule(ReplayComm(rank, n), rank_plan(layout, True, rank, n, local),
+                        KernelSettings.of(kernel, args.head_dim ** -0.5))
+    call = lambda a, b, c: AttentionFunction.apply(a, b, c, plan, None)[0]  # noqa: E731
     fwd, fwdbwd = _fwd_and_fwdbwd(call, q, k, v, dout)
     t_fwd, t_fb = time_cuda(fwd, args.repeats), time_cuda(fwdbwd, args.repeats)
     torch.cuda.synchronize()

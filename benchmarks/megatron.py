@@ -1,12 +1,19 @@
-"""A megatron-core GPTModel step with context parallelism on CPU gloo against the model at CP=1
-(``scripts/benchmark_megatron.py``).
+"""A megatron-core GPTModel step with context parallelism on CPU gloo against the model at CP=1.
 
 Rows per sequence length S (the whole model: embedding, layers, output layer, megatron's loss):
   baseline         CP=1, one process with ``world_size`` threads, ring core attention (= the plain kernel)
   cp<N>/<layout>   CP=N over N processes, 1 thread each, built by get_gpt_layer_ring_spec(layout)
+
+Usage (from the repo root):  python benchmarks/megatron.py [--seq-lens 4096 8192] [--repeats 3]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
 
 import argparse
 import warnings
@@ -14,8 +21,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..launch import spawn
-from .measure import Row, measure, memory_method, sweep
+from cp_attention.launch import spawn
+from benchmarks.measure import Row, measure, memory_method, sweep
+from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 
 __all__ = ["build", "step", "worker", "run"]
 
@@ -89,3 +97,29 @@ def run(args: argparse.Namespace) -> list[Row]:
                 spawn(worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout))
 
     return sweep(header, args.seq_lens, measure_one, "CP", args.world_size)[0]
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192], help="global sequence lengths S")
+    p.add_argument("--world-size", type=int, default=2, help="the CP size")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per measurement, after 1 warm-up")
+    p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    run(parse_args())
+    print(benchmark_summary(None, json_option=False), flush=True)

@@ -1,4 +1,4 @@
-"""Per-rank memory of FSDP2 x context parallelism on a HuggingFace Llama (``scripts/benchmark_memory.py``).
+"""Per-rank memory of FSDP2 x context parallelism on a HuggingFace Llama.
 
 For each ``dp x cp`` configuration (``cphf.parallelize`` over a ``(dp, cp)`` mesh; 1x1 is the plain
 model in one process) one training step of a random-weight fp32 Llama with AdamW is measured on every
@@ -18,9 +18,19 @@ rank, and the maximum over ranks is reported:
   longest seq    the longest global sequence (a multiple of the layout's divisor) whose model states
                  plus activations fit ``--cap-mib``, from a line a + b * local_tokens fitted to the
                  activations at S and S/2, then verified by one step at that length.
+
+Usage (from the repo root):
+  python benchmarks/memory.py [--configs 1x1 2x1 1x2 2x2 1x4] [--seq-len 1024] [--cap-mib MIB]
+                                     [--activation-checkpointing] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
 
 import argparse
 import contextlib
@@ -28,14 +38,13 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..launch import run_on_ranks
+from cp_attention.launch import run_on_ranks
 
 __all__ = ["add_arguments", "build_model", "SavedActivations", "model_state_bytes", "longest_seq", "measure_config",
            "worker", "run"]
@@ -333,3 +342,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump({"setup": {**setup, "params_count": n_params, "cap_bytes": cap}, "rows": rows}, f, indent=1)
     return rows
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    parsed = parse_args()
+    run(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

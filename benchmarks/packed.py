@@ -1,5 +1,4 @@
-"""The packed-documents benchmark: many short documents in one long packed sequence
-(``scripts/benchmark_packed.py``), causal, forward and forward+backward, on CPU gloo.
+"""The packed-documents benchmark: many short documents in one long packed sequence, causal, forward and forward+backward, on CPU gloo.
 
 Rows (the sequence length column is the packed length T):
   baseline         one process, ``world_size`` threads: every document on its own through the same
@@ -9,9 +8,17 @@ Rows (the sequence length column is the packed length T):
                    backward on CPU, so it would flatter the ring)
   varlen/1 rank    one process, ``world_size`` threads: ``ring_attention(cu_seqlens=)`` at world size 1
   ring/<layout>    ``ring_attention(cu_seqlens=)`` over ``world_size`` processes, 1 thread each
+
+Usage (from the repo root):  python benchmarks/packed.py [--tokens 65536] [--documents 1000]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
 
 import argparse
 import os
@@ -21,12 +28,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
-from ..kernels import get_kernel
-from ..layouts import get_layout
-from ..launch import spawn
-from .attention_bench import make_inputs, ours
-from .measure import Row, measure, memory_method, sweep
+from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
+from cp_attention.kernels import get_kernel
+from cp_attention.layouts import get_layout
+from cp_attention.launch import spawn
+from benchmarks.attention import make_inputs, ours
+from benchmarks.measure import Row, measure, memory_method, sweep
+from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
+from cp_attention.kernels.dtypes import DTYPES
 
 __all__ = ["document_lengths", "run"]
 
@@ -155,3 +164,32 @@ def _round_ratios(per_round: list[tuple[dict, dict]]) -> list[str]:
         if impl != "baseline":
             lines.append(f"  {impl:<20}" + " ".join(f"{x:.3f}" for x in xs) + f"   median {statistics.median(xs):.3f}")
     return lines
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=65536, help="packed length T")
+    p.add_argument("--documents", type=int, default=1000)
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal spread of the document lengths")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per round (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="baseline and ring measured alternately this many times; each row is the median of rounds")
+    p.add_argument("--timeout", type=int, default=600)
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    run(parse_args())
+    print(benchmark_summary(None, json_option=False), flush=True)

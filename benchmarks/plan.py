@@ -1,13 +1,21 @@
-"""Host time per attention call, with a plan built once per batch against without one
-(``scripts/benchmark_plan.py``).
+"""Host time per attention call, with a plan built once per batch against without one.
 
 What is measured is the host work of a ``ring_attention`` call before the engine starts: validation,
 the plan lookup, the kernel choice and the lowered steps. The engine itself is replaced by a stub for
 the timed calls (its work does not depend on the plan), so the figures are the per-layer overhead a
 model pays on top of attention. World size 1 (no process group), packed documents of random lengths.
+
+Usage (from the repo root):
+  python benchmarks/plan.py [--tokens 65536] [--documents 1000 8000] [--calls 200]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
 
 import argparse
 import contextlib
@@ -18,9 +26,9 @@ from typing import Iterator
 
 import torch
 
-from .. import api
-from ..api import plan as build_plan, ring_attention
-from ..layouts.documents import cu_seqlens_from_lengths
+from cp_attention import api
+from cp_attention.api import plan as build_plan, ring_attention
+from cp_attention.layouts.documents import cu_seqlens_from_lengths
 
 __all__ = ["add_arguments", "run", "stub_engine"]
 
@@ -44,12 +52,12 @@ class _StubEngine:
 @contextlib.contextmanager
 def stub_engine() -> Iterator[None]:
     """Run ``ring_attention`` calls without the engine: only their host work before it is timed."""
-    saved = api.RingAttentionFunction
-    api.RingAttentionFunction = _StubEngine
+    saved = api.AttentionFunction
+    api.AttentionFunction = _StubEngine
     try:
         yield
     finally:
-        api.RingAttentionFunction = saved
+        api.AttentionFunction = saved
 
 
 def _boundaries(tokens: int, documents: int, seed: int) -> torch.Tensor:
@@ -89,3 +97,16 @@ def run(args: argparse.Namespace) -> list[dict]:
         rows.append(row)
         print(f"{docs:>9} | {build_ms:>15.1f} | {with_plan:>14.1f} | {without:>17.1f} | {with_plan / without:.3f}")
     return rows
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    run(parse_args())
+    print(benchmark_summary(None, json_option=False), flush=True)

@@ -1,4 +1,4 @@
-"""The communication strategies on CPU gloo (``scripts/benchmark_strategies.py``): every ``cp_comm_type``
+"""The communication strategies on CPU gloo: every ``cp_comm_type``
 against one process, forward and forward+backward, causal, packed and windowed, at world size 4; the
 per-rank peak memory of each; and how often ``"auto"`` (the cost model) picks a strategy within 10% of
 the best measured one.
@@ -8,14 +8,23 @@ a ring across 2 pairs, all-to-all inside each): the fastest of the repeats of th
 (:func:`.measure.measure`; a shared machine's load only ever adds time); the one-process baseline is plain attention on the whole sequence, in this
 process, measured in the same run. The cost model is calibrated in the same run (the ranks' attention
 FLOP/s, gloo's bandwidth and latency, the cost of a kernel call) and asked for each case.
+
+Usage (from the repo root):
+  python benchmarks/strategies.py [--seq-lens 2048 8192] [--heads 8/2 8/8] [--masks causal packed window]
+                                         [--repeats 5] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
+
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -23,8 +32,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..launch import run_on_ranks
-from .measure import limit_malloc_caching, measure, memory_method
+from cp_attention.launch import run_on_ranks
+from benchmarks.measure import limit_malloc_caching, measure, memory_method
 
 __all__ = ["Case", "add_arguments", "cases", "run"]
 
@@ -238,3 +247,17 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     return result
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    parsed = parse_args()
+    run(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

@@ -6,9 +6,9 @@ failures are counted apart. Nothing is downloaded; every run has a timeout. A py
 with ``CP_ATTENTION_POOL_STDERR`` set to a file that is read back with its output, so what the
 test worker pools write as they exit is seen too (pytest's capture would swallow it).
 
-    python scripts/stress.py --runs 100                  # the cheap set (DEFAULT_TARGETS): ~1 hour
-    python scripts/stress.py --runs 20 --targets ring    # one target
-    python scripts/stress.py --runs 5 --targets finetune_hf ring --json out.json   # counts also as JSON
+    python benchmarks/stress.py --runs 100                  # the cheap set (DEFAULT_TARGETS): ~1 hour
+    python benchmarks/stress.py --runs 20 --targets ring    # one target
+    python benchmarks/stress.py --runs 5 --targets finetune_hf ring --json out.json   # counts also as JSON
 
 Targets, and the seconds one run of each took on the 2-core CPU machine this was written on (other
 jobs were running; the times vary by a third either way):
@@ -29,14 +29,14 @@ jobs were running; the times vary by a third either way):
 - ``user_snippet``, ``user_snippet_no_destroy`` (~12 s): the README's HuggingFace snippet as a user
   runs it, ``torchrun --nproc-per-node=2`` on gloo, ending with and without ``destroy_process_group``:
   a user's script has no ``os._exit`` to protect it, so only the library's own clean exits count.
-- ``compare_smoke`` (~26 s): ``scripts/compare_layouts.py experiment=smoke packed=smoke``, whose
+- ``compare_smoke`` (~26 s): ``benchmarks/layout_comparison/run.py experiment=smoke packed=smoke``, whose
   four benchmarks spawn ranks that run torch's own CP ring (it keeps groups registered past their
   destroy) and many distinct ``ring_attention`` signatures; CI caught an abort here once.
 
 Whole files cost far more, mostly in pool starts and in the adapters' imports in every worker
 (tests/test_packed.py ~50 s, tests/test_huggingface.py ~115 s, tests/test_megatron.py ~65 s).
 
-The commands run from the repository root (``root``), where scripts/ and tests/ live.
+The commands run from the repository root (``root``), where examples/, benchmarks/ and tests/ live.
 """
 
 from __future__ import annotations
@@ -50,12 +50,15 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as a script: this folder's files never shadow top-level packages
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 __all__ = ["TARGETS", "DEFAULT_TARGETS", "POOL_STDERR_ENV", "classify", "parse_args", "run_once", "main"]
 
 _PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
 TARGETS = {
-    "finetune_hf": [sys.executable, "scripts/finetune_hf.py", "--steps", "3", "--seq-len", "64", "--batch", "2"],
-    "pretrain_megatron": [sys.executable, "scripts/pretrain_megatron.py", "--steps", "3", "--seq-len", "64",
+    "finetune_hf": [sys.executable, "examples/finetune_hf.py", "--steps", "3", "--seq-len", "64", "--batch", "2"],
+    "pretrain_megatron": [sys.executable, "examples/pretrain_megatron.py", "--steps", "3", "--seq-len", "64",
                           "--batch", "2"],
     "dist": [*_PYTEST,
              "tests/test_packed.py::test_long_and_short_documents_with_sinks_and_lse_gradient",
@@ -68,7 +71,7 @@ TARGETS = {
                       "tests/test_megatron.py::test_packed_thd_batch_matches_each_document_alone[cp3-zigzag]"],
     "ring": [*_PYTEST, "tests/test_ring.py", "tests/test_faults.py", "tests/test_validation.py"],
     # the layout comparison's smoke run: four benchmarks' spawned ranks, torch's own CP ring among them
-    "compare_smoke": [sys.executable, "scripts/compare_layouts.py", "experiment=smoke", "packed=smoke",
+    "compare_smoke": [sys.executable, "benchmarks/layout_comparison/run.py", "experiment=smoke", "packed=smoke",
                       f"out_dir={os.path.join(tempfile.gettempdir(), 'cp_attention_stress_compare')}"],
     "pools": [*_PYTEST, "tests/test_stress.py"],
     # a user's script under torchrun: the README's HuggingFace block, written out by _snippet_file
@@ -167,3 +170,7 @@ def main(argv: "list[str] | None" = None, root: "str | Path" = ".") -> int:
         if args.json:  # after every run, so an interrupted stress keeps its counts
             Path(args.json).write_text(json.dumps(counts, indent=2))
     return 1 if any(c["aborted"] or c["failed"] or c["timeout"] for c in counts.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(root=Path(__file__).resolve().parents[1]))

@@ -1,4 +1,4 @@
-"""The sliding-window benchmark (``scripts/benchmark_window.py``) and the layout comparison's windowed
+"""The sliding-window benchmark and the layout comparison's windowed
 measurement: ``ring_attention(window_size=)`` forward and forward+backward on CPU gloo, per layout and
 window, against the same layout without a window in the same run, beside what the work model predicts.
 
@@ -9,27 +9,37 @@ Two conventions turn W into flash-attn's ``window_size=(left, right)``:
   flash  left = W:     a query sees W + 1 keys (flash-attn ``window_size=(W, 0)``)
 
 Causal: ``(left, 0)``; not causal: ``(left, left)``, a symmetric band.
+
+Usage (from the repo root):
+  python benchmarks/window.py [--seq-lens 16384] [--layouts contiguous zigzag] [--windows 0 64 8]
+  python benchmarks/window.py --quick          # smoke test
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
+
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from .analysis import AttentionShape, comm_bytes_per_rank, imbalance, step_sync_efficiency
-from ..kernels.dtypes import DTYPES
-from ..launch import spawn
-from ..layouts import get_layout
-from ..schedules import work_model
-from ..schedules import ring_length
-from .attention_bench import make_inputs, ours
-from .measure import limit_malloc_caching, measure, memory_method
+from benchmarks.layout_comparison.analysis import AttentionShape, comm_bytes_per_rank, imbalance, step_sync_efficiency
+from cp_attention.kernels.dtypes import DTYPES
+from cp_attention.launch import spawn
+from cp_attention.layouts import get_layout
+from cp_attention.schedules import work_model
+from cp_attention.schedules import ring_length
+from benchmarks.attention import make_inputs, ours
+from benchmarks.measure import limit_malloc_caching, measure, memory_method
+from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 
 __all__ = ["CONVENTIONS", "NO_WINDOW", "window_size", "window_label", "check_fractions", "modelled_window",
            "ring_worker", "measure_windows", "run"]
@@ -68,7 +78,7 @@ def check_fractions(fractions, allow_none: bool) -> None:
 def modelled_window(layout: str, causal: bool, seq_len: int, world_size: int, fraction: int,
                     convention: str = "hf") -> dict:
     """The work model under one window: ``{"window_size", "work", "ring_steps"}`` (``work[rank][step]``,
-    zeros on the steps the ring does not run). Run it on one torch thread (``layout_packed.one_thread``)
+    zeros on the steps the ring does not run). Run it on one torch thread (``layout_comparison.packed.one_thread``)
     for speed at large N."""
     ws = window_size(seq_len, fraction, causal, convention)
     steps = ring_length(layout, causal, seq_len, world_size, ws)
@@ -105,7 +115,7 @@ def measure_windows(args, seq: int) -> list[dict]:
     ``model_sync_x_none`` (the sum over ring steps of the busiest rank's pairs, the same ratio),
     ring steps and the K/V + dK/dV bytes each rank sends.
     """
-    from .layout_packed import one_thread
+    from benchmarks.layout_comparison.packed import one_thread
 
     args = argparse.Namespace(**{**vars(args), "windows": [NO_WINDOW] + [d for d in args.windows if d != NO_WINDOW]})
     ring = spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)
@@ -197,3 +207,45 @@ def run(args: argparse.Namespace) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv, "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=2)
     return rows
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[16384], help="global sequence lengths S")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
+    p.add_argument("--windows", type=int, nargs="+", default=[0, 64, 8],
+                   help="window W = S/d for each d (0 = no window, always measured: the ratios' reference)")
+    p.add_argument("--convention", choices=CONVENTIONS, default="hf",
+                   help="hf: left = W-1 (W keys, HF sliding_window=W); flash: left = W (W+1 keys)")
+    p.add_argument("--non-causal", dest="causal", action="store_false", help="a symmetric band (left, left)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, after 1 warm-up")
+    p.add_argument("--quick", action="store_true", help="smoke test: S = 1024, H = 2, D = 16, 1 repeat")
+    p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    if args.quick:
+        args.seq_lens, args.heads, args.kv_heads, args.head_dim, args.repeats = [1024], 2, 2, 16, 1
+    try:
+        check_fractions(args.windows, allow_none=True)
+        for seq in args.seq_lens:
+            for d in args.windows:
+                window_size(seq, d, args.causal, args.convention)
+    except ValueError as e:
+        p.error(f"--windows: {e}")
+    return args
+
+
+if __name__ == "__main__":
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    parsed = parse_args()
+    run(parsed)
+    print(benchmark_summary(parsed.json), flush=True)

@@ -1,12 +1,24 @@
-"""Fine-tune a tiny HuggingFace Llama with context parallelism, nothing downloaded
-(``scripts/finetune_hf.py``).
+"""Fine-tune a tiny HuggingFace Llama with context parallelism, nothing downloaded.
 
 The model is built from ``LlamaConfig`` with random weights, the text is Python's own
 ``pydoc_data.topics`` as bytes. Every rank holds 1/N of each sequence; gradients are summed over
-the CP group, which gives exactly the gradients of the model without CP.
+the CP group, which gives exactly the gradients of the model without CP. ``--device auto`` trains on
+the GPUs (NCCL, rank i on cuda:LOCAL_RANK) when this machine has one per rank, else on the CPU (gloo).
+
+    python examples/finetune_hf.py                      # spawns 2 ranks itself
+    torchrun --nproc-per-node=2 examples/finetune_hf.py # or under torchrun
+    python examples/finetune_hf.py --world-size 4 --layout interleaved --steps 30
+    python examples/finetune_hf.py --world-size 4 --cp-comm-type a2a+p2p --cp-a2a-size 2
+    torchrun --nproc-per-node=8 examples/finetune_hf.py --device cuda --precision bf16
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `examples` imports from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import time
@@ -14,10 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from .data import load_bytes
-from .device import autocast, rank_device
-from .steps import progress_line, train_step
-from .summary import example_summary
+from cp_attention.training.data import load_bytes
+from cp_attention.training.device import autocast, rank_device
+from cp_attention.training.steps import progress_line, train_step
+from cp_attention.training.summary import example_summary
+from cp_attention.launch import run_on_ranks
+from cp_attention.training.cli import example_parser, place_example
 
 __all__ = ["build_model", "train"]
 
@@ -76,3 +90,8 @@ def train(args: argparse.Namespace) -> list[float]:
     if dist.get_rank() == 0:
         print(example_summary("finetune_hf.py", losses, tok_s), flush=True)
     return losses
+
+
+if __name__ == "__main__":
+    args = place_example(example_parser(__doc__).parse_args())
+    run_on_ranks(train, args.world_size, args, backend=args.backend)

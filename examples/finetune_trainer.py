@@ -1,26 +1,38 @@
 """Fine-tune a tiny Llama with transformers' ``Trainer`` (or TRL's ``SFTTrainer``) and context
-parallelism, nothing downloaded (``scripts/finetune_trainer.py``).
+parallelism, nothing downloaded.
 
 The one change to a Trainer script is the class: ``cphf.context_parallel_trainer(Trainer)`` and
 ``cp_size``/``cp_layout`` (and ``cp_comm_type``) in its constructor. The data are Python's bundled help topics as bytes (one
 example per topic, cut to ``--seq-len``); ``--packing`` flattens each batch's examples into one row of
 documents (``DataCollatorWithFlattening``), and ``--sft`` trains with TRL's ``SFTTrainer`` and its
 packing instead.
+
+Run without torchrun, it starts itself under torchrun with --nproc ranks (gloo on CPU).
+
+    python examples/finetune_trainer.py                         # 2 ranks: dp=1 x cp=2
+    python examples/finetune_trainer.py --nproc 4 --cp-size 2   # dp=2 x cp=2
+    python examples/finetune_trainer.py --packing               # DataCollatorWithFlattening
+    python examples/finetune_trainer.py --sft                   # TRL's SFTTrainer with packing
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `examples` imports from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import os
 import tempfile
-from pathlib import Path
 
 import torch
 
-from ..strategies import CP_COMM_TYPES
-from .data import load_documents
-from .hf_example import build_model
-from .summary import example_summary, shown
+from cp_attention.strategies import CP_COMM_TYPES
+from cp_attention.training.data import load_documents
+from examples.finetune_hf import build_model
+from cp_attention.training.summary import example_summary, shown
 
 __all__ = ["parser", "train", "id_tokenizer"]
 
@@ -104,3 +116,13 @@ def _summary(args: argparse.Namespace, output_dir: str, history: list[dict]):
     logged = [r for r in history if "loss" in r]
     return example_summary("finetune_trainer.py", [r["loss"] for r in logged],
                            samples_s * args.seq_len if samples_s else None, written, [r["step"] for r in logged])
+
+
+if __name__ == "__main__":
+    args = parser(__doc__).parse_args()
+    if "RANK" not in os.environ:  # start the ranks under torchrun, as a user would
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]])
+    last = train(args)
+    if int(os.environ["RANK"]) == 0:
+        print(f"done: {last}")

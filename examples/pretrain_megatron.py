@@ -1,12 +1,26 @@
-"""Pre-train a tiny megatron-core GPTModel with context parallelism, nothing downloaded
-(``scripts/pretrain_megatron.py``).
+"""Pre-train a tiny megatron-core GPTModel with context parallelism, nothing downloaded.
 
 The model is megatron's own ``GPTModel`` built from ``get_gpt_layer_ring_spec`` (ring attention in
 the ``core_attention`` slot, any layout); the text is Python's ``pydoc_data.topics`` as bytes.
 Ranks are laid out by megatron's ``parallel_state`` as TP x CP x DP.
+``--device auto`` trains on the GPUs (NCCL, rank i on cuda:LOCAL_RANK) when this machine has one per
+rank, else on the CPU (gloo).
+
+    python examples/pretrain_megatron.py                          # spawns 2 ranks, CP=2
+    python examples/pretrain_megatron.py --layout interleaved --world-size 4 --cp-size 2   # CP=2 x DP=2
+    python examples/pretrain_megatron.py --world-size 4 --tp-size 2 --cp-size 2            # TP=2 x CP=2
+    python examples/pretrain_megatron.py --cp-comm-type a2a,all_gather     # one strategy per layer
+    torchrun --nproc-per-node=2 examples/pretrain_megatron.py     # or under torchrun
+    torchrun --nproc-per-node=8 examples/pretrain_megatron.py --cp-size 4 --device cuda --precision bf16
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `examples` imports from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import importlib.util
@@ -18,13 +32,15 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..kernels.dtypes import DTYPES, dtype_from_name
-from ..layouts import get_layout
-from .cli import comm_problem, example_parser
-from .data import load_bytes
-from .device import all_reduce_, autocast, rank_device
-from .steps import progress_line, train_step
-from .summary import example_summary
+from cp_attention.kernels.dtypes import DTYPES, dtype_from_name
+from cp_attention.layouts import get_layout
+from cp_attention.training.cli import comm_problem, example_parser
+from cp_attention.training.data import load_bytes
+from cp_attention.training.device import all_reduce_, autocast, rank_device
+from cp_attention.training.steps import progress_line, train_step
+from cp_attention.training.summary import example_summary
+from cp_attention.launch import run_on_ranks
+from cp_attention.training.cli import place_example
 
 __all__ = ["build_model", "batches", "train", "parse_args", "unsupported_precision", "comm_types", "NUM_LAYERS"]
 
@@ -164,3 +180,9 @@ def parse_args(argv: Optional[list[str]] = None, description: str = __doc__) -> 
     if args.cp_a2a_size and importlib.util.find_spec("einops") is None:
         p.error("--cp-a2a-size builds megatron-core's hierarchical CP groups, which need einops: pip install einops")
     return args
+
+
+if __name__ == "__main__":
+    args = parse_args(description=__doc__)
+    args = place_example(args, cp_size=args.cp_size, refuse=unsupported_precision, layers=NUM_LAYERS)
+    run_on_ranks(train, args.world_size, args, backend=args.backend)

@@ -2,16 +2,22 @@
 
 ``CP_ATTENTION_POOL_STDERR=PATH`` sends the workers' stderr (C++ output included) to PATH instead of
 the terminal: pytest's own capture can swallow what a worker writes as it exits, so
-``scripts/stress.py`` sets it to see every "terminate called".
+``benchmarks/stress.py`` sets it to see every "terminate called".
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from cp_attention.experiments.stress import POOL_STDERR_ENV
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:  # benchmarks/ and examples/ (not installed) import as packages from the repository root
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.stress import POOL_STDERR_ENV  # noqa: E402  (the standard library only: no hydra)
 
 from .dist_pool import WorkerPool
 

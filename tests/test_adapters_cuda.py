@@ -1,6 +1,6 @@
 """The HF adapter on one GPU: N ranks in one process (the loopback ring), real CUDA kernels, against the
 unpatched model in the same dtype. (The Megatron adapter runs on CUDA in tests/test_train_gpu.py through
-scripts/pretrain_megatron.py.) Skipped without CUDA."""
+examples/pretrain_megatron.py.) Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 import cp_attention as cpa
-from cp_attention.experiments.analysis import (
+from benchmarks.layout_comparison.analysis import (
     AttentionShape, ClusterSpec, comm_bytes_per_rank, flops_per_pair, imbalance, kv_bytes_per_hop, pair_owners,
     project, split_problem, step_sync_efficiency, summarize,
 )

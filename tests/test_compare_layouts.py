@@ -13,15 +13,15 @@ import pytest
 from omegaconf import OmegaConf
 
 import cp_attention as cpa
-from cp_attention.experiments.analysis import (
+from benchmarks.layout_comparison.analysis import (
     AttentionShape, ClusterSpec, comm_bytes_per_rank, document_padding, document_pairs, imbalance, project,
     step_sync_efficiency,
 )
-from cp_attention.experiments.layout_packed import (
+from benchmarks.layout_comparison.packed import (
     check_packed, lognormal_lengths, one_thread, packed_stream, packed_tables, stream_divisor,
 )
-from cp_attention.experiments.layout_window import check_window, window_tables
-from cp_attention.experiments.window_bench import window_size
+from benchmarks.layout_comparison.window import check_window, window_tables
+from benchmarks.window import window_size
 
 from .test_analysis import contiguous_imbalance
 
@@ -191,7 +191,7 @@ def test_check_packed_names_the_key():
 # ---------------------------------------------------------------- the script end to end
 
 def _run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/compare_layouts.py", f"out_dir={tmp_path}", *overrides],
+    return subprocess.run([sys.executable, "benchmarks/layout_comparison/run.py", f"out_dir={tmp_path}", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
 
 
@@ -328,7 +328,7 @@ def test_bad_config_fails_fast_with_the_key(tmp_path):
 
 
 def _measure_on_rank(rank: int, world_size: int, *args):
-    from cp_attention.experiments.layout_strategies import _measure_worker
+    from benchmarks.layout_comparison.strategies import _measure_worker
 
     return _measure_worker(*args)
 
@@ -347,7 +347,7 @@ def test_strategies_measured_on_gloo(pools):
 def test_strategies_config_errors_name_the_key():
     """Each bad strategies.* key is refused before any work, naming the key, what it got and what it
     accepts (the smoke run's config passes)."""
-    from cp_attention.experiments.layout_strategies import check_strategies
+    from benchmarks.layout_comparison.strategies import check_strategies
 
     good = {"names": ["p2p", "a2a+p2p"], "inner": 2, "hardware": "h100", "world_sizes": [8], "seq_lens": [4096],
             "measure": {"world_size": 0, "seq_len": 256, "inner": 2}}

@@ -63,33 +63,33 @@ NOT_RUN: dict[str, str] = {
     "hydra.run.dir=runs/fsdp": "tests/test_train_fsdp.py runs this save and the resharded resume below, smaller",
     "python scripts/train.py trainer.fsdp=true cp_size=1 trainer.micro_batch=2 trainer.steps=6 trainer.seq_len=64 "
     "hydra.run.dir=runs/fsdp trainer.resume_from=auto": "tests/test_train_fsdp.py runs it, smaller",
-    "python scripts/finetune_hf.py --world-size 1 --device cuda --precision bf16": _GPU,
+    "python examples/finetune_hf.py --world-size 1 --device cuda --precision bf16": _GPU,
     # docs/guides/huggingface.md, megatron.md
-    "python scripts/finetune_hf.py": _EXAMPLE,
-    "python scripts/finetune_trainer.py": f"{_TORCHRUN}; {_EXAMPLE}",
-    "python scripts/finetune_trainer.py --sft": f"{_TORCHRUN}; {_EXAMPLE}",
-    "torchrun --nproc-per-node=2 scripts/finetune_hf.py": f"{_TORCHRUN}; {_EXAMPLE}",
-    "python scripts/pretrain_megatron.py": _EXAMPLE,
-    "python scripts/pretrain_megatron.py --world-size 4 --tp-size 2 --layout interleaved": _EXAMPLE,
-    "torchrun --nproc-per-node=2 scripts/pretrain_megatron.py": f"{_TORCHRUN}; {_EXAMPLE}",
+    "python examples/finetune_hf.py": _EXAMPLE,
+    "python examples/finetune_trainer.py": f"{_TORCHRUN}; {_EXAMPLE}",
+    "python examples/finetune_trainer.py --sft": f"{_TORCHRUN}; {_EXAMPLE}",
+    "torchrun --nproc-per-node=2 examples/finetune_hf.py": f"{_TORCHRUN}; {_EXAMPLE}",
+    "python examples/pretrain_megatron.py": _EXAMPLE,
+    "python examples/pretrain_megatron.py --world-size 4 --tp-size 2 --layout interleaved": _EXAMPLE,
+    "torchrun --nproc-per-node=2 examples/pretrain_megatron.py": f"{_TORCHRUN}; {_EXAMPLE}",
     # docs/guides/layouts.md
-    "python scripts/compare_layouts.py": "the full layout comparison: minutes on 2 cores",
-    "python scripts/compare_layouts.py experiment=smoke measure.world_sizes=[1,2,4] out_dir=results/layouts":
+    "python benchmarks/layout_comparison/run.py": "the full layout comparison: minutes on 2 cores",
+    "python benchmarks/layout_comparison/run.py experiment=smoke measure.world_sizes=[1,2,4] out_dir=results/layouts":
         "the comparison's smoke run at 3 world sizes, ~30 s (tests/test_compare_layouts.py runs it at one)",
-    "python scripts/compare_layouts.py plugins=[my_module] layouts=[zigzag,reversed_zigzag]":
+    "python benchmarks/layout_comparison/run.py plugins=[my_module] layouts=[zigzag,reversed_zigzag]":
         "my_module stands for the reader's module (tests/test_custom_layout.py runs it with tests.custom_layouts)",
     # docs/README.md
-    "python scripts/benchmark.py": _BENCH,
+    "python benchmarks/attention.py": _BENCH,
     # docs/benchmarks/2026-11-25-strategies.md, docs/benchmarks/2026-11-25-generate.md
-    "python scripts/benchmark_strategies.py --json strategies.json":
+    "python benchmarks/strategies.py --json strategies.json":
         "a benchmark: minutes on every core (tests/test_compare_layouts.py measures the strategies small)",
-    "python scripts/benchmark_generate.py --json generate.json":
+    "python benchmarks/generate.py --json generate.json":
         "a benchmark: minutes on every core (tests/test_generate.py runs its measurement small)",
-    "python scripts/benchmark.py --device cuda": _GPU,
-    "python scripts/benchmark_packed.py": _BENCH,
-    "python scripts/benchmark_window.py --quick": "a smoke run of ~6 s on 2 cores (tests/test_scripts.py runs it)",
-    "python scripts/benchmark_megatron.py": _BENCH,
-    "python scripts/stress.py --runs 100": "about an hour of repeated runs",
+    "python benchmarks/attention.py --device cuda": _GPU,
+    "python benchmarks/packed.py": _BENCH,
+    "python benchmarks/window.py --quick": "a smoke run of ~6 s on 2 cores (tests/test_scripts.py runs it)",
+    "python benchmarks/megatron.py": _BENCH,
+    "python benchmarks/stress.py --runs 100": "about an hour of repeated runs",
 }
 
 PYTHON_TIMEOUT_S = 300  # the worker, all in-process blocks together
@@ -254,7 +254,7 @@ def test_not_run_lists_only_commands_the_docs_hold():
 
 @pytest.mark.parametrize("cmd", sorted(NOT_RUN))
 def test_not_run_commands_name_files_that_exist(cmd):
-    missing = [w for w in shlex.split(cmd) if re.fullmatch(r"(scripts|configs|tests)/\S+", w)
+    missing = [w for w in shlex.split(cmd) if re.fullmatch(r"(scripts|configs|tests|benchmarks|examples)/\S+", w)
                and not (ROOT / w).exists()]
     assert not missing, f"{cmd!r} names files that do not exist: {missing}"
 

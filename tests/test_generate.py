@@ -117,17 +117,17 @@ def test_differing_generation_config_refused_on_gloo(pools):
 
 
 def _bench_on_rank(rank: int, world_size: int, *args):
-    from cp_attention.experiments import generate_bench
+    from benchmarks import generate as generate_bench
 
     return generate_bench._worker(*args)
 
 
 def test_generate_benchmark_figures(pools):
-    """scripts/benchmark_generate.py's measurement, small: N = 2 gives N = 1's tokens on every rank, about
+    """benchmarks/generate.py's measurement, small: N = 2 gives N = 1's tokens on every rank, about
     half its KV bytes per rank, and the same bytes per decoding step at both prompt lengths (flat in S)."""
     import argparse
 
-    from cp_attention.experiments import generate_bench
+    from benchmarks import generate as generate_bench
 
     args = argparse.Namespace(**generate_bench.QUICK, layout="zigzag")
     one = {seq: generate_bench.measure(args, seq) for seq in (128, 256)}

@@ -280,7 +280,7 @@ EXAMPLE = ["--dtype", "float64", "--steps", "3", "--seq-len", "48", "--batch", "
 
 
 def test_example_tp_and_dp_compose_with_cp(pools):
-    """scripts/pretrain_megatron.py: TP=2 x CP=2 and CP=2 x DP=2 train exactly like CP=1 (3 AdamW steps);
+    """examples/pretrain_megatron.py: TP=2 x CP=2 and CP=2 x DP=2 train exactly like CP=1 (3 AdamW steps);
     the CP x DP run with one strategy per layer (--cp-comm-type a2a,all_gather)."""
     single = pools(1).run(mc.example_losses, argv=EXAMPLE, timeout=180)[0]
     tp_cp = pools(4).run(mc.example_losses, argv=EXAMPLE + ["--tp-size", "2", "--layout", "interleaved"],

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_memory_benchmark_quick(tmp_path):
     out = tmp_path / "memory.json"
     # the 4-rank shapes only (one spawned job; the 2-rank ones would start ranks once more)
-    proc = subprocess.run([sys.executable, "scripts/benchmark_memory.py", "--quick", "--configs", "2x2", "1x4",
+    proc = subprocess.run([sys.executable, "benchmarks/memory.py", "--quick", "--configs", "2x2", "1x4",
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}

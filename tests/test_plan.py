@@ -8,7 +8,7 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.engine import plan as plan_module
-from cp_attention.experiments.gpu_bench import ReplayComm
+from benchmarks.gpu import ReplayComm
 from cp_attention.transport import LoopbackGroup, ProcessGroupTransport, Transport
 
 from .loopback_cases import loopback_errors

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_benchmark_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--seq-lens", "256", "--repeats", "1", "--heads", "2",
+        [sys.executable, "benchmarks/attention.py", "--seq-lens", "256", "--repeats", "1", "--heads", "2",
          "--head-dim", "16", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,12 +26,12 @@ def test_benchmark_smoke(tmp_path):
         # torch's ring may disappear in a future torch; then its row must say why instead of timing.
         assert (r["fwdbwd_ms"] or 0) > 0 or (r["impl"].startswith("torch_ring") and r["error"]), r
     assert "fwd+bwd x" in proc.stdout
-    assert proc.stdout.splitlines()[-2:] == ["== benchmark.py: done ==", f"results (JSON)  {out}"], proc.stdout[-500:]
+    assert proc.stdout.splitlines()[-2:] == ["== attention.py: done ==", f"results (JSON)  {out}"], proc.stdout[-500:]
 
 
 def test_benchmark_packed_smoke():
     proc = subprocess.run(
-        [sys.executable, "scripts/benchmark_packed.py", "--tokens", "512", "--documents", "20", "--heads", "2",
+        [sys.executable, "benchmarks/packed.py", "--tokens", "512", "--documents", "20", "--heads", "2",
          "--head-dim", "16", "--repeats", "1", "--rounds", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,7 +47,7 @@ def test_benchmark_window_smoke(tmp_path):
     import cp_attention as cpa
     
     out = tmp_path / "window.json"
-    proc = subprocess.run([sys.executable, "scripts/benchmark_window.py", "--quick", "--layouts", "contiguous",
+    proc = subprocess.run([sys.executable, "benchmarks/window.py", "--quick", "--layouts", "contiguous",
                            "zigzag", "--windows", "8", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -62,7 +62,7 @@ def test_benchmark_window_smoke(tmp_path):
         assert r["model_busiest_x_none"] == busiest / max(map(sum, cpa.work_model(r["layout"], True, seq, n)))
         assert r["ring_steps"] == cpa.ring_length(r["layout"], True, seq, n, ws) == 2
     assert "time x none" in proc.stdout and "model x none" in proc.stdout
-    bad = subprocess.run([sys.executable, "scripts/benchmark_window.py", "--windows", "-1"],
+    bad = subprocess.run([sys.executable, "benchmarks/window.py", "--windows", "-1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--windows" in bad.stderr
 
@@ -71,7 +71,7 @@ def test_benchmark_window_smoke(tmp_path):
 def test_example_smoke(script, needs):
     pytest.importorskip(needs, reason=f"{script} needs {needs}")
     proc = subprocess.run(
-        [sys.executable, f"scripts/{script}", "--steps", "3", "--seq-len", "64", "--batch", "2",
+        [sys.executable, f"examples/{script}", "--steps", "3", "--seq-len", "64", "--batch", "2",
          "--log-every", "1", "--layout", "interleaved"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,9 +85,9 @@ def test_example_smoke(script, needs):
 
 
 def test_trainer_example_smoke():
-    """scripts/finetune_trainer.py starts itself under torchrun and trains with TRL's SFTTrainer, packed."""
+    """examples/finetune_trainer.py starts itself under torchrun and trains with TRL's SFTTrainer, packed."""
     pytest.importorskip("trl", reason="finetune_trainer.py --sft needs the trainer extra")
-    proc = subprocess.run([sys.executable, "scripts/finetune_trainer.py", "--sft", "--steps", "5", "--seq-len", "64",
+    proc = subprocess.run([sys.executable, "examples/finetune_trainer.py", "--sft", "--steps", "5", "--seq-len", "64",
                            "--layout", "interleaved"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
@@ -98,7 +98,7 @@ def test_trainer_example_smoke():
 def test_hf_example_bf16_on_cpu():
     """--precision bf16 on the CPU runs under CPU autocast (one rank: no ring, see test_train_device)."""
     pytest.importorskip("transformers", reason="finetune_hf.py needs transformers")
-    proc = subprocess.run([sys.executable, "scripts/finetune_hf.py", "--steps", "2", "--seq-len", "64", "--batch", "2",
+    proc = subprocess.run([sys.executable, "examples/finetune_hf.py", "--steps", "2", "--seq-len", "64", "--batch", "2",
                            "--log-every", "1", "--world-size", "1", "--device", "cpu", "--precision", "bf16"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -108,21 +108,21 @@ def test_hf_example_bf16_on_cpu():
 
 def test_megatron_example_refuses_bf16_on_cpu():
     pytest.importorskip("megatron.core", reason="needs the megatron extra")
-    bad = subprocess.run([sys.executable, "scripts/pretrain_megatron.py", "--device", "cpu", "--precision", "bf16"],
+    bad = subprocess.run([sys.executable, "examples/pretrain_megatron.py", "--device", "cpu", "--precision", "bf16"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--precision bf16 (autocast) needs --device cuda for megatron-core" in bad.stderr
 
 
 def test_megatron_example_fails_fast_on_an_unsplittable_length():
     pytest.importorskip("megatron.core", reason="needs the megatron extra")
-    bad = subprocess.run([sys.executable, "scripts/pretrain_megatron.py", "--seq-len", "66"],
+    bad = subprocess.run([sys.executable, "examples/pretrain_megatron.py", "--seq-len", "66"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "zigzag layout needs seq_len divisible by 2*world_size=4, got 66" in bad.stderr
 
 
 def test_megatron_benchmark_smoke():
     pytest.importorskip("megatron.core", reason="needs the megatron extra")
-    proc = subprocess.run([sys.executable, "scripts/benchmark_megatron.py", "--seq-lens", "256", "--repeats", "1",
+    proc = subprocess.run([sys.executable, "benchmarks/megatron.py", "--seq-lens", "256", "--repeats", "1",
                            "--layers", "1", "--heads", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line.strip().startswith("256")}

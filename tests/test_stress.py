@@ -1,4 +1,4 @@
-"""The stress script's verdicts (the runs themselves are long: scripts/stress.py runs them), and the
+"""The stress script's verdicts (the runs themselves are long: benchmarks/stress.py runs them), and the
 clean exit of the test worker pools on every path (closed, timed out, orphaned)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cp_attention.experiments import stress
+from benchmarks import stress
 
 from .dist_pool import CaseError, CaseTimeout, WorkerPool
 

@@ -110,10 +110,11 @@ def _config(*overrides: str) -> dict:
 
 def _launcher_runs(rank: int, world_size: int, cfgs: list, run_dir: str, examples: list) -> list:
     """The launcher's loop on this pool's ranks, one run per config (into ``run_dir/i``), then the HF
-    example's loop (scripts/finetune_hf.py) once per ``examples`` entry (cp_comm_type, cp_a2a_size): its losses."""
+    example's loop (examples/finetune_hf.py) once per ``examples`` entry (cp_comm_type, cp_a2a_size): its losses."""
     import argparse
 
-    from cp_attention.training import hf_example, loop
+    from cp_attention.training import loop
+    from examples import finetune_hf as hf_example
 
     for i, cfg in enumerate(cfgs):
         os.makedirs(os.path.join(run_dir, str(i)), exist_ok=True)

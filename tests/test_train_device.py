@@ -99,7 +99,7 @@ def test_cuda_without_a_gpu_fails_fast():
     with pytest.raises(ValueError, match="trainer.device=cuda, but torch sees no CUDA device"):
         validate_config(_config("trainer.device=cuda"), 2)
     for script in ("finetune_hf.py", "pretrain_megatron.py"):
-        proc = subprocess.run([sys.executable, f"scripts/{script}", "--device", "cuda", "--precision", "bf16"],
+        proc = subprocess.run([sys.executable, f"examples/{script}", "--device", "cuda", "--precision", "bf16"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "--device=cuda, but torch sees no CUDA device" in proc.stderr, proc.stderr
 
@@ -178,7 +178,8 @@ def loop_collectives(rank: int, world_size: int, cfgs: list, run_dir: str) -> li
     import argparse
     import importlib.util
 
-    from cp_attention.training import hf_example, loop
+    from cp_attention.training import loop
+    from examples import finetune_hf as hf_example
 
     example = argparse.Namespace(layout="zigzag", kernel="auto", seq_len=32, batch=2, steps=1, lr=1e-3, seed=0,
                                  log_every=1, device="auto", precision="fp32", tp_size=1, cp_size=2,
@@ -191,7 +192,7 @@ def loop_collectives(rank: int, world_size: int, cfgs: list, run_dir: str) -> li
     if importlib.util.find_spec("megatron.core") is not None:
         from megatron.core import parallel_state as ps
 
-        from cp_attention.training import megatron_example
+        from examples import pretrain_megatron as megatron_example
 
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

@@ -84,7 +84,7 @@ def test_train_cp2_over_nccl(tmp_path, precision):
 def _example(script: str, *extra: str, ranks: "int | None" = None) -> list:
     launcher = [sys.executable] if ranks is None else TORCHRUN + [f"--nproc-per-node={ranks}"]
     size = [] if ranks is not None else ["--world-size", "1"]
-    proc = _run(launcher + [f"scripts/{script}", "--steps", "3", "--seq-len", "64", "--batch", "2", "--log-every",
+    proc = _run(launcher + [f"examples/{script}", "--steps", "3", "--seq-len", "64", "--batch", "2", "--log-every",
                             "1", "--device", "cuda", "--precision", "bf16", *size, *extra])
     got = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(got) == 3 and all(math.isfinite(x) and 0 < x < 10 for x in got), proc.stdout

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from cp_attention.training.trainer_example import id_tokenizer
+from examples.finetune_trainer import id_tokenizer
 
 from .hf_cases import SEQ, VOCAB, WINDOW_SEQ, build
 

@@ -5,7 +5,10 @@ for world sizes far beyond one machine. A work matrix is what :func:`cp_attentio
 returns: ``work[rank][step]`` = score pairs that rank computes at that ring step.
 
 The projection is a deliberately small model (see :func:`project`); its assumptions are listed in
-``cp_attention/experiments/layout_report.py``'s report and in the docstrings here.
+``benchmarks/layout_comparison/report.py``'s report and in the docstrings here. Its pair, flop and
+byte counts are the library's one performance model, :mod:`cp_attention.strategies.cost`
+(``pairs``, ``matmul_flops``, ``kv_bytes_per_hop``, ``ring_bytes_per_rank``); this module adds what the
+comparison (and the window and GPU benchmarks) measure with them.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..layouts import Layout, get_layout
-from ..schedules import rank_plan, source_rank
-from ..strategies.cost import accumulator_bytes, matmul_flops, pairs, ring_bytes_per_rank
-from ..strategies.cost import kv_bytes_per_hop as _shard_bytes
+from cp_attention.layouts import Layout, get_layout
+from cp_attention.schedules import rank_plan, source_rank
+from cp_attention.strategies.cost import accumulator_bytes, matmul_flops, pairs, ring_bytes_per_rank
+from cp_attention.strategies.cost import kv_bytes_per_hop as _shard_bytes
 
 __all__ = [
     "WorkSummary",

@@ -2,7 +2,7 @@
 
 Per (world size, S): single-process attention (the baseline) and the real ``ring_attention`` of
 every layout, with PyTorch's ring as a peer row, timed and memory-profiled by
-``attention_bench``; then, on every rank, the kernel calls of that rank's schedule timed step by step
+``benchmarks.attention``; then, on every rank, the kernel calls of that rank's schedule timed step by step
 (:func:`step_times`), which is the compute the ring engine does at each step without its merges and
 communication.
 """
@@ -17,12 +17,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .analysis import imbalance, split_problem, step_sync_efficiency
-from ..kernels.dtypes import dtype_from_name
-from ..kernels import get_kernel
-from ..layouts import get_layout
-from ..schedules import rank_plan
-from .attention_bench import measure_seq
+from benchmarks.layout_comparison.analysis import imbalance, split_problem, step_sync_efficiency
+from cp_attention.kernels.dtypes import dtype_from_name
+from cp_attention.kernels import get_kernel
+from cp_attention.layouts import get_layout
+from cp_attention.schedules import rank_plan
+from benchmarks.attention import measure_seq
 
 __all__ = ["step_times", "measure_all"]
 

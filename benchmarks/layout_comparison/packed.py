@@ -4,11 +4,11 @@ A seeded stream of documents with lognormal lengths (long-tailed, like a pretrai
 into one sequence, as flash-attn's ``cu_seqlens`` describes it. For every layout and world size the
 schedule's work model with ``cu_seqlens`` gives the score pairs per rank and ring step, summed up as in
 the rest of the comparison: **imbalance** is the busiest rank's pairs over the mean rank's, over the
-whole ring (:func:`cp_attention.experiments.analysis.imbalance`), and **step-synchronous efficiency** charges
-every ring step its busiest rank (:func:`cp_attention.experiments.analysis.step_sync_efficiency`).
+whole ring (:func:`benchmarks.layout_comparison.analysis.imbalance`), and **step-synchronous efficiency** charges
+every ring step its busiest rank (:func:`benchmarks.layout_comparison.analysis.step_sync_efficiency`).
 
 It is set against TransformerEngine-style padding (THD context parallelism, ring-flash-attention's
-varlen zigzag): every document padded to a multiple of 2N (:func:`cp_attention.experiments.analysis.document_padding`),
+varlen zigzag): every document padded to a multiple of 2N (:func:`benchmarks.layout_comparison.analysis.document_padding`),
 where our layouts need only the whole stream to split. A small measured run times
 ``ring_attention(cu_seqlens=)`` per layout on CPU gloo.
 """
@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from .analysis import (
+from benchmarks.layout_comparison.analysis import (
     AttentionShape, document_padding, document_pairs, flops_per_pair, imbalance, step_sync_efficiency,
 )
-from ..layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
-from ..layouts import get_layout
-from ..schedules import work_model
+from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
+from cp_attention.layouts import get_layout
+from cp_attention.schedules import work_model
 
 __all__ = ["PackedStream", "lognormal_lengths", "packed_stream", "te_padded_cu_seqlens", "stream_divisor", "check_packed",
            "one_thread", "packed_tables", "measure_packed"]
@@ -231,8 +231,8 @@ def _baseline_worker(args, cu: tuple[int, ...]) -> dict:
     """One process, the whole packed stream (spawn with ``threads`` = the ring's total)."""
     import torch
 
-    from .attention_bench import make_inputs, ours
-    from .measure import measure
+    from benchmarks.attention import make_inputs, ours
+    from benchmarks.measure import measure
 
     full = make_inputs(args, cu[-1])
     rows = measure({"baseline": ours(*full, None, "contiguous", args.kernel, args.causal, cu)}, cu[-1], args.repeats,
@@ -245,8 +245,8 @@ def _ring_worker(args, cu: tuple[int, ...], te_cu: tuple[int, ...]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .attention_bench import make_inputs, ours
-    from .measure import measure
+    from benchmarks.attention import make_inputs, ours
+    from benchmarks.measure import measure
 
     rank, ws, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     full, te_full = make_inputs(args, cu[-1]), make_inputs(args, te_cu[-1])
@@ -269,9 +269,9 @@ def measure_packed(p: dict, m: dict, layouts: list[str], causal: bool, log: Call
     ``ring/zigzag, TE-padded`` (every document padded to a multiple of 2N and the padding attended: the
     TE-style split run by our zigzag), with ratios to the baseline and the modelled imbalance.
     """
-    from ..launch import spawn
-    from .layout_measure import _wall_rows
-    from .measure import limit_malloc_caching
+    from cp_attention.launch import spawn
+    from benchmarks.layout_comparison.measure import _wall_rows
+    from benchmarks.measure import limit_malloc_caching
 
     limit_malloc_caching()
     out: Records = []

@@ -10,8 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from .._extras import require_extra
-from .analysis import imbalance, step_sync_efficiency
+from cp_attention._extras import require_extra
+from benchmarks.layout_comparison.analysis import imbalance, step_sync_efficiency
 
 Records = list[dict]
 _LAYOUT_COLORS = {"contiguous": "C3", "zigzag": "C0", "interleaved": "C2"}

@@ -1,26 +1,37 @@
-"""Compare layouts (the built-in three, or any registered one): modelled, measured and projected
-(``scripts/compare_layouts.py``).
+"""Compare layouts (the built-in three, or any registered one): modelled, measured and projected.
 
 Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
 A (layout, world size, S) the layout cannot split is skipped and listed in the report. With a
 ``packed`` config section it also models (and measures, small) a packed-documents workload and sets it
-against TransformerEngine-style per-document padding (:mod:`.layout_packed`); with a ``window`` section,
-sliding windows against no window (:mod:`.layout_window`).
+against TransformerEngine-style per-document padding (:mod:`.packed`); with a ``window`` section,
+sliding windows against no window (:mod:`.window`).
+
+    python benchmarks/layout_comparison/run.py                          # configs/experiment/default.yaml
+    python benchmarks/layout_comparison/run.py experiment=smoke         # tiny, for tests
+    python benchmarks/layout_comparison/run.py measure.world_sizes=[1,2,4] heads=16 dtype=bfloat16 causal=false
+    python benchmarks/layout_comparison/run.py out_dir=results/layouts  # default: outputs/compare_layouts/<time>
+    python benchmarks/layout_comparison/run.py plugins=[my_layouts] layouts=[zigzag,my_layout]   # a registered layout
+    python benchmarks/layout_comparison/run.py window.fractions=[64,8,2] window.convention=flash  # windows W = S/d
+    python benchmarks/layout_comparison/run.py packed=none window=none  # leave out the packed / windowed workloads
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from pathlib import Path
 
-from ..kernels.dtypes import DTYPES
-from ..kernels import check_kernel_name
-from ..layouts import get_layout
-from .analysis import AttentionShape, ClusterSpec
-from . import layout_tables as tables
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # files never shadow top-level packages
 
-__all__ = ["check_config", "import_plugins", "run"]
+from cp_attention.kernels.dtypes import DTYPES
+from cp_attention.kernels import check_kernel_name
+from cp_attention.layouts import get_layout
+from benchmarks.layout_comparison.analysis import AttentionShape, ClusterSpec
+from benchmarks.layout_comparison import tables
+
+__all__ = ["check_config", "import_plugins", "run", "main"]
 
 
 def import_plugins(cfg: dict) -> None:
@@ -76,15 +87,15 @@ def check_config(cfg: dict) -> None:
     if cfg["atlas"]["seq_len"] > 256:
         fail("atlas.seq_len", cfg["atlas"]["seq_len"], "at most 256 (the atlas draws every token pair)")
     if cfg.get("packed") is not None:
-        from .layout_packed import check_packed
+        from benchmarks.layout_comparison.packed import check_packed
 
         check_packed(cfg["packed"])
     if cfg.get("window") is not None:
-        from .layout_window import check_window
+        from benchmarks.layout_comparison.window import check_window
 
         check_window(cfg["window"])
     if cfg.get("strategies") is not None:
-        from .layout_strategies import check_strategies
+        from benchmarks.layout_comparison.strategies import check_strategies
 
         check_strategies(cfg["strategies"])
 
@@ -94,7 +105,7 @@ def run(cfg: dict, out: Path) -> Path:
 
     Raises ``ValueError`` naming the config key for a config that cannot run, before any work.
     """
-    from .layout_report import write_results
+    from benchmarks.layout_comparison.report import write_results
 
     import_plugins(cfg)
     check_config(cfg)
@@ -123,8 +134,8 @@ def run(cfg: dict, out: Path) -> Path:
 
     measured = {"wall": [], "steps": [], "summary": [], "skipped": [], "meta": {}}
     if cfg["measure"]["world_sizes"] and cfg["measure"]["seq_lens"]:
-        from .layout_measure import measure_all
-        from .measure import limit_malloc_caching
+        from benchmarks.layout_comparison.measure import measure_all
+        from benchmarks.measure import limit_malloc_caching
 
         limit_malloc_caching()
         keys = ("batch", "heads", "kv_heads", "head_dim", "dtype", "kernel", "repeats")
@@ -134,7 +145,7 @@ def run(cfg: dict, out: Path) -> Path:
     res["measured_summary"] = tables.with_modelled_efficiency(measured["summary"], causal)
     res["packed"] = None
     if cfg.get("packed") is not None:
-        from .layout_packed import measure_packed, packed_tables
+        from benchmarks.layout_comparison.packed import measure_packed, packed_tables
 
         pk = cfg["packed"]
         res["packed"] = packed_tables(pk, lays, causal, AttentionShape(**p["shape"]), skipped)
@@ -145,7 +156,7 @@ def run(cfg: dict, out: Path) -> Path:
             if pk["measure"]["world_sizes"] else [])
     res["window"] = None
     if cfg.get("window") is not None:
-        from .layout_window import measure_window, window_tables
+        from benchmarks.layout_comparison.window import measure_window, window_tables
 
         w = cfg["window"]
         res["window"] = window_tables(w, lays, causal, shape, AttentionShape(**p["shape"]), ClusterSpec(**p["cluster"]),
@@ -157,7 +168,7 @@ def run(cfg: dict, out: Path) -> Path:
                 "timeout": cfg["measure"]["timeout"]}, lays, causal, log)
     res["strategies"] = None
     if cfg.get("strategies") is not None:
-        from .layout_strategies import measure_strategies, strategy_tables
+        from benchmarks.layout_comparison.strategies import measure_strategies, strategy_tables
 
         res["strategies"] = strategy_tables(cfg["strategies"], lays, causal, p["shape"])
         res["strategies"]["strategies_measured"] = measure_strategies(cfg["strategies"], cfg, lays, causal, log)
@@ -165,3 +176,32 @@ def run(cfg: dict, out: Path) -> Path:
     path = write_results(out, cfg, res, measured["meta"], log)
     log(f"wrote {path}")
     return path
+
+
+def main() -> None:
+    """The command line: Hydra composes configs/compare_layouts.yaml with the overrides, then :func:`run`."""
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    from cp_attention.training.summary import directory_summary
+
+    @hydra.main(version_base="1.3", config_path="../../configs", config_name="compare_layouts")
+    def job(cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        out = Path(HydraConfig.get().runtime.output_dir)  # == out_dir: the config makes them one folder
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            import_plugins(resolved)
+            check_config(resolved)
+        except ValueError as e:  # a config mistake: say it plainly instead of a traceback
+            sys.exit(f"compare_layouts: {e}")
+        report = run(resolved, out)
+        print(directory_summary("compare_layouts.py", out, {"report": report.name, "config": "config.yaml"},
+                                {"pictures": "*.png", "tables": "*.csv"}), flush=True)
+
+    job()
+
+
+if __name__ == "__main__":
+    main()

@@ -11,9 +11,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..layouts import get_layout
-from ..strategies import STRATEGIES
-from ..strategies.cost import HARDWARE, Workload, estimate, infeasible
+from cp_attention.layouts import get_layout
+from cp_attention.strategies import STRATEGIES
+from cp_attention.strategies.cost import HARDWARE, Workload, estimate, infeasible
 
 __all__ = ["check_strategies", "strategy_tables", "measure_strategies", "strategies_section"]
 
@@ -72,8 +72,8 @@ def _measure_worker(layouts: list[str], names: list[str], seq: int, shape: dict,
                     causal: bool) -> Records:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .measure import measure
-    from .strategy_bench import Case, _calls, _tensors
+    from benchmarks.measure import measure
+    from benchmarks.strategies import Case, _calls, _tensors
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world // inner, inner)) if world % inner == 0 and world > inner else None
@@ -95,7 +95,7 @@ def _measure_worker(layouts: list[str], names: list[str], seq: int, shape: dict,
 def measure_strategies(s: dict, cfg: dict, layouts: list[str], causal: bool, log: Callable[[str], None]) -> Records:
     """Every (layout, strategy) on ``strategies.measure.world_size`` CPU gloo ranks at its S (fwd and
     fwd+bwd, median of the slowest rank), with the cost model's estimate on the ``cpu_gloo`` profile."""
-    from ..launch import run_on_ranks
+    from cp_attention.launch import run_on_ranks
 
     m = s["measure"]
     if not m["world_size"]:

@@ -1,7 +1,7 @@
 """The modelled side of the layout comparison as record tables (lists of dicts, one per CSV row).
 
 Everything here comes from the schedule's work model (exact pair counts) via
-:mod:`cp_attention.experiments.analysis`; nothing runs attention. A combination a layout cannot split is not
+:mod:`benchmarks.layout_comparison.analysis`; nothing runs attention. A combination a layout cannot split is not
 an error: it becomes a ``skipped`` record with the layout's own message, and the report lists it.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterable
 
-from .analysis import (
+from benchmarks.layout_comparison.analysis import (
     AttentionShape, ClusterSpec, comm_bytes_per_rank, pair_owners, project, split_problem, summarize,
 )
-from ..schedules import work_model
+from cp_attention.schedules import work_model
 
 Records = list[dict]
 

@@ -1,19 +1,19 @@
 """The sliding-window workload of the layout comparison (the ``window`` config group).
 
 For every layout and world size, a causal window of ``W = S/d`` tokens for each ``d`` in
-``window.fractions`` (:func:`.window_bench.window_size` turns W into ``window_size=(left, right)`` by
+``window.fractions`` (:func:`benchmarks.window.window_size` turns W into ``window_size=(left, right)`` by
 the configured convention) is set against no window, from the schedule's work model
 (:func:`cp_attention.work_model` with ``window_size=``) and :func:`cp_attention.ring_length`:
 
 - **ring steps**: a ring step whose K/V no rank's window reaches does not run, so each rank receives
   ``L - 1`` K/V shards instead of ``N - 1`` and sends ``L - 1`` K/V and ``L - 1`` dK/dV hops
-  (:func:`cp_attention.experiments.analysis.comm_bytes_per_rank`). Contiguous holds one stretch per rank and stops
+  (:func:`benchmarks.layout_comparison.analysis.comm_bytes_per_rank`). Contiguous holds one stretch per rank and stops
   after ``ceil(W / (S/N)) + 1`` steps; zigzag and interleaved hold pieces everywhere, so their ring runs
   fully but computes only the band;
 - **imbalance** and **step-synchronous efficiency** as in the rest of the comparison;
-- the **projection** onto the configured cluster (:func:`cp_attention.experiments.analysis.project`, with only
+- the **projection** onto the configured cluster (:func:`benchmarks.layout_comparison.analysis.project`, with only
   the steps that run), which names the winner per (N, W);
-- a small measured run per layout and window on CPU gloo (:func:`.window_bench.measure_windows`).
+- a small measured run per layout and window on CPU gloo (:func:`benchmarks.window.measure_windows`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import argparse
 import time
 from typing import Callable
 
-from .analysis import AttentionShape, ClusterSpec, comm_bytes_per_rank, project, split_problem, summarize
-from ..layouts import get_layout
-from ..schedules import ring_length
-from .layout_packed import one_thread
-from .window_bench import CONVENTIONS, NO_WINDOW, check_fractions, measure_windows, modelled_window, window_label
+from benchmarks.layout_comparison.analysis import AttentionShape, ClusterSpec, comm_bytes_per_rank, project, split_problem, summarize
+from cp_attention.layouts import get_layout
+from cp_attention.schedules import ring_length
+from benchmarks.layout_comparison.packed import one_thread
+from benchmarks.window import CONVENTIONS, NO_WINDOW, check_fractions, measure_windows, modelled_window, window_label
 
 __all__ = ["TIE", "check_window", "window_tables", "measure_window", "window_figures", "window_section"]
 
@@ -161,7 +161,7 @@ def _winner(rows: Records) -> dict:
 def measure_window(w: dict, m: dict, layouts: list[str], causal: bool, log: Callable[[str], None]) -> Records:
     """Time ``ring_attention(window_size=)`` per layout and window (and without one) at each
     ``window.measure`` world size and S; ``m`` holds the attention settings (batch, heads, kv_heads,
-    head_dim, dtype, kernel, repeats, timeout). Records of :func:`.window_bench.measure_windows`."""
+    head_dim, dtype, kernel, repeats, timeout). Records of :func:`benchmarks.window.measure_windows`."""
     out: Records = []
     for ws in w["measure"]["world_sizes"]:
         for seq in w["measure"]["seq_lens"]:

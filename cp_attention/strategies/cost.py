@@ -5,7 +5,7 @@ for one document and a few milliseconds the first time it sees thousands of pack
 workload's pair counts are cached; nothing loops over tokens).
 
 - compute: attention's matmul FLOPs (:func:`matmul_flops`: ``2(D + Dv)`` per (query, key) pair and
-  query head forward, ``2(3D + 2Dv)`` backward, as :mod:`cp_attention.experiments.analysis` projects
+  query head forward, ``2(3D + 2Dv)`` backward, as benchmarks/layout_comparison/analysis.py projects
   the ring) at ``Hardware.flops``, plus ``Hardware.kernel_call_s`` per kernel call. The ring and
   all-gather are bound by the busiest rank: exact in closed form for ``contiguous`` (any mask, packed
   documents, windows) and for the causal ``zigzag``/``interleaved`` rules without documents or a
@@ -24,7 +24,7 @@ workload's pair counts are cached; nothing loops over tokens).
 Left out: per-document kernel calls (CUDA's varlen kernels run one call per step whatever the
 documents; CPU kernels batch small documents), the kernels' efficiency on small blocks, the LSE's
 bytes, and the all-to-all's transient chunks. The model ranks strategies; its absolute times are estimates.
-``scripts/benchmark_strategies.py`` measures how often its pick is within 10% of the best one.
+``benchmarks/strategies.py`` measures how often its pick is within 10% of the best one.
 """
 
 from __future__ import annotations
