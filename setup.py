@@ -3,8 +3,7 @@
 from setuptools import setup
 
 EXTRAS = {
-    # Training (scripts/train.py); also what the examples (examples/) and the benchmarks (benchmarks/,
-    # not installed: run them from a checkout) need for their summaries and the layout comparison.
+    # Training (scripts/train.py and the examples) and experiments (benchmarks, layout comparison).
     "train": ["hydra-core>=1.3", "tqdm"],
     "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
     # context_parallel_trainer: transformers' Trainer (needs accelerate) and TRL's SFTTrainer; tested on
@@ -19,7 +18,7 @@ EXTRAS = {
     "test": ["pytest>=7", "hypothesis>=6"],
 }
 # The core's rooms (sub-packages), then the layers above them.
-ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "training")
+ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "training", "experiments")
 # Everything that installs on a CPU-only machine.
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
 
@@ -30,7 +29,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["cp_attention", *(f"cp_attention.{room}" for room in ROOMS), "cp_attention.integrations"],
+    packages=["cp_attention", *(f"cp_attention.{room}" for room in ROOMS), "cp_attention.integrations",
+              "cp_attention.integrations.huggingface", "cp_attention.integrations.megatron"],
     package_dir={"cp_attention.integrations": "integrations"},
     install_requires=["torch>=2.4"],  # the core needs nothing else; see the extras
     extras_require=EXTRAS,

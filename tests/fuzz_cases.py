@@ -191,7 +191,7 @@ def megatron_attention_call(rank: int, world_size: int, *, specs: list, layout: 
                     full[..., 0] = True  # the first key is padding: every query could see it
                 elif spec["mask"] == "shape":
                     full = full[..., :-1]
-                mask = cpm.cpa.get_layout(layout).shard(full, 2, rank, world_size)
+                mask = cpa.get_layout(layout).shard(full, 2, rank, world_size)
             out = ring(q, k, v, mask)
         if not bool(torch.isfinite(out).all()):
             raise AssertionError("non-finite output")

@@ -34,12 +34,13 @@ def forward_collectives(rank: int, world_size: int, *, packed: bool) -> list[int
 def different_shapes(rank: int, world_size: int) -> tuple[str, str]:
     """Rank 0 shards a batch of SEQ tokens, the others one of 2*SEQ: every rank must raise alike."""
     import cp_attention as cpa
-    from cp_attention.integrations import _hf_batch, huggingface as cphf
+    from cp_attention.integrations import huggingface as cphf
+    from cp_attention.integrations.huggingface import batch as hf_batch
 
     model = cphf.apply_context_parallel(build("llama"), layout="zigzag")
     ids = batch(size=1, seq=SEQ if rank == 0 else 2 * SEQ)
     # Each rank shards its own batch alone (shard_batch itself would refuse the difference).
-    local = _hf_batch._shard_batch({"input_ids": ids}, cpa.get_layout("zigzag"), rank, world_size)
+    local = hf_batch._shard_batch({"input_ids": ids}, cpa.get_layout("zigzag"), rank, world_size)
     try:
         model(**cphf.model_inputs(local))
     except ValueError as e:

@@ -20,8 +20,8 @@ def noncausal_window(rank: int, world_size: int, *, layout: str, window: int, se
     flash-attention semantics, query i sees key j iff ``|i - j| < window``. Max abs differences of the
     output and of dq/dk/dv against fp64 attention with that mask, on this rank's shard."""
     import cp_attention as cpa
-    from cp_attention.integrations import huggingface as cphf
-    from cp_attention.integrations._hf_checks import ForwardChecks
+    from cp_attention.integrations.huggingface import attention as hf_attention
+    from cp_attention.integrations.huggingface.checks import ForwardChecks
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
@@ -35,9 +35,9 @@ def noncausal_window(rank: int, world_size: int, *, layout: str, window: int, se
     module = torch.nn.Module()
     module.is_causal = False
     checks = ForwardChecks(None, lay, rank, world_size)  # never run: the layer checks its own inputs
-    module._cp_attention = cphf._CPState(None, lay, "auto", rank, world_size, checks)
+    module._cp_attention = hf_attention._CPState(None, lay, "auto", rank, world_size, checks)
     local = [lay.shard(t.detach(), 2, rank, world_size).requires_grad_() for t in (q, k, v)]
-    out, _ = cphf._ring_attention_forward(module, *local, None, scaling=8 ** -0.5, sliding_window=window)
+    out, _ = hf_attention._ring_attention_forward(module, *local, None, scaling=8 ** -0.5, sliding_window=window)
     out.backward(lay.shard(grad_out, 1, rank, world_size))
     diffs = {"out": (out - lay.shard(want.detach(), 1, rank, world_size)).abs().max().item()}
     for name, mine, full in zip(("dq", "dk", "dv"), local, (q, k, v)):

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import cp_attention as cpa
+
 from .megatron_cpu import cuda_hardcodes_unpatched, megatron_cuda_hardcodes_on_cpu
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
@@ -116,23 +118,23 @@ def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: di
     ``cp_comm_type``: the layer spec's (one, or one per layer). ``hierarchical`` (a2a, p2p): megatron's
     hierarchical CP groups as ``initialize_model_parallel(hierarchical_context_parallel_sizes=...)``
     makes them (level 0 consecutive CP ranks), stood in by a DeviceMesh's (megatron needs einops)."""
-    from cp_attention.integrations import _megatron_groups
+    from cp_attention.integrations.megatron import groups as megatron_groups
     from cp_attention.integrations import megatron as cpm
 
     ps = parallel_state(world_size)
     group = ps.get_context_parallel_group()
-    real = _megatron_groups.parallel_state.get_hierarchical_context_parallel_groups
+    real = megatron_groups.parallel_state.get_hierarchical_context_parallel_groups
     if hierarchical is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
         a2a, p2p = hierarchical
         mesh = init_device_mesh("cpu", (p2p, a2a))
         levels = [mesh.get_group(1), mesh.get_group(0)]
-        _megatron_groups.parallel_state.get_hierarchical_context_parallel_groups = lambda check_initialized=True: levels
+        megatron_groups.parallel_state.get_hierarchical_context_parallel_groups = lambda check_initialized=True: levels
     try:
         model = _cp_model(world_size, layout, ref, model_kw, rope_layout, ring_windows, cp_comm_type)
     finally:
-        _megatron_groups.parallel_state.get_hierarchical_context_parallel_groups = real
+        megatron_groups.parallel_state.get_hierarchical_context_parallel_groups = real
     local = cpm.get_batch_on_this_cp_rank(full_batch(with_mask=with_mask), layout=layout)
     logits, num, den, mcore = _losses(model, local)
     stats = torch.stack([num.detach(), den, (mcore.double() * local["loss_mask"]).sum().detach()])
@@ -143,7 +145,7 @@ def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: di
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
         grads[name] = g
-    full_logits = cpm.cpa.get_layout(layout).gather(logits.detach(), dim=1, group=group)
+    full_logits = cpa.get_layout(layout).gather(logits.detach(), dim=1, group=group)
     return {
         "logits": (full_logits - ref["logits"]).abs().max().item(),
         "loss": abs(stats[0].item() / stats[1].item() - ref["loss"]),
@@ -241,7 +243,7 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     out["unknown_kernel"] = _error(lambda: _ring(world_size, kernel="no_such_kernel"))
     out["no_ring_in_model"] = _error(lambda: cpm.apply_context_parallel(torch.nn.Linear(2, 2)))
     mixed = build(world_size, spec=spec)
-    mixed.decoder.layers[1].self_attention.core_attention.layout = cpm.cpa.get_layout("interleaved")
+    mixed.decoder.layers[1].self_attention.core_attention.layout = cpa.get_layout("interleaved")
     out["mixed_layouts"] = _error(lambda: cpm.apply_context_parallel(mixed))
     # Like YaRN: a RotaryEmbedding subclass whose tables LayoutRotaryEmbedding does not reproduce.
     # (YarnRotaryEmbedding itself cannot be built without CUDA.)
@@ -307,11 +309,11 @@ def rope_rows(rank: int, world_size: int, table: torch.Tensor, kw: dict, offset:
 
     group = parallel_state(world_size).get_context_parallel_group()
     out = {}
-    for layout in cpm.cpa.LAYOUT_NAMES:
+    for layout in cpa.LAYOUT_NAMES:
         rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True, **kw)
         wrapped = cpm.LayoutRotaryEmbedding(rope, layout, group)
         rows = wrapped(SEQ, offset=offset)
-        positions = cpm.cpa.get_layout(layout).positions(SEQ, rank, world_size)
+        positions = cpa.get_layout(layout).positions(SEQ, rank, world_size)
         out[layout] = torch.equal(rows, table.index_select(0, positions)) and wrapped(SEQ, offset) is rows
     out["delegates"] = wrapped.get_rotary_seq_len(None, None, torch.zeros(3), config(world_size)) == 3 * world_size
     return out
@@ -332,8 +334,8 @@ def batch_sharding(rank: int, world_size: int) -> dict[str, bool]:
     theirs = megatron_get_batch({k: v.clone() for k, v in tensors.items()})
     out = {"zigzag_is_megatrons": all(torch.equal(cpm.get_batch_on_this_cp_rank(full)[k], theirs[k])
                                       for k in tensors)}
-    for layout in cpm.cpa.LAYOUT_NAMES:
-        lay = cpm.cpa.get_layout(layout)
+    for layout in cpa.LAYOUT_NAMES:
+        lay = cpa.get_layout(layout)
         local = cpm.get_batch_on_this_cp_rank(full, layout=layout, cp_group=group)
         out[layout] = (all(torch.equal(lay.gather(local[k], dim=2 if k == "attention_mask" else 1, group=group),
                                        v) for k, v in tensors.items())
@@ -358,10 +360,10 @@ def layout_from_config(rank: int, world_size: int) -> dict[str, str]:
 
 
 def example_losses(rank: int, world_size: int, argv: list) -> list:
-    """The losses of the Megatron example's training loop (``examples/pretrain_megatron.py``), run in this worker."""
+    """The losses of the Megatron example's training loop (``scripts/pretrain_megatron.py``), run in this worker."""
     from megatron.core import parallel_state as ps
 
-    from examples import pretrain_megatron as megatron_example
+    from cp_attention.training import megatron_example
 
     if ps.model_parallel_is_initialized():  # the example sets up its own TP x CP x DP state
         ps.destroy_model_parallel()
@@ -382,7 +384,7 @@ def pg_collection_group(rank: int, world_size: int, layout: str) -> dict:
     ring = _ring(2, layout=layout, cfg=config(2), pg_collection=ProcessGroupCollection(cp=pair))
     ring.global_positions_ready = True
     q, k, v = _qkv(SEQ, seed=rank // 2)  # each pair attends over its own sequence
-    lay = cpm.cpa.get_layout(layout)
+    lay = cpa.get_layout(layout)
     local = [lay.shard(t, 0, rank % 2, 2) for t in (q, k, v)]
     got = ring(*local, None)
     want, _ = reference_attention(*(t.transpose(0, 1) for t in (q, k, v)), causal=True, scale=8 ** -0.5)

@@ -14,6 +14,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+import cp_attention as cpa
+
 from .megatron_cases import SEQ, _error, _qkv, _ring, build, full_batch, parallel_state
 from .megatron_packed_cases import packed_batch
 
@@ -237,5 +239,5 @@ def batch_one_rank_bad(rank: int, world_size: int) -> dict:
         "packed": _error(lambda: cpm.get_batch_on_this_cp_rank(batch, packed_seq_params=mine(decreasing, params))),
         "not_a_batch": _error(lambda: cpm.get_batch_on_this_cp_rank(mine(None, good))),
         "good": torch.equal(cpm.get_batch_on_this_cp_rank(good)["tokens"],
-                            cpm.cpa.get_layout("zigzag").shard(good["tokens"], 1, rank, world_size)),
+                            cpa.get_layout("zigzag").shard(good["tokens"], 1, rank, world_size)),
     }

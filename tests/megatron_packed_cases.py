@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import cp_attention as cpa
+
 from .megatron_cases import SEQ, VOCAB, _cp_model, _error, _qkv, _ring, build, config, parallel_state
 from .megatron_cpu import cuda_hardcodes_unpatched, megatron_cuda_hardcodes_on_cpu
 
@@ -95,7 +97,7 @@ def packed_equivalence(rank: int, world_size: int, layout: str, refs: dict, mode
             g = p.grad.clone()
             dist.all_reduce(g, group=group)
             grads[name] = g
-        full = cpm.cpa.get_layout(layout).gather(logits.detach(), dim=1, group=group,
+        full = cpa.get_layout(layout).gather(logits.detach(), dim=1, group=group,
                                                  cu_seqlens=cpm.packed_documents(params))
         real = torch.zeros(SEQ, dtype=torch.bool)
         for start, length in spans:
@@ -128,7 +130,7 @@ def packed_core_attention(rank: int, world_size: int, layout: str, causal: bool)
     ring.global_positions_ready = True
     _, params, spans = packed_batch(padded=True)
     documents = cpm.packed_documents(params)
-    lay = cpm.cpa.get_layout(layout)
+    lay = cpa.get_layout(layout)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
         return lay.shard(t, 0, rank, world_size, cu_seqlens=documents)
@@ -173,8 +175,8 @@ def packed_batch_sharding(rank: int, world_size: int, table: torch.Tensor) -> di
         entries = dict(batch, cu_seqlens=params.cu_seqlens_q[None],  # collated [1, n], as megatron's loaders give
                        cu_seqlens_padded=params.cu_seqlens_q_padded, max_seqlen=torch.tensor([SEQ]))
         with_positions = dict(batch, position_ids=torch.arange(SEQ)[None])
-        for layout in cpm.cpa.LAYOUT_NAMES:
-            lay = cpm.cpa.get_layout(layout)
+        for layout in cpa.LAYOUT_NAMES:
+            lay = cpa.get_layout(layout)
             local = cpm.get_batch_on_this_cp_rank(batch, layout=layout, cp_group=group, packed_seq_params=params)
             from_entries = cpm.get_batch_on_this_cp_rank(entries, layout=layout, cp_group=group)
             given = cpm.get_batch_on_this_cp_rank(with_positions, layout=layout, cp_group=group,
@@ -193,12 +195,12 @@ def packed_batch_sharding(rank: int, world_size: int, table: torch.Tensor) -> di
                 and from_entries["cu_seqlens"] is entries["cu_seqlens"]
                 and built.qkv_format == "thd" and built.max_seqlen_q == SEQ
                 and cpm.packed_documents(built) == documents)
-    for layout in cpm.cpa.LAYOUT_NAMES:
+    for layout in cpa.LAYOUT_NAMES:
         wrapped = cpm.LayoutRotaryEmbedding(
             RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True), layout, group)
         documents = cpm.packed_documents(packed_batch(True)[1])
-        held = cpm.cpa.get_layout(layout).positions(SEQ, rank, world_size, documents)
-        within = cpm.cpa.document_position_ids(held, documents)
+        held = cpa.get_layout(layout).positions(SEQ, rank, world_size, documents)
+        within = cpa.document_position_ids(held, documents)
         out[f"{layout}/rope_rows"] = torch.equal(wrapped.packed_rows(documents), table.index_select(0, within))
     return out
 

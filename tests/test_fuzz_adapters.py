@@ -331,7 +331,7 @@ def test_megatron_attention_bad_inputs_per_rank(pools, world_size):
             assert_all_ok(results, f"valid call {specs}")
         else:
             TRIED["Megatron attention"] += 1
-            # Known, not fixed here (integrations/megatron.py): the agreed mask refusal names each rank's
+            # Known, not fixed here (integrations/megatron/attention.py): the agreed mask refusal names each rank's
             # OWN mask shape, so the messages differ by that one fragment; the rest must be equal.
             results = [(kind_, re.sub(r"got \(.*?\) torch\.\w+ on at least one rank", "got <this rank's mask> on "
                                       "at least one rank", message)) for kind_, message in results]

@@ -9,7 +9,7 @@ The number of bad inputs tried is printed after them (tests/test_fuzz_zz_report.
 
 A known bug the fuzzing found, left out of the strategies where it is avoided:
 
-- ``integrations/megatron.py``, ``RingDotProductAttention._check_mask``: a rank called with
+- ``integrations/megatron/attention.py``, ``RingDotProductAttention._check_mask``: a rank called with
   ``attention_mask=None`` skips the mask agreement (an all-reduce) that ranks with a mask enter, so a
   mask on some ranks and None on others hangs. Its agreed refusal also quotes each rank's own mask
   shape, so the messages differ between ranks.

@@ -87,9 +87,9 @@ def test_mask_interface_hands_windows_on_and_refuses_what_it_cannot_honour():
     import torch
     from transformers import masking_utils as mu
 
-    from cp_attention.integrations import _hf_masks as hf_masks, huggingface as cphf
+    from cp_attention.integrations.huggingface import attention as hf_attention, masks as hf_masks
 
-    cphf._register()
+    hf_attention._register()
     embeds = torch.zeros(1, 6, 8)
     kwargs = dict(inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=None)
     assert mu.create_causal_mask(config=_tiny_config(), **kwargs) is None

@@ -1,5 +1,4 @@
-"""The package's layers point one way (core <- integrations <- training <- scripts; benchmarks/ and
-examples/ sit outside the package, and nothing in it imports them),
+"""The package's layers point one way (core <- integrations <- training/experiments <- scripts),
 scripts are thin entry points, and the optional layers name their extra when it is missing."""
 
 from __future__ import annotations
@@ -16,9 +15,10 @@ from .import_graph import imported_names
 ROOT = Path(__file__).resolve().parents[1]
 CORE = "core"
 LAYERS = {  # layer -> the layers it must not import
-    CORE: {"integrations", "training", "benchmarks", "examples"},
-    "integrations": {"training", "benchmarks", "examples"},
-    "training": {"benchmarks", "examples"},
+    CORE: {"integrations", "training", "experiments"},
+    "integrations": {"training", "experiments"},
+    "training": {"experiments"},
+    "experiments": {"training"},
 }
 
 
@@ -26,13 +26,14 @@ def _layer(path: Path) -> str:
     rel = path.relative_to(ROOT).parts
     if rel[0] == "integrations":
         return "integrations"
-    return "training" if rel[1] == "training" else CORE
+    return rel[1] if rel[1] in ("training", "experiments") else CORE
 
 
 def _package(path: Path) -> str:
-    if path.parent.name == "integrations":
-        return "cp_attention.integrations"  # installed under that name
-    return ".".join(path.relative_to(ROOT).parent.parts)
+    parts = path.relative_to(ROOT).parent.parts
+    if parts[0] == "integrations":
+        return ".".join(("cp_attention", *parts))  # installed as cp_attention.integrations
+    return ".".join(parts)
 
 
 def _imported_layers(source: str, package: str) -> set[str]:
@@ -40,14 +41,13 @@ def _imported_layers(source: str, package: str) -> set[str]:
     found = set()
     for name in imported_names(source, package):
         parts = name.split(".")
-        if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training"):
+        if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training",
+                                                                          "experiments"):
             found.add(parts[1])
-        elif parts[0] in ("benchmarks", "examples"):  # the checkout's folders, never installed
-            found.add(parts[0])
     return found
 
 
-MODULES = sorted([*(ROOT / "cp_attention").rglob("*.py"), *(ROOT / "integrations").glob("*.py")])
+MODULES = sorted([*(ROOT / "cp_attention").rglob("*.py"), *(ROOT / "integrations").rglob("*.py")])
 
 
 @pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
@@ -59,11 +59,13 @@ def test_dependencies_point_down(path):
 
 def test_the_checker_sees_relative_and_absolute_imports():
     """The checker itself: it must find upward imports, or the test above could not fail."""
-    assert _imported_layers("from .training import steps\nimport benchmarks.measure\nfrom examples import finetune_hf\n",
-                            "cp_attention") == {"training", "benchmarks", "examples"}
+    assert _imported_layers("from .training import steps\nimport cp_attention.experiments.measure\n",
+                            "cp_attention") == {"training", "experiments"}
     assert _imported_layers("from ..training.steps import train_step\n", "cp_attention.kernels") == {"training"}
     assert _imported_layers("from . import huggingface\n", "cp_attention.integrations") == {"integrations"}
-    assert _imported_layers("from ..layouts import get_layout\nimport torch\n", "cp_attention.training") == set()
+    assert _imported_layers("from ...training import steps\n", "cp_attention.integrations.megatron") == {"training"}
+    assert _package(ROOT / "integrations" / "huggingface" / "fsdp.py") == "cp_attention.integrations.huggingface"
+    assert _imported_layers("from ..layouts import get_layout\nimport torch\n", "cp_attention.experiments") == set()
 
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
@@ -97,7 +99,8 @@ def test_the_core_needs_only_torch():
 
 @pytest.mark.parametrize("module,blocked,extra", [
     ("cp_attention.training", "hydra", "train"),
-    ("cp_attention.integrations.huggingface", "transformers", "hf"),
+    ("cp_attention.experiments", "tqdm", "train"),
+    ("cp_attention.integrations.huggingface.attention", "transformers", "hf"),
     ("cp_attention.integrations.megatron", "megatron.core", "megatron"),
 ])
 def test_a_missing_extra_is_named(module, blocked, extra):

@@ -127,7 +127,7 @@ def test_shard_keeps_the_packed_streams_own_max_length():
     import torch
 
     import cp_attention as cpa
-    from cp_attention.integrations._hf_trainer import _ContextParallelMixin
+    from cp_attention.integrations.huggingface.trainer import _ContextParallelMixin
     from cp_attention.transport import LoopbackGroup
 
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)  # two 1-token documents; zigzag over 2 ranks pads by 2
@@ -172,7 +172,7 @@ def _eval_shard(rows: int, batch: int, dp: int, rank: int, drop_last: bool = Fal
         inner = BatchSampler(SequentialSampler(range(rows)), batch, drop_last)
         return BatchSamplerShard(inner, num_processes=dp, process_index=rank, even_batches=True)
 
-    from cp_attention.integrations._hf_trainer_eval import fill_eval_loader
+    from cp_attention.integrations.huggingface.trainer_eval import fill_eval_loader
 
     return shard(), fill_eval_loader(SimpleNamespace(batch_sampler=shard()), dp).batch_sampler
 
@@ -201,7 +201,7 @@ def test_eval_loaders_that_repeat_examples_are_refused():
     import transformers as tf
     from torch.utils.data import DataLoader
 
-    from cp_attention.integrations._hf_trainer_eval import EvalSteps, refuse_rows_not_examples
+    from cp_attention.integrations.huggingface.trainer_eval import EvalSteps, refuse_rows_not_examples
 
     iterable = SimpleNamespace(dataset=[])  # no batch sampler: accelerate's IterableDatasetShard pads
     with pytest.raises(NotImplementedError, match="set dataloader_drop_last=True"):

@@ -16,7 +16,7 @@ The CP group is megatron's (``parallel_state`` or ``pg_collection.cp``). Attenti
 Strategies (``cp_comm_type``: ``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``, ``"auto"``), one
 for every layer or one per layer, from the spec (``get_gpt_layer_ring_spec(cp_comm_type=...)``) or
 megatron's own ``cp_comm_type`` argument; ``"a2a+p2p"`` over megatron's hierarchical CP groups
-(``hierarchical_context_parallel_sizes=[a2a, p2p]``), see ``_megatron_groups``.
+(``hierarchical_context_parallel_sizes=[a2a, p2p]``), see ``.groups``.
 
 Sliding windows: ``config.window_size = (left, right)`` is honoured exactly on the layers where
 megatron's ``is_layer_window_attention(window_size, window_attn_skip_freq, layer_number)`` says so
@@ -36,7 +36,7 @@ zigzag cuts every document into ``2 * cp_size`` near-equal chunks), not Transfor
 documents may have any length; only the packed length must split. Shard packed batches with
 :func:`get_batch_on_this_cp_rank` (``packed_seq_params=`` or megatron's ``cu_seqlens`` batch
 entries). RoPE then restarts at every document: the ring attention rotates q and k itself at each
-token's position within its document (see ``_megatron_rope``). Padding between documents
+token's position within its document (see ``.rope``). Padding between documents
 (``cu_seqlens_q_padded``) is attended by no real token.
 
 Features the ring cannot honour exactly are refused with an error that names them: attention bias,
@@ -83,24 +83,15 @@ except ImportError:  # pragma: no cover - a megatron-core without it
     def _rope_mscale(config) -> float:
         return 1.0
 
-from ._megatron_batch import DEFAULT_LAYOUT, get_batch_on_this_cp_rank  # noqa: E402
-from ._megatron_checks import ForwardChecks, check_layer_call, install_forward_checks  # noqa: E402
-from ._megatron_groups import check_heads, layer_comm_type, resolve_cp_group, ring_group, spec_comm_types  # noqa: E402
-from ._megatron_packed import group_ranks, packed_documents  # noqa: E402
-from ._megatron_rope import LayoutRotaryEmbedding  # noqa: E402
-from ._megatron_spec import replace_core_attention  # noqa: E402
+from .batch import DEFAULT_LAYOUT, get_batch_on_this_cp_rank  # noqa: E402
+from .checks import ForwardChecks, check_layer_call, install_forward_checks  # noqa: E402
+from .groups import check_heads, layer_comm_type, resolve_cp_group, ring_group, spec_comm_types  # noqa: E402
+from .packed import group_ranks, packed_documents  # noqa: E402
+from .rope import LayoutRotaryEmbedding  # noqa: E402
+from .spec import replace_core_attention  # noqa: E402
 
-__all__ = [
-    "RingDotProductAttention",
-    "ring_core_attention",
-    "use_ring_attention",
-    "get_gpt_layer_ring_spec",
-    "apply_context_parallel",
-    "get_batch_on_this_cp_rank",
-    "packed_documents",
-    "LayoutRotaryEmbedding",
-    "DEFAULT_LAYOUT",
-]
+__all__ = ["RingDotProductAttention", "ring_core_attention", "use_ring_attention", "get_gpt_layer_ring_spec",
+           "apply_context_parallel"]
 
 _APPLY_HINT = ("call cp_attention.integrations.megatron.apply_context_parallel(model) once after building "
                "the model")

@@ -1,4 +1,4 @@
-"""The arguments of one :func:`~._hf_generate.generate` call: what the sharded cache cannot serve, and
+"""The arguments of one :func:`~.generation.generate` call: what the sharded cache cannot serve, and
 fingerprints of every argument's VALUE, agreed across the group before the prefill.
 
 transformers merges the keyword arguments, ``generation_config`` and ``model.generation_config`` into
@@ -24,7 +24,7 @@ import torch
 
 from cp_attention.transport import transport_for
 
-from ._hf_batch import batch_fingerprint
+from .batch import batch_fingerprint
 
 if TYPE_CHECKING:  # transformers is the hf extra's: imported where generate runs, so a missing extra is named
     from transformers import GenerationConfig

@@ -13,8 +13,8 @@ import cp_attention as cpa
 from cp_attention.transport import group_rank_and_size
 from cp_attention.layouts.documents import cu_seqlens_tuple, document_position_ids
 
-from ._megatron_checks import agreed
-from ._megatron_packed import packed_documents
+from .checks import agreed
+from .packed import packed_documents
 
 __all__ = ["get_batch_on_this_cp_rank", "DEFAULT_LAYOUT"]
 

@@ -1,4 +1,4 @@
-"""Evaluation of the CP Trainer (:mod:`._hf_trainer`): which examples of each evaluation step are real,
+"""Evaluation of the CP Trainer (:mod:`.trainer`): which examples of each evaluation step are real,
 and the gathers that count every real example once and nothing else.
 
 accelerate's eval loader, sharded over the dp ranks, fills the last batch with repeated examples so

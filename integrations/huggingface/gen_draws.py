@@ -1,4 +1,4 @@
-"""One random draw for the whole group: what makes sampling under :func:`~._hf_generate.generate` pick the
+"""One random draw for the whole group: what makes sampling under :func:`~.generation.generate` pick the
 same tokens on every rank, whatever each rank's random generator holds.
 
 Every rank computes the same probabilities bit for bit, but each draws from its own generator: ranks

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._hf_gen_state import decoding
+from .gen_state import decoding
 
 __all__ = ["RingMask", "layer_window", "ring_mask"]
 
@@ -75,7 +75,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     (``create_sliding_window_causal_mask``, ``local_size`` = the window) or a bidirectional mask (its
     creators pass ``allow_is_bidirectional_skip``), which the model hands to the attention calls of
     the layers it is meant for, and which
-    :func:`~cp_attention.integrations.huggingface._ring_attention_forward` honours or refuses. The kind
+    :func:`~cp_attention.integrations.huggingface.attention._ring_attention_forward` honours or refuses. The kind
     of mask is read from those arguments, not from ``mask_function`` (a closure per creator); anything
     laid over the standard functions is caught by ``use_vmap``. What cannot be honoured is refused
     rather than dropped: padding (a mask with zeros), a model's own mask functions laid over the standard
@@ -84,7 +84,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     :data:`_MASK_OPTIONS` (named in the error). ``q_offset``/``kv_offset`` describe the KV cache's
     layout (a sliding layer's cache shifts them even in a first forward); decoding from a cache, the
     only case where they change what a query sees, is refused by the model's forward check and by the
-    attention layer. Inside :func:`~._hf_generate.generate`'s decoding steps the left padding is allowed:
+    attention layer. Inside :func:`~.generation.generate`'s decoding steps the left padding is allowed:
     the sharded cache holds no padding.
     """
     unknown = sorted(name for name, val in options.items() if val is not None and name not in _MASK_OPTIONS)

@@ -5,7 +5,7 @@ Context parallelism runs over the mesh's ``"cp"`` dim; FSDP2 (``fully_shard``, p
 the root) shards parameters, gradients and optimizer state over ALL the mesh's ranks (dp x cp,
 flattened). FSDP normally averages gradients over its ranks. CP needs their SUM: each CP rank holds
 its share of a loss that is the mean over every label token of the global batch
-(:func:`causal_lm_loss` with ``group=mesh``), so the sum over dp x cp is exactly the gradient of one
+(:func:`.attention.causal_lm_loss` with ``group=mesh``), so the sum over dp x cp is exactly the gradient of one
 process on the whole global batch, however the label tokens fall between the dp ranks. ``parallelize``
 sets FSDP's reduction to a plain sum (``set_gradient_divide_factor(1.0)`` with sum-only collectives,
 which gloo supports too).
@@ -22,7 +22,8 @@ import cp_attention as cpa
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import CP_DIM, is_device_mesh
 
-from ._agree import agree
+from ..agree import agree
+from .attention import apply_context_parallel
 
 __all__ = ["parallelize", "fsdp_mesh", "checkpoint_activations"]
 
@@ -80,7 +81,7 @@ def _fingerprint(model: torch.nn.Module) -> list[int]:
 
 def checkpoint_activations(model: torch.nn.Module) -> None:
     """Turn on transformers' activation checkpointing (non-reentrant) on ``model``: each decoder layer
-    runs again in backward, reusing its forward's attention plan (see ``_hf_checks.ForwardChecks``)."""
+    runs again in backward, reusing its forward's attention plan (see ``.checks.ForwardChecks``)."""
     model.config.use_cache = False  # training reads no KV cache; transformers warns on every forward else
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
@@ -124,8 +125,6 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     model cannot checkpoint activations when asked to.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    from .huggingface import apply_context_parallel
 
     _check_mesh(mesh)
     lay = cpa.get_layout(layout)

@@ -1,4 +1,5 @@
-"""HuggingFace transformers glue: run a causal LM's attention as ring attention over a CP group.
+"""HuggingFace transformers glue: run a causal LM's attention as ring attention over a CP group
+(:func:`apply_context_parallel`, re-exported by :mod:`cp_attention.integrations.huggingface`).
 
 Uses the public extension points only: ``transformers.AttentionInterface`` for the attention call
 and ``transformers.masking_utils.AttentionMaskInterface`` for the mask, so that transformers never
@@ -12,7 +13,7 @@ attention, and ``(W - 1, W - 1)`` in a non-causal layer (as transformers' flash-
 It reaches the ring from the ``sliding_window`` attention argument or, for models that pass it only
 through their mask (Qwen2-MoE, PhiMoE), from the sliding mask the model asks the mask interface for.
 Packed batches (``position_ids`` restarting at 0, or the ``cu_seq_lens_q/k`` of HF's flattening
-collator) and padded batches (``attention_mask`` with zeros, left or right) are exact: :func:`shard_batch`
+collator) and padded batches (``attention_mask`` with zeros, left or right) are exact: :func:`.batch.shard_batch`
 turns both into one packed stream of documents, and the document boundaries reach the attention as
 transformers' ``cu_seq_lens_q/k`` attention kwargs (a window then counts within documents).
 ``config.is_causal=False`` (bidirectional masks and non-causal attention calls) is honoured too.
@@ -42,17 +43,13 @@ from cp_attention.transport import cp_group, group_rank_and_size, mesh_group, tr
 from cp_attention.transport.eager import eager_only
 from cp_attention.transport.mesh import is_two_level
 
-from ._hf_batch import IGNORE_INDEX, model_inputs, shard_batch
-from ._hf_checks import ForwardChecks, check_positions, documents
-from ._hf_gen_state import active_generation
-from ._hf_loss import model_loss
-from ._hf_generate import generate
-from ._hf_masks import RingMask, layer_window, ring_mask
-from ._hf_parallel import checkpoint_activations, parallelize
-from ._hf_trainer import context_parallel_trainer
+from .batch import IGNORE_INDEX
+from .checks import ForwardChecks, check_positions, documents
+from .gen_state import active_generation
+from .loss import model_loss
+from .masks import RingMask, layer_window, ring_mask
 
-__all__ = ["apply_context_parallel", "generate", "parallelize", "checkpoint_activations", "context_parallel_trainer", "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence",
-           "ATTN_IMPLEMENTATION"]
+__all__ = ["apply_context_parallel", "causal_lm_loss", "gather_sequence", "ATTN_IMPLEMENTATION"]
 
 ATTN_IMPLEMENTATION = "cp_ring"
 
@@ -98,12 +95,12 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             **others: Any) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``.
 
-    ``attention_mask`` is what :func:`._hf_masks.ring_mask` returned for this layer (None: plain causal).
+    ``attention_mask`` is what :func:`.masks.ring_mask` returned for this layer (None: plain causal).
     ``sliding_window`` W (transformers' size: query i sees keys ``i - W < j <= i``) becomes the ring's
-    ``window_size=(W - 1, -1)``, or ``(W - 1, W - 1)`` in a non-causal layer; see :func:`._hf_masks.layer_window`.
+    ``window_size=(W - 1, -1)``, or ``(W - 1, W - 1)`` in a non-causal layer; see :func:`.masks.layer_window`.
     ``s_aux`` (GPT-OSS's learned attention sinks, ``[H]``) joins every softmax denominator.
     ``cu_seq_lens_q/k`` (equal; GLOBAL document boundaries of the packed stream, as
-    :func:`shard_batch` returns them) keep attention within documents (windows count within them);
+    :func:`.batch.shard_batch` returns them) keep attention within documents (windows count within them);
     ``max_length_q/k`` must agree.
     Takes only what it implements. Any other argument that is not None (anything a future model
     adds) raises ``NotImplementedError``
@@ -204,7 +201,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
                            kernel: str = "auto", cp_comm_type: str = "p2p") -> torch.nn.Module:
     """Patch ``model`` in place so its attention runs ring attention over ``group``; returns ``model``.
 
-    Feed it this rank's shard of every sequence (see :func:`shard_batch`) with global position ids.
+    Feed it this rank's shard of every sequence (see :func:`.batch.shard_batch`) with global position ids.
     With a group of world size 1 the model is returned untouched (an exact no-op).
 
     ``cp_comm_type`` picks how K/V travel, as in ``ring_attention``: ``"p2p"`` (the ring), ``"all_gather"``,
@@ -216,7 +213,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     data (its position ids, padding, document boundaries) is checked once per forward, before any layer,
     and agreed across the group in one small collective: every rank raises the same error.
     """
-    given = group  # a (dp, cp) mesh: the model's loss cannot tell which mean it should be (see _hf_loss)
+    given = group  # a (dp, cp) mesh: the model's loss cannot tell which mean it should be (see .loss)
     group = group if is_two_level(group) else cp_group(group)  # a DeviceMesh: its "cp" dim, or both levels
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
@@ -244,7 +241,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
 def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None) -> torch.Tensor:
     """Next-token cross-entropy, the mean over every labelled token of the FULL sequences.
 
-    ``logits [batch, local_seq, vocab]``, ``shift_labels [batch, local_seq]`` from :func:`shard_batch`.
+    ``logits [batch, local_seq, vocab]``, ``shift_labels [batch, local_seq]`` from :func:`.batch.shard_batch`.
     The value is the global mean on every rank; its gradient is this rank's share, so gradients
     summed over the CP group equal those of the model without CP. ``group``: the CP group (a process
     group, ``None`` for the default one, or a 1-D mesh), or the ``(dp, cp)`` DeviceMesh of
@@ -266,5 +263,5 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
 def gather_sequence(x: torch.Tensor, group=None, layout: Union[str, cpa.Layout] = "zigzag",
                     dim: int = 1, cu_seqlens=None) -> torch.Tensor:
     """All-gather every rank's shard of ``x`` along ``dim`` and unshard it (for evaluation; no gradient).
-    For a packed or padded batch pass ``cu_seqlens=local["cu_seq_lens_q"]`` from :func:`shard_batch`."""
+    For a packed or padded batch pass ``cu_seqlens=local["cu_seq_lens_q"]`` from :func:`.batch.shard_batch`."""
     return cpa.get_layout(layout).gather(x, dim=dim, group=group, cu_seqlens=cu_seqlens)

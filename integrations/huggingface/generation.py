@@ -1,7 +1,7 @@
 """``generate`` on a context-parallel HuggingFace model: sharded prefill, sharded KV cache, pass-Q decoding.
 
 :func:`generate` runs transformers' own ``generate`` (greedy, beam search, sampling, logits processors,
-stopping criteria, scores) with a :func:`~._hf_kvcache.sharded_cache` and this module's hooks:
+stopping criteria, scores) with a :func:`~.kvcache.sharded_cache` and this module's hooks:
 
 - prefill: the model's forward pre-hook swaps the prompt batch for this rank's shard of ONE packed
   stream (each row's real tokens a document, left padding dropped, one padding document up to the
@@ -13,11 +13,11 @@ stopping criteria, scores) with a :func:`~._hf_kvcache.sharded_cache` and this m
   (:func:`cp_attention.engine.decode.decode_attention`); the new token's K/V stay on rank ``step mod N``.
 
 Every rank computes the same logits bit for bit, so greedy and beam search pick the same token; a sampled
-token is drawn on group rank 0 and shared (:mod:`._hf_gen_draws`), whatever the other ranks' generators
+token is drawn on group rank 0 and shared (:mod:`.gen_draws`), whatever the other ranks' generators
 hold. Before the prefill, every argument's value (the generation config transformers would merge from
 the keywords, ``generation_config`` and ``model.generation_config`` included) is agreed across the group,
-and what the sharded cache cannot serve is refused on every rank alike (:mod:`._hf_gen_args`). The state
-of a generation is per thread (a loopback rank is a thread): :mod:`._hf_gen_state`.
+and what the sharded cache cannot serve is refused on every rank alike (:mod:`.gen_args`). The state
+of a generation is per thread (a loopback rank is a thread): :mod:`.gen_state`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_pos
 from cp_attention.transport import group_rank_and_size, transport_for
 from cp_attention.transport.process_group import group_token
 
-from ._agree import agree
-from ._hf_gen_args import GENERATE_PARAMETERS, differing_arguments, digest, effective_config, named_fingerprints
-from ._hf_gen_args import refused_option
-from ._hf_gen_draws import shared_draws
-from ._hf_gen_state import running
+from ..agree import agree
+from .gen_args import GENERATE_PARAMETERS, differing_arguments, digest, effective_config, named_fingerprints
+from .gen_args import refused_option
+from .gen_draws import shared_draws
+from .gen_state import running
 
 __all__ = ["generate", "Generation"]
 
@@ -142,7 +142,7 @@ class Generation:
 def _problem(model: Any, state: Any, group: Any, layout: Any, input_ids: Any, attention_mask: Any,
              kwargs: dict[str, Any]) -> "tuple[tuple[int, str] | None, dict[str, tuple[int, str]]]":
     """This rank's refusal of the call (an index into ``_KINDS`` and a message), or None and every argument's
-    fingerprint (:func:`~._hf_gen_args.named_fingerprints`)."""
+    fingerprint (:func:`~.gen_args.named_fingerprints`)."""
     try:
         lay = cpa.get_layout(layout)
     except (ValueError, TypeError, KeyError) as e:
@@ -223,7 +223,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, group=None, layout
         raise ValueError(f"the ranks passed different generate arguments: {differing_arguments(state.group, named)}; "
                          "every rank must call generate with the same input_ids, attention_mask, layout, arguments "
                          "and generation config (model.generation_config included)")
-    from ._hf_kvcache import sharded_cache
+    from .kvcache import sharded_cache
 
     gen = Generation(state, None)
     gen.cache = sharded_cache(model.config.get_text_config().num_hidden_layers, gen.keeps_new_token)

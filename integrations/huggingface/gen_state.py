@@ -1,4 +1,4 @@
-"""Which :func:`~._hf_generate.generate` this thread runs, if any: what the patched model's hooks, mask and
+"""Which :func:`~.generation.generate` this thread runs, if any: what the patched model's hooks, mask and
 attention ask to tell a generation's prefill and decoding steps from a plain forward. Per thread, since
 a loopback rank is a thread."""
 
@@ -15,7 +15,7 @@ _LOCAL = threading.local()
 
 @contextlib.contextmanager
 def running(generation: Any) -> Iterator[None]:
-    """Make ``generation`` (a :class:`~._hf_generate.Generation`) this thread's active one inside."""
+    """Make ``generation`` (a :class:`~.generation.Generation`) this thread's active one inside."""
     previous, _LOCAL.generation = getattr(_LOCAL, "generation", None), generation
     try:
         yield

@@ -21,8 +21,8 @@ from cp_attention.engine.plan import AttentionPlan
 from cp_attention.transport import transport_for
 from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids, longest_document
 
-from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
-from ._hf_gen_state import active_generation
+from ..agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
+from .gen_state import active_generation
 
 __all__ = ["ForwardChecks", "documents", "expected_positions", "check_positions"]
 
@@ -85,7 +85,7 @@ class ForwardChecks:
         self.cu: "tuple[int, ...] | None" = None
         self.plan: Optional[AttentionPlan] = None  # this forward's, once its data is agreed
         self._agreed = AgreedScope()
-        self.loss: Any = None  # the model's loss_function (_hf_loss.CPModelLoss): checks a forward's labels
+        self.loss: Any = None  # the model's loss_function (.loss.CPModelLoss): checks a forward's labels
 
     def accepted_positions(self, position_ids: torch.Tensor) -> bool:
         """Whether ``position_ids`` is the tensor this forward's check accepted."""
@@ -142,7 +142,7 @@ class ForwardChecks:
         """Forward pre-hook (``with_kwargs=True``). Raises the same ``ValueError`` or
         ``NotImplementedError`` on every rank if any rank's data is refused.
 
-        Inside :func:`~._hf_generate.generate`, the prefill's prompt batch is swapped for this rank's
+        Inside :func:`~.generation.generate`, the prefill's prompt batch is swapped for this rank's
         shard of the packed prompt (then checked as any forward), and a decoding step's forward (the
         same token on every rank) is let through: its layers merge their partial results themselves."""
         self._agreed.leave()  # a forward that ended without its post-hook (not on a normal path)

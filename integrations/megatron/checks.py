@@ -26,8 +26,8 @@ from cp_attention.checks.agreement import AgreedScope
 from cp_attention.engine.plan import AttentionPlan
 from cp_attention.transport import transport_for
 
-from ._agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
-from ._megatron_packed import check_stream_length, packed_config_verdict, packed_local_tokens, \
+from ..agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
+from .packed import check_stream_length, packed_config_verdict, packed_local_tokens, \
     packed_stream_verdict, packed_verdict
 
 __all__ = ["ForwardChecks", "install_forward_checks", "check_layer_call", "check_mask", "agreed"]

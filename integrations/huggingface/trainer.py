@@ -13,7 +13,7 @@ The Trainer stays in charge of everything it does; the subclass changes four thi
   ``labels=shift_labels`` and ``shift_labels``: transformers' loss and TRL's fused head then do not
   shift again. The same all-reduce counts each batch's real tokens for TRL's ``num_tokens`` (TRL's own
   count would include the layout's padding);
-- **evaluation** (:mod:`._hf_trainer_eval`): the eval loader yields real batches only (a short last
+- **evaluation** (:mod:`.trainer_eval`): the eval loader yields real batches only (a short last
   batch, one-example fillers with masked labels where a dp rank has none left) instead of accelerate's
   repeated examples; each step's loss is the token mean over every dp group's real examples (the one
   process's loss on the same global batch), the logits are gathered to the full batch, and the loop's
@@ -39,7 +39,9 @@ import cp_attention as cpa
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import transport_for
 
-from ._hf_trainer_eval import EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, world_gathers
+from .attention import apply_context_parallel, gather_sequence
+from .batch import model_inputs, shard_batch
+from .trainer_eval import EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, world_gathers
 
 __all__ = ["context_parallel_trainer"]
 
@@ -96,7 +98,7 @@ def context_parallel_trainer(base: type) -> type:
     that does not divide the world or an unknown layout or kernel, and ``NotImplementedError`` for label
     smoothing, ``compute_loss_func``, a model whose forward takes no loss kwargs or ``n_gpu > 1``;
     ``evaluate``/``predict`` raise ``NotImplementedError`` where the eval loader's repeated examples
-    cannot be told apart (see :mod:`._hf_trainer_eval`).
+    cannot be told apart (see :mod:`.trainer_eval`).
     """
     from transformers import Trainer
 
@@ -125,8 +127,6 @@ class _ContextParallelMixin:
         if cp_size == 1:
             return
         from torch.distributed.device_mesh import init_device_mesh
-
-        from .huggingface import apply_context_parallel
 
         self._cp_mesh = init_device_mesh(self.args.device.type, (self._dp, cp_size), mesh_dim_names=("dp", "cp"))
         self._cp_group = self._cp_mesh["cp"].get_group()
@@ -157,8 +157,6 @@ class _ContextParallelMixin:
     def _cp_shard(self, batch: dict) -> dict:
         """This rank's share of ``batch`` (see :func:`shard_batch`), as the model takes it: the shifted
         labels both as ``labels`` and ``shift_labels`` (the loss must not shift them again)."""
-        from ._hf_batch import model_inputs, shard_batch
-
         # seq_idx (TRL's padding-free collator) restates cu_seq_lens_q's documents per token; the ring
         # takes the documents from cu_seq_lens_q
         full = {k: v for k, v in batch.items() if k != "seq_idx"}
@@ -238,8 +236,6 @@ class _ContextParallelMixin:
         with the batch's labels."""
         if self._cp_group is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        from .huggingface import gather_sequence
-
         real = self._cp_eval.advance() if self._cp_eval is not None else None
         inputs = self._prepare_inputs(inputs)
         refused = local = None
