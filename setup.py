@@ -3,7 +3,8 @@
 from setuptools import setup
 
 EXTRAS = {
-    # Training (scripts/train.py and the examples) and experiments (benchmarks, layout comparison).
+    # Training (scripts/train.py); also what the examples (examples/) and the benchmarks (benchmarks/,
+    # not installed: run them from a checkout) need for their summaries and the layout comparison.
     "train": ["hydra-core>=1.3", "tqdm"],
     "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
     # context_parallel_trainer: transformers' Trainer (needs accelerate) and TRL's SFTTrainer; tested on
@@ -18,7 +19,7 @@ EXTRAS = {
     "test": ["pytest>=7", "hypothesis>=6"],
 }
 # The core's rooms (sub-packages), then the layers above them.
-ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "training", "experiments")
+ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "training")
 # Everything that installs on a CPU-only machine.
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
 

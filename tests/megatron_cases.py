@@ -360,10 +360,10 @@ def layout_from_config(rank: int, world_size: int) -> dict[str, str]:
 
 
 def example_losses(rank: int, world_size: int, argv: list) -> list:
-    """The losses of the Megatron example's training loop (``scripts/pretrain_megatron.py``), run in this worker."""
+    """The losses of the Megatron example's training loop (``examples/pretrain_megatron.py``), run in this worker."""
     from megatron.core import parallel_state as ps
 
-    from cp_attention.training import megatron_example
+    from examples import pretrain_megatron as megatron_example
 
     if ps.model_parallel_is_initialized():  # the example sets up its own TP x CP x DP state
         ps.destroy_model_parallel()

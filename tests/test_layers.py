@@ -1,4 +1,5 @@
-"""The package's layers point one way (core <- integrations <- training/experiments <- scripts),
+"""The package's layers point one way (core <- integrations <- training <- scripts; benchmarks/ and
+examples/ sit outside the package, and nothing in it imports them),
 scripts are thin entry points, and the optional layers name their extra when it is missing."""
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from .import_graph import imported_names
 ROOT = Path(__file__).resolve().parents[1]
 CORE = "core"
 LAYERS = {  # layer -> the layers it must not import
-    CORE: {"integrations", "training", "experiments"},
-    "integrations": {"training", "experiments"},
-    "training": {"experiments"},
-    "experiments": {"training"},
+    CORE: {"integrations", "training", "benchmarks", "examples"},
+    "integrations": {"training", "benchmarks", "examples"},
+    "training": {"benchmarks", "examples"},
 }
 
 
@@ -26,7 +26,7 @@ def _layer(path: Path) -> str:
     rel = path.relative_to(ROOT).parts
     if rel[0] == "integrations":
         return "integrations"
-    return rel[1] if rel[1] in ("training", "experiments") else CORE
+    return "training" if rel[1] == "training" else CORE
 
 
 def _package(path: Path) -> str:
@@ -41,9 +41,10 @@ def _imported_layers(source: str, package: str) -> set[str]:
     found = set()
     for name in imported_names(source, package):
         parts = name.split(".")
-        if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training",
-                                                                          "experiments"):
+        if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training"):
             found.add(parts[1])
+        elif parts[0] in ("benchmarks", "examples"):  # the checkout's folders, never installed
+            found.add(parts[0])
     return found
 
 
@@ -59,13 +60,13 @@ def test_dependencies_point_down(path):
 
 def test_the_checker_sees_relative_and_absolute_imports():
     """The checker itself: it must find upward imports, or the test above could not fail."""
-    assert _imported_layers("from .training import steps\nimport cp_attention.experiments.measure\n",
-                            "cp_attention") == {"training", "experiments"}
+    assert _imported_layers("from .training import steps\nimport benchmarks.measure\nfrom examples import finetune_hf\n",
+                            "cp_attention") == {"training", "benchmarks", "examples"}
     assert _imported_layers("from ..training.steps import train_step\n", "cp_attention.kernels") == {"training"}
     assert _imported_layers("from . import huggingface\n", "cp_attention.integrations") == {"integrations"}
     assert _imported_layers("from ...training import steps\n", "cp_attention.integrations.megatron") == {"training"}
     assert _package(ROOT / "integrations" / "huggingface" / "fsdp.py") == "cp_attention.integrations.huggingface"
-    assert _imported_layers("from ..layouts import get_layout\nimport torch\n", "cp_attention.experiments") == set()
+    assert _imported_layers("from ..layouts import get_layout\nimport torch\n", "cp_attention.training") == set()
 
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
@@ -99,7 +100,6 @@ def test_the_core_needs_only_torch():
 
 @pytest.mark.parametrize("module,blocked,extra", [
     ("cp_attention.training", "hydra", "train"),
-    ("cp_attention.experiments", "tqdm", "train"),
     ("cp_attention.integrations.huggingface.attention", "transformers", "hf"),
     ("cp_attention.integrations.megatron", "megatron.core", "megatron"),
 ])
