@@ -99,7 +99,7 @@ def test_the_core_needs_only_torch():
 
 
 @pytest.mark.parametrize("module,blocked,extra", [
-    ("cp_attention.training", "hydra", "train"),
+    ("cp_attention.training.loop", "hydra", "train"),
     ("cp_attention.integrations.huggingface.attention", "transformers", "hf"),
     ("cp_attention.integrations.megatron", "megatron.core", "megatron"),
 ])
@@ -110,3 +110,13 @@ def test_a_missing_extra_is_named(module, blocked, extra):
                    f"getattr(m, '_transformers', lambda: None)()")
     assert proc.returncode != 0
     assert f"install the '{extra}' extra: pip install 'cp_attention[{extra}]'" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_reduce_gradients_needs_no_hydra():
+    """The README's HuggingFace example: ``reduce_gradients`` (and the rest of ``cp_attention.training``'s
+    exports) import with torch alone, the train extra's packages blocked."""
+    proc = _python("import sys\nfor m in ('hydra', 'omegaconf'):\n    sys.modules[m] = None\n"
+                   "from cp_attention.training import reduce_gradients, train_step\n"
+                   "from cp_attention.integrations import huggingface\n"
+                   "assert callable(reduce_gradients) and callable(huggingface.apply_context_parallel)")
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._extras import require_extra
 from ..launch import run_on_ranks
 from .checkpoint import CorruptCheckpointError, load_checkpoint, save_checkpoint
 from .config import build_model, optimizer, resume_point, trainer_placement, validate_config
@@ -40,6 +41,8 @@ from .sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from .data import ByteBatches, PackedBatches, load_bytes, load_documents
 from .device import all_reduce_, autocast, rank_device
 from .steps import train_step
+
+require_extra("train", ("hydra", "tqdm"), "cp_attention.training.loop")
 
 __all__ = ["validate_config", "launch", "train", "resume_point", "PeerRankError"]
 
