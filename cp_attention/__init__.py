@@ -7,7 +7,8 @@ Build one :func:`plan` per batch and pass it to every layer's call.
 ``cp_comm_type`` picks how K/V travel (the ring, all-gather, Ulysses all-to-all, or both on a 2-D mesh).
 
 The rooms, from the bottom up: ``kernels`` and ``transport``, ``layouts``, ``schedules``, ``checks``,
-``engine``, ``strategies``; then this API, the adapters (``integrations``), ``training`` and ``experiments``.
+``engine``, ``strategies``; then this API, the adapters (``integrations``) and ``training``. The
+benchmarks and examples live outside the package, in ``benchmarks/`` and ``examples/`` of a checkout.
 """
 
 from __future__ import annotations
