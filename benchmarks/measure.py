@@ -4,6 +4,7 @@ memory, and median timings of the slowest rank.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -162,3 +163,22 @@ def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tu
     print_table(rows)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return rows, base, parallel
+
+
+def finish(run: Callable[[argparse.Namespace], object], args: argparse.Namespace, json_option: bool = True) -> None:
+    """The end of a benchmark's command line: ``run(args)``, then its summary: the JSON file it wrote
+    (``--json``), or that its tables went to stdout only (and, with ``json_option``, that ``--json PATH``
+    keeps them)."""
+    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+
+    run(args)
+    print(benchmark_summary(args.json if json_option else None, json_option=json_option), flush=True)
+
+
+def command_line(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                 run: Callable[[argparse.Namespace], object], json_option: bool = True) -> None:
+    """A benchmark's whole command line: its arguments (``add_arguments``, ``doc`` as the help), then
+    :func:`finish`."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    finish(run, p.parse_args(), json_option)

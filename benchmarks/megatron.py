@@ -119,7 +119,6 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+    from benchmarks.measure import finish
 
-    run(parse_args())
-    print(benchmark_summary(None, json_option=False), flush=True)
+    finish(run, parse_args(), json_option=False)

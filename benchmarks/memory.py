@@ -344,15 +344,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return p.parse_args(argv)
-
-
 if __name__ == "__main__":
-    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+    from benchmarks.measure import command_line
 
-    parsed = parse_args()
-    run(parsed)
-    print(benchmark_summary(parsed.json), flush=True)
+    command_line(__doc__, add_arguments, run)

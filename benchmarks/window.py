@@ -244,8 +244,6 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+    from benchmarks.measure import finish
 
-    parsed = parse_args()
-    run(parsed)
-    print(benchmark_summary(parsed.json), flush=True)
+    finish(run, parse_args())

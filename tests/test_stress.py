@@ -219,3 +219,13 @@ def test_workers_of_a_dead_parent_leave_cleanly(tmp_path):
     # the two workers (and multiprocessing's resource tracker), every one exiting 0
     assert len(codes["others"]) >= 2 and set(codes["others"]) == {0}, codes
     _assert_clean_stderr(err)
+
+
+def test_conftest_needs_no_hydra():
+    """tests/conftest.py takes POOL_STDERR_ENV from benchmarks/stress.py (the standard library only), so a
+    pure schedule test runs without the train extra."""
+    code = ("import sys\nfor m in ('hydra', 'omegaconf', 'tqdm'):\n    sys.modules[m] = None\n"
+            "import tests.conftest, benchmarks.stress\n"
+            "assert tests.conftest.POOL_STDERR_ENV == benchmarks.stress.POOL_STDERR_ENV")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
