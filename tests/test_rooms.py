@@ -6,7 +6,7 @@
   checks < engine < strategies < the API;
 - each adapter (``cp_attention.integrations.huggingface``, ``.megatron``) imports only the core, its
   own sub-package and the adapters' shared ``integrations/agree.py``: never the other adapter, never
-  ``cp_attention.training`` or ``cp_attention.experiments``; its ``__init__`` only re-exports;
+  ``cp_attention.training``; its ``__init__`` only re-exports;
 - ``cp_attention.training`` imports the adapters inside functions only (never at module level), so
   it imports without the ``hf`` or ``megatron`` extra."""
 
@@ -25,7 +25,7 @@ ADAPTERS = ROOT / "integrations"  # installed as cp_attention.integrations (setu
 INTEGRATIONS = "cp_attention.integrations"
 ADAPTER_PACKAGES = (f"{INTEGRATIONS}.huggingface", f"{INTEGRATIONS}.megatron")
 SHARED = f"{INTEGRATIONS}.agree"  # what both adapters share (the one-all-gather verdict)
-LAYERS = ("integrations", "training", "experiments")  # above the core
+LAYERS = ("integrations", "training")  # above the core
 # Room -> its level; a module may import rooms of its own level or lower only.
 LEVELS = {"kernels": 0, "transport": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4, "strategies": 5,
           "api": 6, "__init__": 6, "_extras": 0, "launch": 0}
@@ -130,7 +130,7 @@ def _room(module: str) -> str:
 
 
 def test_no_import_cycles():
-    """Anywhere in cp_attention/ and integrations/: the core, the adapters, training and experiments."""
+    """Anywhere in cp_attention/ and integrations/: the core, the adapters and training."""
     cycle = _cycle(_graph(_every_module()))
     assert cycle is None, " -> ".join(cycle)
 
