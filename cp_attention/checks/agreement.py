@@ -1,6 +1,6 @@
 """What the group has already agreed on, so that repeated ``ring_attention`` calls skip the collective.
 
-Validation (:mod:`cp_attention.validation`) all-gathers every rank's call signature once per
+Validation (:mod:`cp_attention.checks.validation`) all-gathers every rank's call signature once per
 *distinct* signature: :class:`Verdicts` remembers the signatures the whole group passed together.
 Every rank inserts the same key after the same successful all-gather and looks keys up in the same
 order, so as long as the ranks make the same calls, their caches agree and they all skip (or all

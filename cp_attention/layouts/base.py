@@ -66,7 +66,7 @@ class Layout:
         Returns a ``LongTensor`` of shape ``[seq_len // world_size]``. Without ``cu_seqlens`` use it as
         ``position_ids`` so rotary embeddings see global positions. With ``cu_seqlens`` (packed
         documents, ``[0, l1, l1+l2, ..., seq_len]``) the indices are into the packed stream; RoPE then
-        wants :func:`~cp_attention.documents.document_position_ids` of them.
+        wants :func:`~cp_attention.layouts.documents.document_position_ids` of them.
 
         Raises ``ValueError`` for a rank outside ``[0, world_size)``, a length the layout cannot split
         or bad ``cu_seqlens``; ``NotImplementedError`` if the layout cannot split packed documents.
