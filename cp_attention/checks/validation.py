@@ -25,8 +25,10 @@ from ..schedules.windows import check_window_size
 from ..transport.base import Transport
 from ..transport.comm_types import CP_COMM_TYPES
 from .agreement import VERDICTS, cache_enabled, digests_agree
+from ..transport.codec import Codec, Field, agree_rows, raise_differing, raise_first
 
-__all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call", "PLAN_CODES"]
+__all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call",
+           "TENSOR_FIELDS", "PLAN_FIELDS", "CALL_FIELDS", "GATHERED_FIELDS", "trusted_plan_key"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _UNKNOWN = -1
@@ -62,7 +64,28 @@ class CallSpec:
     sink_values: int = 0
 
 
-_SIG_LEN = 30  # tensor_codes' 23 ints and plan_codes' 7: the signature, without the values' fingerprints
+def _documents_trusted(documents: int) -> int:
+    return min(documents, 1)  # packed or not: an agreed plan's new batch may hold other documents
+
+
+# The rows ranks compare (see :mod:`.codec`): a call's tensors and per-call arguments, a plan's fields,
+# and the sinks' values' fingerprint, gathered with them but never part of a cache key.
+TENSOR_FIELDS = Codec(
+    Field("q", 5, "tensor shapes"), Field("k", 5, "tensor shapes"), Field("v", 5, "tensor shapes"),
+    Field("dtype", label="dtype"), Field("device", label="device type"), Field("kernel", label="kernel"),
+    Field("scale", label="softmax_scale"), Field("needs_grad", label="requires_grad of q, k, v"),
+    Field("sinks", label="sinks (given or not, and their length)"), Field("softcap", label="softcap"),
+    Field("comm_type", label="cp_comm_type"))
+PLAN_FIELDS = Codec(
+    Field("layout", label="layout"), Field("causal", label="causal"),
+    Field("documents", label="cu_seqlens (given or not, and how many documents)", trusted=_documents_trusted),
+    Field("packed_len", label="cu_seqlens (packed length)"),
+    Field("cu_hash", label="cu_seqlens (document boundaries)", trusted=None),
+    Field("window", 2, label="window_size"))
+CALL_FIELDS = TENSOR_FIELDS + PLAN_FIELDS
+GATHERED_FIELDS = CALL_FIELDS + Codec(Field(
+    "sink_values", label="sinks values (the same learned logits on every rank, as for any replicated weight)",
+    trusted=None))
 
 
 def sink_values_code(sinks) -> int:
@@ -121,7 +144,10 @@ def _window_codes(window_size) -> list[int]:
     return [min(left, _HUGE), min(right, _HUGE)]
 
 
-PLAN_CODES = 7  # how many ints plan_codes returns
+def trusted_plan_key(codes) -> tuple:
+    """The part of a plan's :func:`plan_codes` a call's trusted cache key holds: everything but the
+    document boundaries' count and fingerprint (see :class:`~cp_attention.engine.plan.AttentionPlan`)."""
+    return PLAN_FIELDS.trusted_key(PLAN_FIELDS.decode(codes))
 
 
 def layout_code(name: str) -> int:
@@ -139,11 +165,12 @@ def plan_codes(layout, causal, cu_seqlens=None, window_size=None) -> list[int]:
     """What is fixed for a batch, as ints: layout, causal, packed documents (count, length,
     fingerprint) and window. Never raises (see :func:`tensor_codes`)."""
     try:
-        sig = [layout_code(get_layout(layout).name)]
+        code = layout_code(get_layout(layout).name)
     except (ValueError, TypeError):
-        sig = [_UNKNOWN]
-    sig.append(_causal_code(causal))
-    return sig + _cu_codes(cu_seqlens) + _window_codes(window_size)
+        code = _UNKNOWN
+    documents, packed_len, cu_hash = _cu_codes(cu_seqlens)
+    return PLAN_FIELDS.encode(dict(layout=code, causal=_causal_code(causal), documents=documents,
+                                   packed_len=packed_len, cu_hash=cu_hash, window=_window_codes(window_size)))
 
 
 def _causal_code(causal) -> int:
@@ -163,44 +190,43 @@ def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: "floa
     others waiting in the collective).
     """
     tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
-    sig: list[int] = []
-    for t in (q, k, v):
+    values: dict = {}
+    for name, t in zip("qkv", (q, k, v)):
         if not isinstance(t, torch.Tensor):
-            sig += [_NOT_A_TENSOR, 0, 0, 0, 0]
+            values[name] = [_NOT_A_TENSOR, 0, 0, 0, 0]
             continue
         shape = list(t.shape)[:4] if t.dim() == 4 else []
-        sig += [t.dim(), *(shape + [0] * (4 - len(shape)))]
+        values[name] = [t.dim(), *(shape + [0] * (4 - len(shape)))]
+    values["dtype"] = values["device"] = _UNKNOWN
     if tensors:
         dt = q.dtype
-        same = dt == k.dtype == v.dtype
-        sig.append(FLOAT_DTYPES.index(dt) if same and dt in FLOAT_DTYPES else _UNKNOWN)
+        if dt == k.dtype == v.dtype and dt in FLOAT_DTYPES:
+            values["dtype"] = FLOAT_DTYPES.index(dt)
         dev = q.device
-        sig.append(-2 if not dev == k.device == v.device else
-                   (_DEVICE_TYPES.index(dev.type) if dev.type in _DEVICE_TYPES else _UNKNOWN))
-    else:
-        sig += [_UNKNOWN, _UNKNOWN]
-    sig.append(KERNEL_NAMES.index(kernel) if isinstance(kernel, str) and kernel in KERNEL_NAMES else _UNKNOWN)
+        values["device"] = (-2 if not dev == k.device == v.device else
+                            _DEVICE_TYPES.index(dev.type) if dev.type in _DEVICE_TYPES else _UNKNOWN)
+    values["kernel"] = KERNEL_NAMES.index(kernel) if isinstance(kernel, str) and kernel in KERNEL_NAMES else _UNKNOWN
     if scale is None:
         scale = q.shape[-1] ** -0.5 if tensors and q.dim() == 4 and q.shape[-1] > 0 else float("nan")
-    sig.append(_float_code(scale))
-    sig.append(int(torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                   for t in (q, k, v))))
-    sig.append(_sinks_code(q, sinks))
-    sig.append(_float_code(softcap))
-    sig.append(CP_COMM_TYPES.index(cp_comm_type) if isinstance(cp_comm_type, str) and cp_comm_type in CP_COMM_TYPES
-               else _UNKNOWN)
-    return sig
+    values["scale"] = _float_code(scale)
+    values["needs_grad"] = int(torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                               for t in (q, k, v)))
+    values["sinks"] = _sinks_code(q, sinks)
+    values["softcap"] = _float_code(softcap)
+    values["comm_type"] = (CP_COMM_TYPES.index(cp_comm_type)
+                           if isinstance(cp_comm_type, str) and cp_comm_type in CP_COMM_TYPES else _UNKNOWN)
+    return TENSOR_FIELDS.encode(values)
 
 
-def _decode(sig: list[int]) -> CallSpec:
-    shapes = tuple(None if sig[i * 5] == _NOT_A_TENSOR else
-                   tuple(sig[i * 5 + 1: i * 5 + 1 + sig[i * 5]]) if sig[i * 5] == 4 else (-1,) * sig[i * 5]
-                   for i in range(3))
-    (dtype, device, kernel, scale, needs_grad, sinks, softcap, comm, layout, causal, docs, length, cu_hash, w0,
-     w1) = sig[15:_SIG_LEN]
-    causal = causal if causal == _UNKNOWN else bool(causal)
-    return CallSpec(shapes, dtype, device, layout, kernel, causal, _bits_float(scale), bool(needs_grad), sinks,
-                    _bits_float(softcap), comm, docs, length, cu_hash, (w0, w1), *sig[_SIG_LEN:_SIG_LEN + 1])
+def _spec(row: dict) -> CallSpec:
+    """A decoded :data:`GATHERED_FIELDS` row as the :class:`CallSpec` the checks read."""
+    shapes = tuple(None if row[n][0] == _NOT_A_TENSOR else
+                   row[n][1:5] if row[n][0] == 4 else (-1,) * row[n][0] for n in "qkv")
+    causal = row["causal"] if row["causal"] == _UNKNOWN else bool(row["causal"])
+    return CallSpec(shapes, row["dtype"], row["device"], row["layout"], row["kernel"], causal,
+                    _bits_float(row["scale"]), bool(row["needs_grad"]), row["sinks"], _bits_float(row["softcap"]),
+                    row["comm_type"], row["documents"], row["packed_len"], row["cu_hash"], row["window"],
+                    row["sink_values"])
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -282,13 +308,6 @@ def _plan_problem(layout: int, causal: "bool | int", documents: int, window: tup
     return None
 
 
-def _raise_first(what: str, problems: list["str | None"]) -> None:
-    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if bad:
-        ranks = [r for r, _ in bad]
-        raise ValueError(f"{what}: {bad[0][1]} (on rank {bad[0][0]}; ranks with bad input: {ranks})")
-
-
 def _name_at(names: tuple, code: int, what: str) -> str:
     return str(names[code]) if 0 <= code < len(names) else f"an unknown {what}"
 
@@ -312,28 +331,13 @@ def _show(field: str, value) -> str:
     return str(value)
 
 
-def _raise_differing(what: str, fields: dict[str, str], rows: list) -> None:
-    for field, label in fields.items():
-        values = [row[field] if isinstance(row, dict) else getattr(row, field) for row in rows]
-        if any(v != values[0] for v in values):
-            shown = [_show(field, v) for v in values]
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
-            raise ValueError(
-                f"{what}: every rank of the group must pass the same {label}, got {per_rank}; "
-                "shard every tensor with the same layout and call with the same arguments on all ranks")
-
-
-def check_plan_table(table: list[list[int]], layout: "Layout | None") -> None:
-    """Check every rank's :func:`plan_codes`; raise one deterministic ``ValueError`` for the whole
-    group when any rank's are bad, they differ, or the layout cannot split the packed length."""
-    world_size = len(table)
-    rows = [dict(zip(("layout", "causal", "documents", "packed_len", "cu_hash"), codes[:5]),
-                 window=tuple(codes[5:7])) for codes in table]
-    for row in rows:
-        row["causal"] = row["causal"] if row["causal"] == _UNKNOWN else bool(row["causal"])
-    _raise_first("cp_attention.plan", [_plan_problem(r["layout"], r["causal"], r["documents"], r["window"])
-                                       for r in rows])
-    _raise_differing("cp_attention.plan", {f: _FIELD_NAMES[f] for f in _PLAN_FIELDS}, rows)
+def check_plan_table(rows: list[dict], layout: "Layout | None") -> None:
+    """Check every rank's decoded :data:`PLAN_FIELDS` row; raise one deterministic ``ValueError`` for the
+    whole group when any rank's are bad, they differ, or the layout cannot split the packed length."""
+    world_size = len(rows)
+    raise_first("cp_attention.plan", [_plan_problem(r["layout"], _causal(r["causal"]), r["documents"], r["window"])
+                                      for r in rows])
+    raise_differing("cp_attention.plan", rows, _labels(PLAN_FIELDS, _PLAN_FIELDS), _show)
     if rows[0]["documents"]:
         layout = layout if layout is not None else get_layout(_layout_label(rows[0]["layout"]))
         try:
@@ -344,26 +348,31 @@ def check_plan_table(table: list[list[int]], layout: "Layout | None") -> None:
 
 
 _PLAN_FIELDS = ("layout", "causal", "documents", "cu_hash", "window")
-_FIELD_NAMES = {"shapes": "tensor shapes", "dtype": "dtype", "device": "device type", "layout": "layout",
-                "kernel": "kernel", "causal": "causal", "scale": "softmax_scale",
-                "needs_grad": "requires_grad of q, k, v", "sinks": "sinks (given or not, and their length)",
-                "softcap": "softcap", "comm_type": "cp_comm_type",
-                "documents": "cu_seqlens (given or not, and how many documents)",
-                "cu_hash": "cu_seqlens (document boundaries)", "window": "window_size",
-                "sink_values": "sinks values (the same learned logits on every rank, as for any replicated weight)"}
+# What a call's ranks must agree on, in the order differences are reported: the CallSpec's fields.
+_CALL_FIELDS = ("shapes", "dtype", "device", "layout", "kernel", "causal", "scale", "needs_grad", "sinks", "softcap",
+                "comm_type", "documents", "cu_hash", "window", "sink_values")
 
 
-def check_table(table: list[list[int]], layout: "Layout | None" = None) -> None:
-    """Check every rank's signature; raise one deterministic ``ValueError`` for the whole group.
+def _labels(codec: Codec, names: tuple) -> dict[str, str]:
+    return {n: ("tensor shapes" if n == "shapes" else codec.field(n).label) for n in names}
+
+
+def _causal(code: int) -> "bool | int":
+    return code if code == _UNKNOWN else bool(code)
+
+
+def check_table(rows: list[dict], layout: "Layout | None" = None) -> None:
+    """Check every rank's decoded :data:`GATHERED_FIELDS` row; raise one deterministic ``ValueError`` for
+    the whole group.
 
     ``layout`` is the caller's resolved layout (it may be user-defined and known to no registry);
     ``None`` resolves the agreed layout by name. It is consulted only once every rank is known to
     pass the same layout and shapes, so every rank reaches the same verdict.
     """
-    world_size = len(table)
-    specs = [_decode(s) for s in table]
-    _raise_first("ring_attention", [_local_problem(c, world_size) for c in specs])
-    _raise_differing("ring_attention", _FIELD_NAMES, specs)
+    world_size = len(rows)
+    specs = [_spec(r) for r in rows]
+    raise_first("ring_attention", [_local_problem(c, world_size) for c in specs])
+    raise_differing("ring_attention", specs, _labels(GATHERED_FIELDS, _CALL_FIELDS), _show)
     sq = specs[0].shapes[0][1]
     if layout is None:
         layout = get_layout(_layout_label(specs[0].layout))
@@ -397,13 +406,13 @@ def validate_call(sig: list[int], layout: "Layout | None", transport: Transport,
     key = (transport.token, tuple(sig) if trusted is None else trusted, layout) if cached else None
     if same and key is not None and key in VERDICTS:
         return
+    values = CALL_FIELDS.decode(sig)
     if world_size > 1 and same and in_forward:  # agreed by the adapter: judged here, not remembered
-        check_table([sig] * world_size, layout)
+        check_table([{**values, "sink_values": 0}] * world_size, layout)
         return
-    if world_size > 1:  # the sinks' values too: they must be the same on every rank, like a weight
-        check_table(transport.all_gather_ints([*sig, sink_values_code(sinks)]), layout)
-    else:
-        check_table([sig], layout)
+    # the sinks' values too: they must be the same on every rank, like a weight
+    check_table(agree_rows(transport, GATHERED_FIELDS,
+                           {**values, "sink_values": sink_values_code(sinks) if world_size > 1 else 0}), layout)
     if key is not None:
         VERDICTS.add(key)
 

@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 
 from ..checks.agreement import VERDICTS, cache_enabled
-from ..checks.validation import check_plan_table, plan_codes
+from ..transport.codec import agree_rows
+from ..checks.validation import PLAN_FIELDS, check_plan_table, plan_codes, trusted_plan_key
 from ..kernels import AttentionKernel, get_kernel
 from ..layouts.base import Layout
 from ..layouts.documents import cu_seqlens_tuple
@@ -70,7 +71,7 @@ class AttentionPlan:
         self.agreed = agreed
         # The cache key of a call's agreed verdict, beyond its tensors: the plan's fields but the
         # document boundaries' fingerprint, so a new batch of the same length needs no new agreement.
-        self.trust_key = self.codes[:2] + (min(self.codes[2], 1), self.codes[3]) + self.codes[5:]
+        self.trust_key = trusted_plan_key(self.codes)
         # Caches, built lazily: per local length, (length, lowering mode, device), kernel query.
         self._windows: dict[int, Optional[Window]] = {}
         self._steps: dict[tuple, Steps] = {}
@@ -198,8 +199,7 @@ def build_plan(layout: "str | Layout" = "zigzag", group=None, causal: bool = Tru
     plan = AttentionPlan(layout, transport, causal, cu_seqlens, window_size)
     key = ("plan", transport.token, plan.codes, plan.layout) if cache_enabled() else None
     if key is None or key not in VERDICTS:
-        table = transport.all_gather_ints(plan.codes) if transport.world_size > 1 else [list(plan.codes)]
-        check_plan_table(table, plan.layout)
+        check_plan_table(agree_rows(transport, PLAN_FIELDS, PLAN_FIELDS.decode(plan.codes)), plan.layout)
         if key is not None:
             VERDICTS.add(key)
     plan.agreed = True
