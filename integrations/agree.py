@@ -1,19 +1,22 @@
 """One small all-gather that agrees a verdict across a process group, shared by the adapters' checks.
 
 Every rank encodes what it found (nothing, or an error kind and message, plus a few integers the
-caller wants to compare across ranks, such as a local shape) in a fixed-size ``uint8`` row and
-takes part in ONE ``all_gather``, whatever it found, so no rank is ever left waiting. If any rank
+caller wants to compare across ranks, such as a local shape) in a fixed-size row of the library's one
+codec (:mod:`cp_attention.transport.codec`) and takes part in ONE all-gather, whatever it found, so no
+rank is ever left waiting. If any rank
 refused, every rank raises the same error: the lowest refusing rank's, naming every refusing rank.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any, Optional, Sequence
 
 import torch
 
 from cp_attention.transport import transport_for
+from cp_attention.transport.codec import Codec, Field, agree_rows, decode_text, encode_text
 
 __all__ = ["MESSAGE_BYTES", "SHAPE_DIMS", "agree", "exchange", "raise_refusal", "documents_header", "shape_header",
            "show_shape"]
@@ -25,39 +28,31 @@ SHAPE_DIMS = 4  # dims of a shape carried in the agreement (ndim too, so longer 
 Verdict = tuple[int, str, tuple[int, ...]]
 
 
-def _encode(problem: "tuple[int, str] | None", header: Sequence[int]) -> torch.Tensor:
-    """``[kind + 1 (0: none)] + header as int64 bytes + message bytes (zero-padded)``."""
-    head = len(header) * 8
-    row = torch.zeros(1 + head + MESSAGE_BYTES, dtype=torch.uint8)
-    if head:
-        row[1:1 + head] = torch.tensor(list(header), dtype=torch.int64).view(torch.uint8)
-    if problem is not None:
-        kind, message = problem
-        data = message.encode()[:MESSAGE_BYTES]
-        row[0] = kind + 1
-        row[1 + head:1 + head + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return row
-
-
-def _decode(row: torch.Tensor, headers: int) -> Verdict:
-    head = headers * 8
-    ints = tuple(row[1:1 + head].clone().view(torch.int64).tolist()) if head else ()
-    message = bytes(row[1 + head:].tolist()).rstrip(b"\0").decode(errors="replace")
-    return int(row[0]), message, ints
+@functools.lru_cache(maxsize=None)
+def _codec(headers: int) -> Codec:
+    """A verdict's row: the error kind + 1 (0: none), ``headers`` ints, the message as text."""
+    header = (Field("header", headers),) if headers else ()
+    return Codec(Field("kind"), *header, Field("message", MESSAGE_BYTES // 8))
 
 
 def exchange(group, world_size: int, problem: "tuple[int, str] | None", header: Sequence[int] = ()
              ) -> list[Verdict]:
     """Every rank's ``(kind + 1 or 0, message, header)`` in rank order, from one all-gather over
     ``group`` (a process group, ``None`` or a transport; see
-    :meth:`~cp_attention.transport.base.Transport.all_gather_ints`). ``problem`` is this rank's
+    :func:`~cp_attention.transport.codec.agree_rows`). ``problem`` is this rank's
     ``(kind index, message)`` or None; ``header`` a few integers, the same count on every rank.
     ``world_size`` is the group's (kept for the callers; the transport knows it)."""
-    row = _encode(problem, header)
-    pad = -row.numel() % 8  # the row travels as int64 words
-    words = torch.cat([row, row.new_zeros(pad)]).view(torch.int64).tolist()
-    rows = transport_for(group).all_gather_ints(words)
-    return [_decode(torch.tensor(r, dtype=torch.int64).view(torch.uint8)[:row.numel()], len(header)) for r in rows]
+    codec = _codec(len(header))
+    kind, message = (0, "") if problem is None else (problem[0] + 1, problem[1])
+    values = {"kind": kind, "message": encode_text(message, MESSAGE_BYTES // 8)}
+    if header:
+        values["header"] = header[0] if len(header) == 1 else list(header)
+    rows = agree_rows(transport_for(group), codec, values)
+    return [(row["kind"], decode_text(row["message"]), _ints(row.get("header", ()))) for row in rows]
+
+
+def _ints(value) -> tuple[int, ...]:
+    return value if isinstance(value, tuple) else (value,)
 
 
 def raise_refusal(verdicts: Sequence[Verdict], kinds: Sequence[type], note: str,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cp_attention.transport import transport_for
+from cp_attention.transport.codec import Codec, Field, agree_rows, decode_text, encode_text
 
 from .batch import batch_fingerprint
 
@@ -50,6 +51,7 @@ _REFUSED_OPTIONS = {
 }
 _WHERE = "(a generate keyword, or a field of generation_config or model.generation_config)"
 NAMES_BYTES = 16384  # the second exchange's payload per rank (only when the ranks' arguments differ)
+_NAMES = Codec(Field("names", NAMES_BYTES // 8, label="generate arguments"))
 
 
 def effective_config(model: Any, generate_kwargs: Mapping[str, Any]) -> tuple[GenerationConfig, dict[str, Any]]:
@@ -134,15 +136,10 @@ def differing_arguments(group: Any, named: Mapping[str, tuple[int, str]]) -> str
     one all-gather of every rank's ``named`` fingerprints. Every rank must call it (they do when the
     agreed digest of their arguments differs)."""
     lines = "".join(f"{name}\t{code}\t{' '.join(shown.split())}\n" for name, (code, shown) in sorted(named.items()))
-    data = lines.encode()[:NAMES_BYTES]
-    row = torch.zeros(NAMES_BYTES, dtype=torch.uint8)
-    if data:
-        row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = transport_for(group).all_gather_ints(row.view(torch.int64).tolist())
+    rows = agree_rows(transport_for(group), _NAMES, {"names": encode_text(lines, NAMES_BYTES // 8)})
     seen = []
-    for words in rows:
-        text = bytes(torch.tensor(words, dtype=torch.int64).view(torch.uint8).tolist()).rstrip(b"\0")
-        entries = text.decode(errors="replace").split("\n")[:-1]  # a line cut by the size limit is dropped
+    for row in rows:
+        entries = decode_text(row["names"]).split("\n")[:-1]  # a line cut by the size limit is dropped
         seen.append({name: (code, shown) for name, code, shown in (e.split("\t", 2) for e in entries)})
     parts = []
     for name in sorted(set().union(*seen)):
