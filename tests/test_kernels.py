@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cp_attention as cpa
-from cp_attention.kernels import get_kernel, math as math_kernel
+from cp_attention.kernels import get_kernel, reference as math_kernel
 from cp_attention.engine.merge import merge_block
 
 from .reference import reference_attention

@@ -20,7 +20,7 @@ from .cuda_cudnn import CudnnKernel
 from .cuda_efficient import EfficientKernel
 from .cuda_flash import FlashKernel
 from .cuda_flash_attn import FlashAttnKernel
-from .math import MathKernel
+from .reference import MathKernel
 
 SdpaCpuKernel = CpuFlashKernel  # the old class name (``cp_attention.kernels.sdpa`` is gone)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .base import KernelBase, pad_last, positive_scale
-from .math import MathKernel
+from .reference import MathKernel
 
 _BF16_CAPABILITY = (8, 0)
 

@@ -10,7 +10,7 @@ from ..layouts.base import Layout
 from ..layouts.documents import check_cu_seqlens, document_ids
 from ..layouts.registry import get_layout
 from .blocks import DocBlock, increasing_positions
-from .documents import doc_plans
+from .packed import doc_plans
 from .windows import Window, normalize_window, window_plans
 
 __all__ = ["block_plans", "ring_length"]
