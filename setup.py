@@ -18,7 +18,7 @@ EXTRAS = {
     "gpu": ["flash-attn>=2.6,<2.9", "transformer-engine[pytorch]>=2.0"],
     "test": ["pytest>=7", "hypothesis>=6"],
 }
-# The core's rooms (sub-packages), then the layers above them.
+# The core's rooms (sub-packages), then the rooms above them.
 ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "training")
 # Everything that installs on a CPU-only machine.
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
