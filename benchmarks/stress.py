@@ -16,15 +16,15 @@ jobs were running; the times vary by a third either way):
 - ``finetune_hf`` (~7 s), ``pretrain_megatron`` (~13 s): the spawned examples, 2 gloo ranks each.
 - ``dist`` (~16 s): a cross-section of the distributed tests in one pytest process, chosen to start
   and end a worker pool of world size 2, 3 and 4 with live subgroups in it, and to fail cases on
-  purpose: packed documents with sinks and their refusals (tests/test_packed.py, N = 2, 3),
-  gradients reduced over cp x dp subgroups (tests/test_launch.py, N = 4), and ring failure
-  containment (tests/test_faults.py, N = 2-4). With the two examples this is the set that keeps
+  purpose: packed documents with sinks and their refusals (tests/distributed/test_packed.py, N = 2, 3),
+  gradients reduced over cp x dp subgroups (tests/distributed/test_launch.py, N = 4), and ring failure
+  containment (tests/distributed/test_faults.py, N = 2-4). With the two examples this is the set that keeps
   100 runs near an hour (~36 s a run).
 - ``dist_adapters`` (~30 s): the adapters inside pool workers: HuggingFace optimizer steps (N = 2)
   and Megatron packed THD batches (N = 2, 3). Dearer because every worker imports transformers
   and megatron-core; the examples exercise both adapters on every run of the cheap set.
-- ``ring`` (~30 s): every case of tests/test_ring.py, test_faults.py and test_validation.py.
-- ``pools`` (~35 s): tests/test_stress.py, the pools' own exit paths (closed, timed out, a worker
+- ``ring`` (~30 s): every case of tests/distributed/test_ring.py, test_faults.py and test_validation.py.
+- ``pools`` (~35 s): tests/distributed/test_stress.py, the pools' own exit paths (closed, timed out, a worker
   dead, the parent dead), each asserting exit code 0 and no "terminate called".
 - ``user_snippet``, ``user_snippet_no_destroy`` (~12 s): the README's HuggingFace snippet as a user
   runs it, ``torchrun --nproc-per-node=2`` on gloo, ending with and without ``destroy_process_group``:
@@ -34,7 +34,7 @@ jobs were running; the times vary by a third either way):
   destroy) and many distinct ``ring_attention`` signatures; CI caught an abort here once.
 
 Whole files cost far more, mostly in pool starts and in the adapters' imports in every worker
-(tests/test_packed.py ~50 s, tests/test_huggingface.py ~115 s, tests/test_megatron.py ~65 s).
+(tests/distributed/test_packed.py ~50 s, tests/adapters/hf/test_equivalence.py ~115 s, tests/adapters/megatron/test_equivalence.py ~65 s).
 
 The commands run from the repository root (``root``), where examples/, benchmarks/ and tests/ live.
 """
@@ -61,19 +61,19 @@ TARGETS = {
     "pretrain_megatron": [sys.executable, "examples/pretrain_megatron.py", "--steps", "3", "--seq-len", "64",
                           "--batch", "2"],
     "dist": [*_PYTEST,
-             "tests/test_packed.py::test_long_and_short_documents_with_sinks_and_lse_gradient",
-             "tests/test_packed.py::test_bad_packed_calls_raise_on_every_rank",
-             "tests/test_launch.py::test_reduce_gradients_sums_over_cp_and_averages_over_dp",
-             "tests/test_faults.py"],
+             "tests/distributed/test_packed.py::test_long_and_short_documents_with_sinks_and_lse_gradient",
+             "tests/distributed/test_packed.py::test_bad_packed_calls_raise_on_every_rank",
+             "tests/distributed/test_launch.py::test_reduce_gradients_sums_over_cp_and_averages_over_dp",
+             "tests/distributed/test_faults.py"],
     "dist_adapters": [*_PYTEST,
-                      "tests/test_huggingface.py::test_optimizer_steps_stay_together[zigzag]",
-                      "tests/test_megatron.py::test_packed_thd_batch_matches_each_document_alone[cp2-zigzag]",
-                      "tests/test_megatron.py::test_packed_thd_batch_matches_each_document_alone[cp3-zigzag]"],
-    "ring": [*_PYTEST, "tests/test_ring.py", "tests/test_faults.py", "tests/test_validation.py"],
+                      "tests/adapters/hf/test_equivalence.py::test_optimizer_steps_stay_together[zigzag]",
+                      "tests/adapters/megatron/test_equivalence.py::test_packed_thd_batch_matches_each_document_alone[cp2-zigzag]",
+                      "tests/adapters/megatron/test_equivalence.py::test_packed_thd_batch_matches_each_document_alone[cp3-zigzag]"],
+    "ring": [*_PYTEST, "tests/distributed/test_ring.py", "tests/distributed/test_faults.py", "tests/distributed/test_validation.py"],
     # the layout comparison's smoke run: four benchmarks' spawned ranks, torch's own CP ring among them
     "compare_smoke": [sys.executable, "benchmarks/layout_comparison/run.py", "experiment=smoke", "packed=smoke",
                       f"out_dir={os.path.join(tempfile.gettempdir(), 'cp_attention_stress_compare')}"],
-    "pools": [*_PYTEST, "tests/test_stress.py"],
+    "pools": [*_PYTEST, "tests/distributed/test_stress.py"],
     # a user's script under torchrun: the README's HuggingFace block, written out by _snippet_file
     "user_snippet": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                      "{snippet:destroy}"],

@@ -3,5 +3,5 @@
 Installed as ``cp_attention.integrations``: the sub-packages ``huggingface`` and ``megatron``, and
 ``agree`` (the one-all-gather verdict both use). Adapters hold glue only, no attention math; each
 imports its framework lazily and says which extra to install when it is missing. An adapter imports
-the core and its own sub-package only (``tests/test_rooms.py``).
+the core and its own sub-package only (``tests/unit/structure/test_rooms.py``).
 """

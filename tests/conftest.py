@@ -19,7 +19,7 @@ if _ROOT not in sys.path:  # benchmarks/ and examples/ (not installed) import as
 
 from benchmarks.stress import POOL_STDERR_ENV  # noqa: E402  (the standard library only: no hydra)
 
-from .dist_pool import WorkerPool
+from .support.dist_pool import WorkerPool
 
 _ABORTED = (-6, 134)  # SIGABRT: "terminate called without an active exception"
 

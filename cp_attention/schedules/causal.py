@@ -2,7 +2,7 @@
 
 Pure Python, no torch.distributed. At ring step ``s`` rank ``r`` holds the K/V shard of rank
 ``j = (r - s) mod N``. A schedule maps (causal, rank, world_size, step, local_len) to a tuple of
-:class:`BlockTask`. The rules are in docs/design.md; ``tests/test_schedule.py`` proves against a mask
+:class:`BlockTask`. The rules are in docs/design.md; ``tests/unit/schedules/test_causal.py`` proves against a mask
 oracle that every allowed (query, key) pair is computed exactly once.
 """
 
@@ -67,7 +67,7 @@ def register_schedule(layout: "str | Layout", fn: ScheduleFn) -> None:
     too, so its name resolves everywhere) or a registered layout's name.
 
     A layout with no schedule of its own still runs: its blocks derive from its positions. A schedule
-    of its own skips that derivation. ``tests/test_schedule.py`` shows how to prove one against the
+    of its own skips that derivation. ``tests/unit/schedules/test_causal.py`` shows how to prove one against the
     mask oracle. Raises ``ValueError`` for an unknown name and what
     :func:`~cp_attention.layouts.registry.register_layout` raises.
     """

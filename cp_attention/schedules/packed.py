@@ -4,7 +4,7 @@ A token attends only within its document, so at ring step ``s`` rank ``r``'s wor
 document present both in its queries and in the K/V shard of rank ``j = (r - s) mod N``, one
 (document piece x document piece) :class:`DocBlock`: full, banded-causal, or skipped. The blocks are
 derived from the layouts' global positions, so any layout whose packed positions increase on every
-rank gets an exact schedule; ``tests/test_doc_schedule.py`` proves every allowed pair is computed
+rank gets an exact schedule; ``tests/unit/schedules/test_documents.py`` proves every allowed pair is computed
 exactly once. Pure index math, no torch.distributed.
 """
 

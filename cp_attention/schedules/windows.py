@@ -8,7 +8,7 @@ layout's stride (1 for contiguous and zigzag, N for interleaved). A query run ag
 the same stride sees a band of the block: query ``i`` sees key ``b`` iff ``lo <= b - i <= hi``. Every
 block is trimmed to the rows and keys that see something, so blocks and ring steps wholly outside
 the window are skipped, and the ring stops after the last step any rank needs.
-``tests/test_window.py`` proves against a mask oracle that every allowed pair is computed exactly once.
+``tests/unit/schedules/test_windows.py`` proves against a mask oracle that every allowed pair is computed exactly once.
 Pure index math, no torch.distributed.
 """
 

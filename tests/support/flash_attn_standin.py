@@ -1,0 +1,200 @@
+"""A stand-in for the flash-attn package (2.6, 2.7, 2.8), to test the ``flash_attn`` kernel's argument
+plumbing without a GPU: ``flash_attn.flash_attn_interface._flash_attn_forward`` and
+``_flash_attn_backward`` with the exact signatures and return values of each version (2.7+ as
+``torch.library`` custom ops whose backward writes dq/dk/dv in place, as the real ones), computed with
+plain torch in fp64 on any device, with flash-attn's conventions and checks: bshd, causal mask and
+windows aligned BOTTOM-RIGHT, ``seqlen_q == 1`` turns causal off, softcap on the scaled scores, GQA, LSE
+``[B, H, Sq]`` fp32 natural log (read contiguous by the backward), equal head dims at most 256 (2.7+:
+a multiple of 8). :func:`install` puts it into ``sys.modules``. Also home of the fp64 attention math
+the aten stand-ins (``tests/support/aten_standins.py``) share.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["attend", "attend_grads", "band", "install", "VERSIONS"]
+
+VERSIONS = ("2.6.3", "2.7.4", "2.8.3")
+
+
+def band(sq: int, sk: int, left: int, right: int, device=None) -> "torch.Tensor | None":
+    """``[Sq, Sk]`` bool, flash's window aligned bottom-right: query i sees key j iff
+    i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1 = unbounded); None if both are unbounded."""
+    if left < 0 and right < 0:
+        return None
+    off = (torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]) - (sk - sq)
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok &= off >= -left
+    if right >= 0:
+        ok &= off <= right
+    return ok
+
+
+def _scores(q, k, scale, allowed, softcap):
+    """fp64 scores ``[B, H, Sq, Sk]`` (query head h reads K/V head h // (H // Hkv)), capped and masked,
+    and the cap's derivative."""
+    rep = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(rep, 2)) * scale
+    slope = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, slope = softcap * t, 1 - t * t
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s, slope
+
+
+def attend(q, k, v, scale: float, allowed=None, softcap: float = 0.0):
+    """``out [B, Sq, H, Dv]`` (fp64) and ``lse [B, H, Sq]`` (fp64); ``allowed`` broadcasts to ``[B, H, Sq, Sk]``."""
+    s, _ = _scores(q, k, scale, allowed, softcap)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None])
+    rep = q.shape[2] // k.shape[2]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.double().repeat_interleave(rep, 2)), lse
+
+
+def attend_grads(dout, q, k, v, out, lse, scale: float, allowed=None, softcap: float = 0.0):
+    """``dq, dk, dv`` (fp64, dk/dv with K/V's own heads) given the final ``out``/``lse``."""
+    rep = q.shape[2] // k.shape[2]
+    kr, vr = k.double().repeat_interleave(rep, 2), v.double().repeat_interleave(rep, 2)
+    s, slope = _scores(q, k, scale, allowed, softcap)
+    p = torch.exp(s - lse.double()[..., None])
+    do = dout.double()
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vr)
+    delta = (do * out.double()).sum(-1).transpose(1, 2)[..., None]
+    ds = p * (dp - delta) * scale
+    if slope is not None:
+        ds = ds * slope
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kr)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.double())
+
+    def fold(x):
+        return x.reshape(*x.shape[:2], k.shape[2], rep, x.shape[-1]).sum(3)
+    return dq, fold(dk), fold(dv)
+
+
+def _check_inputs(q, k, v, split: bool) -> None:
+    if not (q.dtype == k.dtype == v.dtype):
+        raise RuntimeError("query and key/value must have the same dtype")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise RuntimeError("Input tensor must have contiguous last dimension")
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]:
+        raise RuntimeError("k and v must have shape (batch_size, seqlen_k, num_heads_k, head_size) like q's head_size")
+    if d > 256 or (split and d % 8):
+        raise RuntimeError("head_size must be a multiple of 8 and at most 256")
+    if q.shape[2] % k.shape[2]:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+
+
+def _mask(sq, sk, causal, left, right, device, forward: bool):
+    # flash_api.cpp: windows >= seqlen_k are unbounded; the forward turns causal off for one query row;
+    # causal is the window (-1, 0), bottom-right aligned.
+    left, right = (-1 if left >= sk else left), (-1 if right >= sk else right)
+    if forward and sq == 1:
+        causal = False
+    if causal:
+        right = 0
+    return band(sq, sk, left, right, device)
+
+
+def _forward(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes, split):
+    _check_inputs(q, k, v, split)
+    if dropout_p or alibi_slopes is not None:
+        raise RuntimeError("the stand-in models dropout 0 and no ALiBi only")
+    out, lse = attend(q, k, v, softmax_scale, _mask(q.shape[1], k.shape[1], causal, left, right, q.device, True),
+                      softcap)
+    return out.to(q.dtype), lse.float()
+
+
+def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, left, right, softcap,
+              alibi_slopes, split):
+    _check_inputs(q, k, v, split)
+    b, sq, h, _ = q.shape
+    if out.shape != q.shape or dout.shape != q.shape or out.dtype != q.dtype or dout.dtype != q.dtype:
+        raise RuntimeError("out and dout must have q's shape and dtype")
+    if softmax_lse.shape != (b, h, sq) or softmax_lse.dtype != torch.float32 or not softmax_lse.is_contiguous():
+        raise RuntimeError("softmax_lse: the kernel reads a contiguous fp32 [batch, heads, seqlen_q] buffer")
+    grads = attend_grads(dout, q, k, v, out, softmax_lse, softmax_scale,
+                         _mask(sq, k.shape[1], causal, left, right, q.device, False), softcap)
+    made = []
+    for given, like, g in zip((dq, dk, dv), (q, k, v), grads):
+        buf = torch.empty_like(like) if given is None else given
+        if buf.shape != like.shape or buf.dtype != like.dtype or buf.stride(-1) != 1:
+            raise RuntimeError("dq/dk/dv must have the shape and dtype of q/k/v and a contiguous last dimension")
+        buf.copy_(g)
+        made.append(buf)
+    softmax_d = (dout.double() * out.double()).sum(-1).transpose(1, 2).float()
+    return made, softmax_d
+
+
+def _v26():
+    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            return_softmax):
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, *window_size, softcap, alibi_slopes, False)
+        return out, q, k, v, out, lse, None, torch.empty(2, dtype=torch.int64)
+
+    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                             window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+        (dq, dk, dv), softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                                            causal, *window_size, softcap, alibi_slopes, False)
+        return dq, dk, dv, softmax_d
+    return _flash_attn_forward, _flash_attn_backward
+
+
+_CUSTOM_OPS: dict[str, tuple] = {}
+
+
+def _v27(tag: str):
+    # One registration per process and tag: torch.library ops cannot be defined twice.
+    if tag in _CUSTOM_OPS:
+        return _CUSTOM_OPS[tag]
+    ns = f"cp_flash_attn_standin_{tag}"
+
+    @torch.library.custom_op(f"{ns}::_flash_attn_forward", mutates_args=())
+    def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+                            causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                            alibi_slopes: Optional[torch.Tensor], return_softmax: bool
+                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                            alibi_slopes, True)
+        return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), torch.empty(2, dtype=torch.int64)
+
+    @torch.library.custom_op(f"{ns}::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+    def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                             softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                             dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+                             window_size_left: int, window_size_right: int, softcap: float,
+                             alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                             rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # as the real op: gradients land only in the given buffers; one allocated here is lost
+        return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left, window_size_right, softcap, alibi_slopes, True)[1]
+
+    _CUSTOM_OPS[tag] = (_flash_attn_forward, _flash_attn_backward)
+    return _CUSTOM_OPS[tag]
+
+
+def install(monkeypatch, version: str, hide_signature: bool = False) -> types.ModuleType:
+    """Put a stand-in of flash-attn ``version`` into ``sys.modules`` (undone by ``monkeypatch``) and
+    return its ``flash_attn_interface``. As in the real package, 2.6's functions are plain functions
+    and 2.7+'s are ``CustomOpDef`` s; ``hide_signature`` wraps them as ``(*args, **kwargs)`` so only
+    ``flash_attn.__version__`` tells the calling convention."""
+    fwd, bwd = _v26() if version.startswith("2.6") else _v27(version.replace(".", "_"))
+    if hide_signature:
+        fwd, bwd = (lambda f: lambda *a, **kw: f(*a, **kw))(fwd), (lambda f: lambda *a, **kw: f(*a, **kw))(bwd)
+    iface = types.ModuleType("flash_attn.flash_attn_interface")
+    iface._flash_attn_forward, iface._flash_attn_backward = fwd, bwd
+    pkg = types.ModuleType("flash_attn")
+    pkg.__version__ = version
+    pkg.flash_attn_interface = iface
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
+    return iface
