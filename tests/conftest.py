@@ -1,4 +1,20 @@
-"""Session-wide gloo worker pools, one per world size, started on first use.
+"""The suite's shared fixtures, its markers, and the fuzz report.
+
+Layout (docs/design.md, "Testing"): ``tests/unit/<room>/`` tests that start no process (the loopback ring
+runs its ranks as threads in one process), ``tests/distributed/`` the core on gloo processes,
+``tests/adapters/{hf,megatron}/``, ``tests/system/`` end-to-end runs (scripts, examples, benchmarks, the
+docs), ``tests/support/`` helpers and cases (no tests).
+
+Markers, applied here at collection (``pytest.ini`` registers them):
+
+- ``dist``: the test starts processes or a process group. Every test under ``tests/distributed/`` or
+  ``tests/system/``, every test that uses the ``pools`` fixture, and the tests marked ``dist`` by hand
+  (a subprocess, torchrun, a one-rank gloo group). A test not marked ``dist`` that starts a subprocess,
+  a multiprocessing process or a process group fails (:func:`_no_process_unless_dist`), so the mark
+  cannot go stale.
+- ``slow``: over ~5 s on 2 cores, marked by hand; ``gpu``: needs CUDA, marked by hand.
+
+``make test-fast`` runs ``-m "not dist and not slow and not gpu"``.
 
 ``CP_ATTENTION_POOL_STDERR=PATH`` sends the workers' stderr (C++ output included) to PATH instead of
 the terminal: pytest's own capture can swallow what a worker writes as it exits, so
@@ -7,7 +23,9 @@ the terminal: pytest's own capture can swallow what a worker writes as it exits,
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +40,62 @@ from benchmarks.stress import POOL_STDERR_ENV  # noqa: E402  (the standard libra
 from .support.dist_pool import WorkerPool
 
 _ABORTED = (-6, 134)  # SIGABRT: "terminate called without an active exception"
+_TESTS = Path(__file__).resolve().parent
+_DIST_DIRS = (_TESTS / "distributed", _TESTS / "system")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        if "pools" in getattr(item, "fixturenames", ()) or any(path.is_relative_to(d) for d in _DIST_DIRS):
+            item.add_marker(pytest.mark.dist)
+
+
+_INDUCTOR = os.sep + os.path.join("torch", "_inductor") + os.sep
+
+
+def _called_from(fragment: str) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if fragment in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_dist(request, monkeypatch):
+    """A test not marked ``dist`` may not start a process or a process group: it would run in the fast tier."""
+    if request.node.get_closest_marker("dist") is not None:
+        yield
+        return
+
+    def refuse(what, allowed=None):
+        def fail(*args, **kwargs):
+            if allowed is not None and _called_from(allowed):
+                return allowed_call(*args, **kwargs)
+            pytest.fail(f"{request.node.nodeid} starts {what} but is not marked dist "
+                        "(mark it @pytest.mark.dist: see tests/conftest.py)", pytrace=False)
+        return fail
+
+    # torch.compile's inductor runs the C++ compiler in a subprocess: a tool, not a rank
+    allowed_call = subprocess.Popen.__init__
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("a subprocess", allowed=_INDUCTOR))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("a process"))
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and hasattr(dist, "init_process_group"):
+        monkeypatch.setattr(dist, "init_process_group", refuse("a process group"))
+    yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many bad inputs the fuzz tests tried (tests/distributed/test_fuzz_*.py, tests/adapters/test_fuzz_*.py)."""
+    common = sys.modules.get("tests.support.fuzz_common")
+    tried = getattr(common, "TRIED", None)
+    if tried:
+        terminalreporter.write_line(
+            "fuzz: bad inputs tried: " + ", ".join(f"{k}: {v}" for k, v in sorted(tried.items()))
+            + f"; total bad: {sum(v for k, v in tried.items() if 'valid' not in k)}")
 
 
 @pytest.fixture(scope="session")

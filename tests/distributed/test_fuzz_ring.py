@@ -5,7 +5,7 @@ message, before any ring communication: never a hang, never a different error pe
 ``IndexError``/``RuntimeError`` or silently wrong output. Every distributed case runs under a
 timeout (a hang fails the test). Valid calls are mixed in and must succeed on every rank, so the
 tests cannot pass by everything raising. Seeds are fixed (``derandomize=True``): CI is reproducible.
-The number of bad inputs tried is printed after them (tests/distributed/test_fuzz_zz_report.py).
+The number of bad inputs tried is printed at the end of the session (tests/conftest.py, pytest_terminal_summary).
 
 A known bug the fuzzing found, left out of the strategies where it is avoided:
 

@@ -29,6 +29,7 @@ def _rank_1_stalls() -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_a_stalled_peer_fails_the_job_within_the_timeout():
     """The timeout reaches the process group: a peer that never arrives fails the job, it does not hang it."""
     t0 = time.monotonic()

@@ -114,6 +114,7 @@ def _assert_clean_stderr(path: Path) -> None:
     assert "terminate called" not in text and "Traceback" not in text, text
 
 
+@pytest.mark.slow
 def test_pool_workers_destroy_their_group_and_exit_0(tmp_path):
     """Closing a pool, politely or at once right after a case, ends every worker with exit code 0 and
     nothing on stderr. A worker whose group is still alive at exit says so and exits 70 instead (left
@@ -133,6 +134,7 @@ def test_pool_workers_destroy_their_group_and_exit_0(tmp_path):
     _assert_clean_stderr(err)
 
 
+@pytest.mark.slow
 def test_a_timed_out_case_kills_only_its_pool(tmp_path):
     """The rank that answered leaves cleanly (0), the stuck one is SIGKILLed; both are reaped, and
     the next case runs on a fresh pool."""

@@ -1,5 +1,5 @@
-"""Shared pieces of the fuzz tests (tests/distributed/test_fuzz_*.py): the count of bad inputs tried, the
-Hypothesis settings, and the agreed-refusal assertions."""
+"""Shared pieces of the fuzz tests (tests/distributed/test_fuzz_*.py, tests/adapters/test_fuzz_adapters.py):
+the count of bad inputs tried, the Hypothesis settings, and the agreed-refusal assertions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import HealthCheck, settings, strategies as st
 
 
-# Bad inputs tried, per target (printed by test_zz_report).
+# Bad inputs tried, per target (printed at the end of the session by tests/conftest.py's pytest_terminal_summary).
 TRIED: Counter = Counter()
 
 CASE_TIMEOUT = 60  # seconds per distributed case: a hang fails the test instead of CI

@@ -200,6 +200,7 @@ def _csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_smoke_end_to_end(tmp_path):
     proc = _run(tmp_path, "experiment=smoke", "packed=smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -314,6 +315,7 @@ def test_skips_what_a_layout_cannot_split_and_models_non_causal(tmp_path):
     assert all((tmp_path / f"{name}.png").exists() for name in PICTURES)
 
 
+@pytest.mark.slow
 def test_bad_config_fails_fast_with_the_key(tmp_path):
     proc = _run(tmp_path, "experiment=smoke", "layouts=[contiguous,nope]")
     assert proc.returncode != 0

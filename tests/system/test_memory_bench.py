@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_memory_benchmark_quick(tmp_path):
     out = tmp_path / "memory.json"
     # the 4-rank shapes only (one spawned job; the 2-rank ones would start ranks once more)

@@ -152,6 +152,7 @@ def test_communication_failures_are_reported_as_a_peer_failing(error, says):
 
 # --------------------------------------------------------------------------- scripts/train.py
 
+@pytest.mark.slow
 def test_auto_without_a_checkpoint_starts_fresh(base):
     run, output = base
     assert f"no complete checkpoint in {run / 'checkpoints'}; starting fresh" in output
@@ -180,6 +181,7 @@ def test_resume_may_change_the_strategy(base):
     validate_config({**cfg, "cp_comm": {"name": "all_gather", "inner": None}}, 2)
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint(base, tmp_path):
     """Explicit resume refuses it naming the file; auto falls back to the previous one, and the job
     ends exactly where the uninterrupted one did, each step logged once."""
@@ -236,6 +238,7 @@ def _torchrun(run_dir: Path, *overrides: str, kill: "str | None" = None) -> _Out
     return _Output(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_after_a_rank_is_killed(base, tmp_path):
     """Rank 1 SIGKILLs itself at step 5 (checkpoint at 3, step 4 already logged); torchrun restarts
     both ranks, they resume from step 3, and the job ends exactly as the uninterrupted one."""
@@ -256,6 +259,7 @@ def test_torchrun_restarts_after_a_rank_is_killed(base, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_dead_peer_fails_the_survivor_within_the_timeout(tmp_path):
     """Two ranks started as torchrun would, with no agent to restart or stop them: SIGKILL rank 1
     and rank 0 exits non-zero on its own, saying that a peer died and at which step."""

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_benchmark_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -29,6 +30,7 @@ def test_benchmark_smoke(tmp_path):
     assert proc.stdout.splitlines()[-2:] == ["== attention.py: done ==", f"results (JSON)  {out}"], proc.stdout[-500:]
 
 
+@pytest.mark.slow
 def test_benchmark_packed_smoke():
     proc = subprocess.run(
         [sys.executable, "benchmarks/packed.py", "--tokens", "512", "--documents", "20", "--heads", "2",
@@ -43,6 +45,7 @@ def test_benchmark_packed_smoke():
         assert float(table.split()[-3]) > 0, table  # fwd+bwd ms
 
 
+@pytest.mark.slow
 def test_benchmark_window_smoke(tmp_path):
     import cp_attention as cpa
     
@@ -67,6 +70,7 @@ def test_benchmark_window_smoke(tmp_path):
     assert bad.returncode == 2 and "--windows" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,needs", [("finetune_hf.py", "transformers"), ("pretrain_megatron.py", "megatron.core")])
 def test_example_smoke(script, needs):
     pytest.importorskip(needs, reason=f"{script} needs {needs}")
@@ -84,6 +88,7 @@ def test_example_smoke(script, needs):
     assert not [line for line in proc.stderr.splitlines() if "warn" in line.lower()], proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_trainer_example_smoke():
     """examples/finetune_trainer.py starts itself under torchrun and trains with TRL's SFTTrainer, packed."""
     pytest.importorskip("trl", reason="finetune_trainer.py --sft needs the trainer extra")
@@ -95,6 +100,7 @@ def test_trainer_example_smoke():
     assert "== finetune_trainer.py: done, 5 steps ==" in proc.stdout and "nothing saved" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_hf_example_bf16_on_cpu():
     """--precision bf16 on the CPU runs under CPU autocast (one rank: no ring, see test_train_device)."""
     pytest.importorskip("transformers", reason="finetune_hf.py needs transformers")
@@ -120,6 +126,7 @@ def test_megatron_example_fails_fast_on_an_unsplittable_length():
     assert bad.returncode == 2 and "zigzag layout needs seq_len divisible by 2*world_size=4, got 66" in bad.stderr
 
 
+@pytest.mark.slow
 def test_megatron_benchmark_smoke():
     pytest.importorskip("megatron.core", reason="needs the megatron extra")
     proc = subprocess.run([sys.executable, "benchmarks/megatron.py", "--seq-lens", "256", "--repeats", "1",

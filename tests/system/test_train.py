@@ -43,6 +43,7 @@ def _summary(stdout: str) -> dict[str, str]:
     return {line[:15].strip(): line[15:] for line in lines if line[:15].strip()}
 
 
+@pytest.mark.slow
 def test_outputs_and_falling_loss(tmp_path):
     """The default job, small: its files, a falling loss, a clean exit (no warning: the spawned ranks
     once leaked tqdm's semaphore), and a last summary naming files that exist."""
@@ -66,6 +67,7 @@ def test_outputs_and_falling_loss(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_dp_times_cp_gradients_match_dp_only(tmp_path):
     """One SGD step with lr=1 moves the weights by exactly the gradient."""
     sgd = ["optim=sgd", "optim.lr=1.0", "trainer.steps=1", "trainer.grad_clip=null"]
@@ -165,6 +167,7 @@ def weights_at_init(run_dir: Path) -> dict:
     return build_model(cfg["model"]).state_dict()
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     train(tmp_path / "straight", "trainer.steps=6")
     train(tmp_path / "resumed", "trainer.steps=6", "trainer.stop_after=3")
@@ -174,6 +177,7 @@ def test_resume_continues_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_sweep_over_layouts(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/train.py", "-m", "layout=contiguous,interleaved", "trainer.steps=2", *TINY,
@@ -186,6 +190,7 @@ def test_sweep_over_layouts(tmp_path):
     assert "layout=interleaved trainer.steps=2" in proc.stdout.split("(interleaved,")[1]
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_share_one_output_dir(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29611"]
     proc = train(tmp_path / "run", "trainer.steps=2", launcher=launcher)
@@ -239,6 +244,7 @@ def test_cp_comm_is_checked_before_any_rank_starts(overrides, message):
     assert message in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
 def test_packed_run_trains(tmp_path):
     """The default config (builtin help topics, cp=2) packed: loss falls."""
     train(tmp_path, "data.packing=true", "trainer.steps=12")
@@ -248,6 +254,7 @@ def test_packed_run_trains(tmp_path):
     assert "packing: true" in (tmp_path / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_packed_cp2_matches_cp1(tmp_path):
     """One packed SGD step (lr=1): the CP=2 loss and weights equal the CP=1 run's on the same batch."""
     sgd = ["data.packing=true", "optim=sgd", "optim.lr=1.0", "trainer.steps=1", "trainer.grad_clip=null"]

@@ -28,6 +28,7 @@ def _close(a: "dict[int, float]", b: "dict[int, float]", steps) -> None:
         assert abs(a[s] - b[s]) <= FP32 * abs(b[s]), f"step {s}: {a[s]} != {b[s]}"
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoints_are_sharded_and_resume_on_another_mesh(tmp_path):
     train(tmp_path / "fsdp", "nproc=2", "cp_size=2", *JOB)  # dp=1 x cp=2, 2 rows per step
     ckpt = tmp_path / "fsdp" / "checkpoints"

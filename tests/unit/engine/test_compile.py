@@ -210,6 +210,7 @@ def _gloo_case(rank: int, world_size: int) -> dict[str, float]:
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compiled_on_gloo_ranks(pools):
     """Real processes: a process group is what Dynamo failed on before."""
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")

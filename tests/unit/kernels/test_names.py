@@ -94,6 +94,7 @@ def test_explicit_cuda_kernels_say_what_they_cannot_do():
         get_kernel("efficient", "cpu", FP32)
 
 
+@pytest.mark.dist
 def test_resolving_for_cuda_does_not_initialise_cuda():
     code = ("import torch\nfrom cp_attention.kernels import get_kernel\n"
             "names = [get_kernel('auto', 'cuda', d).name for d in (torch.bfloat16, torch.float32)]\n"

@@ -79,6 +79,8 @@ def _csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_compare_layouts_end_to_end(tmp_path):
     """The Hydra CLI imports the module named in `plugins`; the spawned workers get the layout by pickle."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -98,6 +100,7 @@ def test_compare_layouts_end_to_end(tmp_path):
     assert NAME in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.dist
 def test_compare_layouts_names_an_unimportable_plugin(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/layout_comparison/run.py", "experiment=smoke", f"out_dir={tmp_path}",
                            "plugins=[no_such_module]"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -88,6 +88,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.dist
 def test_the_core_needs_only_torch():
     """Importing the core adds none of the optional packages to what torch itself imports (torch may load tqdm)."""
     proc = _python("import sys, torch, torch.distributed\nbefore = set(sys.modules)\n"
@@ -103,6 +104,7 @@ def test_the_core_needs_only_torch():
     ("cp_attention.integrations.huggingface.attention", "transformers", "hf"),
     ("cp_attention.integrations.megatron", "megatron.core", "megatron"),
 ])
+@pytest.mark.dist
 def test_a_missing_extra_is_named(module, blocked, extra):
     """Without the extra's packages (blocked here by a None entry in sys.modules) the import says what to install."""
     proc = _python(f"import sys\nsys.modules[{blocked!r}] = None\n"
@@ -112,6 +114,7 @@ def test_a_missing_extra_is_named(module, blocked, extra):
     assert f"install the '{extra}' extra: pip install 'cp_attention[{extra}]'" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.dist
 def test_reduce_gradients_needs_no_hydra():
     """The README's HuggingFace example: ``reduce_gradients`` (and the rest of ``cp_attention.training``'s
     exports) import with torch alone, the train extra's packages blocked."""

@@ -1,7 +1,7 @@
 """The rooms and the layers above them, read from the source (pure AST, nothing imported):
 
-- no import cycle anywhere in ``cp_attention/`` or ``integrations/`` (installed as
-  ``cp_attention.integrations``), function-level imports included;
+- no import cycle anywhere in ``cp_attention/``, ``integrations/`` (installed as
+  ``cp_attention.integrations``), ``benchmarks/`` or ``examples/``, function-level imports included;
 - the core's rooms import only the rooms below them: kernels and transport < layouts < schedules <
   checks < engine < strategies < the API;
 - each adapter (``cp_attention.integrations.huggingface``, ``.megatron``) imports only the core, its
@@ -26,6 +26,7 @@ INTEGRATIONS = "cp_attention.integrations"
 ADAPTER_PACKAGES = (f"{INTEGRATIONS}.huggingface", f"{INTEGRATIONS}.megatron")
 SHARED = f"{INTEGRATIONS}.agree"  # what both adapters share (the one-all-gather verdict)
 LAYERS = ("integrations", "training")  # above the core
+CHECKOUT_ROOMS = ("benchmarks", "examples")  # a checkout's, not installed: above everything
 # Room -> its level; a module may import rooms of its own level or lower only.
 LEVELS = {"kernels": 0, "transport": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4, "strategies": 5,
           "api": 6, "__init__": 6, "_extras": 0, "launch": 0}
@@ -42,8 +43,9 @@ def _module_name(path: Path) -> str:
 
 
 def _every_module() -> dict[str, Path]:
-    """Every module of the package and its adapters, by installed name."""
-    return {_module_name(p): p for p in [*PACKAGE.rglob("*.py"), *ADAPTERS.rglob("*.py")]}
+    """Every module of the package and its adapters, by installed name, and of the benchmarks and examples."""
+    checkout = [p for room in CHECKOUT_ROOMS for p in (ROOT / room).rglob("*.py")]
+    return {_module_name(p): p for p in [*PACKAGE.rglob("*.py"), *ADAPTERS.rglob("*.py"), *checkout]}
 
 
 def _modules() -> dict[str, Path]:
@@ -53,7 +55,7 @@ def _modules() -> dict[str, Path]:
 
 def _in_layer(module: str) -> bool:
     parts = module.split(".")
-    return len(parts) > 1 and parts[1] in LAYERS
+    return parts[0] in CHECKOUT_ROOMS or (len(parts) > 1 and parts[1] in LAYERS)
 
 
 def _imports(name: str, source: str, is_package: bool, known: set[str]) -> set[str]:
@@ -130,7 +132,8 @@ def _room(module: str) -> str:
 
 
 def test_no_import_cycles():
-    """Anywhere in cp_attention/ and integrations/: the core, the adapters and training."""
+    """Anywhere in cp_attention/, integrations/, benchmarks/ and examples/: the core, the adapters, training,
+    the benchmarks and the examples."""
     cycle = _cycle(_graph(_every_module()))
     assert cycle is None, " -> ".join(cycle)
 
@@ -204,6 +207,7 @@ def test_the_checkers_can_fail():
     assert "huggingface" in _module_level_source("from cp_attention.integrations import huggingface\n")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("room", ROOMS)
 def test_rooms_import_on_their_own(room):
     """Each room imports in a fresh interpreter by itself (no hidden reliance on import order)."""

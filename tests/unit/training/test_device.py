@@ -92,6 +92,7 @@ def test_config_defaults_resolve_to_this_machine():
         validate_config(_config("trainer.precision=fp16"), 2)
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
 def test_cuda_without_a_gpu_fails_fast():
     from cp_attention.training.loop import validate_config
@@ -104,6 +105,7 @@ def test_cuda_without_a_gpu_fails_fast():
         assert proc.returncode == 2 and "--device=cuda, but torch sees no CUDA device" in proc.stderr, proc.stderr
 
 
+@pytest.mark.dist
 def test_collective_device_follows_the_backend(monkeypatch):
     with process_group("gloo", rank=0, world_size=1, port=free_port()):
         assert collective_device() == torch.device("cpu") and rank_device("auto") == torch.device("cpu")
@@ -229,6 +231,8 @@ def _train(run_dir: Path, *overrides: str, check: bool = True):
     return train(run_dir, "trainer.steps=2", "trainer.device=cpu", "trainer.precision=bf16", *overrides, check=check)
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_bf16_on_cpu_trains_without_cp(tmp_path):
     import json
 
@@ -239,6 +243,8 @@ def test_bf16_on_cpu_trains_without_cp(tmp_path):
     assert "cpu bf16" in proc.stderr
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_bf16_on_cpu_trains_with_cp(tmp_path):
     pytest.importorskip("transformers", reason="needs the hf extra")
     # Under autocast RoPE leaves q and k in fp32 and v in bf16: the adapter runs attention in bf16.

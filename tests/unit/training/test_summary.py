@@ -105,6 +105,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.dist
 def test_a_spawned_rank_leaves_no_semaphore_behind(tmp_path):
     """exit_without_finalising (os._exit) still runs multiprocessing's finalizers: the parent's resource
     tracker has no leaked semaphore to warn about at shutdown."""
