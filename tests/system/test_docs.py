@@ -50,6 +50,7 @@ NOT_RUN: dict[str, str] = {
     "torchrun --nproc-per-node=2 ring_demo.py": "the python block above it, which this test launches itself under torchrun",
     "make train": f"{_INSTALLS}, then {_TRAIN}",
     "make test": f"{_INSTALLS}, then runs the whole suite",
+    "make test-fast": "the fast tier (no dist, slow or gpu mark) of the suite this test (dist) is part of",
     "python -m pytest": "the whole test suite, this test included",
     # docs/guides/training.md (and README.md)
     "python scripts/train.py": _TRAIN,
@@ -318,6 +319,7 @@ def test_python_block(block, python_results):
             f"{block.id} printed\n{result['stdout']}\nbut the text block after it says\n{block.output}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", TORCHRUN, ids=[b.id for b in TORCHRUN])
 def test_torchrun_block(block, tmp_path):
     script = tmp_path / (block.path.name + ".py")
