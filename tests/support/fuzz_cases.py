@@ -1,4 +1,4 @@
-"""Cases for tests/test_fuzz.py, executed inside the gloo workers: ``fn(rank, world_size, ...)``.
+"""Cases for tests/distributed/test_fuzz_ring.py, test_fuzz_layout.py and tests/adapters/test_fuzz_adapters.py, executed inside the gloo workers: ``fn(rank, world_size, ...)``.
 
 Every case is described by plain, picklable data (one description per rank, so ranks may be called
 with different arguments), built into tensors here, run, and reported as ``(exception type, message)``,
