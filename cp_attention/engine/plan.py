@@ -23,7 +23,7 @@ from ..layouts.documents import cu_seqlens_tuple
 from ..layouts.registry import get_layout
 from ..schedules.blocks import BlockTask
 from ..schedules.causal import get_schedule, rank_plan
-from ..schedules.derived import block_plans
+from ..schedules.derived import block_schedules
 from ..schedules.lowering import BatchSpec, VarlenSpec, lower_steps
 from ..schedules.windows import Window, normalize_window
 from ..transport.base import Transport
@@ -162,7 +162,7 @@ class AttentionPlan:
         if not self.packed and window is None and schedule is not None:
             return tuple(rank_plan(self.layout, causal, self.rank, self.world_size, n))
         total = n * self.world_size
-        blocks = block_plans(self.layout, causal, self.world_size, total, self.cu_seqlens, window)[self.rank]
+        blocks = block_schedules(self.layout, causal, self.world_size, total, self.cu_seqlens, window)[self.rank]
         lowered = lower_steps(blocks, batched=mode == "batched", tiled=window is None, local_len=n,
                               varlen=mode == "varlen")
         return tuple(tuple(_ready(t, device) for t in step) for step in lowered)

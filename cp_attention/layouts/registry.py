@@ -2,7 +2,7 @@
 it has one (built-in layouts get theirs from :mod:`cp_attention.schedules.causal`).
 
 A layout without a schedule of its own still runs everywhere: its blocks are derived from its
-positions (see :func:`cp_attention.schedules.derived.block_plans`).
+positions (see :func:`cp_attention.schedules.derived.block_schedules`).
 """
 
 from __future__ import annotations

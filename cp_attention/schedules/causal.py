@@ -84,12 +84,12 @@ def rank_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, 
               ) -> list[tuple[BlockTask, ...]]:
     """All ring steps for one rank without packed documents or windows: ``plan[step]`` is the tuple of
     tasks at that step. Raises ``ValueError`` for an unknown layout or one without a schedule of its
-    own (:func:`~cp_attention.schedules.derived.block_plans` derives its blocks from its positions)."""
+    own (:func:`~cp_attention.schedules.derived.block_schedules` derives its blocks from its positions)."""
     fn = get_schedule(layout)
     if fn is None:
         name = get_layout(layout).name
         raise ValueError(f"layout {name!r} has no ring schedule of its own; its blocks derive from its positions "
-                         f"(cp_attention.schedules.block_plans; ring_attention does this itself), or register one with "
+                         f"(cp_attention.schedules.block_schedules; ring_attention does this itself), or register one with "
                          f"register_schedule({name!r}, fn)")
     return [fn(causal, rank, world_size, s, local_len) for s in range(world_size)]
 

@@ -10,13 +10,13 @@ from ..layouts.base import Layout
 from ..layouts.documents import check_cu_seqlens, document_ids
 from ..layouts.registry import get_layout
 from .blocks import DocBlock, increasing_positions
-from .packed import doc_plans
-from .windows import Window, normalize_window, window_plans
+from .packed import doc_schedules
+from .windows import Window, normalize_window, window_schedules
 
-__all__ = ["block_plans", "ring_length"]
+__all__ = ["block_schedules", "ring_length"]
 
 
-def block_plans(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: "tuple[int, ...] | None",
+def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: "tuple[int, ...] | None",
                 window: Optional[Window]) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
     """``plans[rank][step]``: every rank's document blocks over ``total`` tokens, packed as the checked
     ``cu_seqlens`` (None: one sequence), under the normalised ``window`` (None: none). Without a window
@@ -29,8 +29,8 @@ def block_plans(layout: Layout, causal: bool, world_size: int, total: int, cu_se
     what = "sliding-window schedules" if window is not None else "schedules derived from positions"
     positions = [increasing_positions(layout, total, r, world_size, cu_seqlens, what) for r in range(world_size)]
     if window is not None:
-        return window_plans(positions, doc_of, len(bounds) - 1, causal, window)
-    return doc_plans(positions, doc_of, causal, layout.name)
+        return window_schedules(positions, doc_of, len(bounds) - 1, causal, window)
+    return doc_schedules(positions, doc_of, causal, layout.name)
 
 
 def ring_length(layout: "str | Layout", causal: bool, total: int, world_size: int, window_size=None,
@@ -48,4 +48,4 @@ def ring_length(layout: "str | Layout", causal: bool, total: int, world_size: in
     window = normalize_window(window_size, causal, total, cu)
     if window is None:
         return world_size
-    return len(block_plans(lay, bool(causal), world_size, total, cu, window)[0])
+    return len(block_schedules(lay, bool(causal), world_size, total, cu, window)[0])

@@ -16,7 +16,7 @@ import torch
 
 from .blocks import DocBlock, source_rank
 
-__all__ = ["doc_plans"]
+__all__ = ["doc_schedules"]
 
 
 def _ranges(sorted_ids: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +64,7 @@ def _step_blocks(qpos: torch.Tensor, kpos: torch.Tensor, doc_of: torch.Tensor, c
     return tuple(DocBlock(a, b, c, d, None if f else g) for a, b, c, d, g, f in rows)
 
 
-def doc_plans(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, causal: bool, layout_name: str
+def doc_schedules(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, causal: bool, layout_name: str
               ) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
     """Every rank's blocks per ring step for packed documents: ``plans[rank][step]``, from every
     rank's increasing packed-stream ``positions`` and the document of every token ``doc_of``.

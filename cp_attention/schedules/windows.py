@@ -22,7 +22,7 @@ import torch
 from ..layouts.documents import longest_document
 from .blocks import DocBlock, source_rank
 
-__all__ = ["Window", "check_window_size", "normalize_window", "window_plans"]
+__all__ = ["Window", "check_window_size", "normalize_window", "window_schedules"]
 
 # (left, right) after normalisation: -1 = unbounded on that side.
 Window = tuple[int, int]
@@ -113,7 +113,7 @@ def _step_blocks(qruns, kruns, docs: int, stride: int, causal: bool, window: Win
                  for a, b, c, d, h, lw, nh, nl in table.tolist())
 
 
-def window_plans(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, docs: int, causal: bool, window: Window
+def window_schedules(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, docs: int, causal: bool, window: Window
                  ) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
     """Every rank's blocks per ring step under a (normalised, see :func:`normalize_window`) window:
     ``plans[rank][step]``, from every rank's increasing ``positions`` and the document of every token.

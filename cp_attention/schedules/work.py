@@ -7,7 +7,7 @@ from ..layouts.documents import check_cu_seqlens
 from ..layouts.registry import get_layout
 from .blocks import doc_block_pairs, task_pairs
 from .causal import get_schedule, rank_plan
-from .derived import block_plans
+from .derived import block_schedules
 from .windows import normalize_window
 
 __all__ = ["work_model"]
@@ -31,6 +31,6 @@ def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: i
         n = seq_len // world_size
         return [[sum(task_pairs(t) for t in tasks) for tasks in rank_plan(lay, causal, r, world_size, n)]
                 for r in range(world_size)]
-    plans = block_plans(lay, bool(causal), world_size, seq_len, cu, window)
+    plans = block_schedules(lay, bool(causal), world_size, seq_len, cu, window)
     return [[sum(doc_block_pairs(b) for b in blocks) for blocks in plan] + [0] * (world_size - len(plan))
             for plan in plans]

@@ -15,7 +15,7 @@ What is patched, none of it in cp_attention's source, all of it undone by the ca
       list (torch 2.13's ``meta__efficient_attention_backward`` lacks ``out``, so every schema-correct
       call failed in fake mode with "got multiple values for argument 'scale'"); only when broken.
   P3  host-side planning on CPU index tensors runs outside fake mode (real CPU tensors):
-      ``engine.plan.block_plans`` / ``lower_steps`` / ``_ready`` (a lowered step's DocBatch or
+      ``engine.plan.block_schedules`` / ``lower_steps`` / ``_ready`` (a lowered step's DocBatch or
       VarlenBatch, whose ``upload`` alone runs in the fake mode), ``engine.doc_batch._make_bucket``,
       ``RingFault._failed_rank`` and validation's ``digests_agree`` (P2P agreements on CPU int64
       tensors over the loopback; they read only CPU tensors). ``Tensor.pin_memory`` returns the tensor
@@ -317,7 +317,7 @@ class FakeCuda:
 
         self.meta_lib = fix_efficient_backward_meta()  # P2
         # P3
-        mp.setattr(plan_mod, "block_plans", real_tensors(plan_mod.block_plans))
+        mp.setattr(plan_mod, "block_schedules", real_tensors(plan_mod.block_schedules))
         mp.setattr(plan_mod, "lower_steps", real_tensors(plan_mod.lower_steps))
         mp.setattr(doc_batch, "_make_bucket", real_tensors(doc_batch._make_bucket))
         # a lowered step's batches build their index tensors on the host; only the uploads are fake

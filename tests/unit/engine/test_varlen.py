@@ -12,7 +12,7 @@ import pytest
 import cp_attention as cpa
 from cp_attention.kernels import cuda_flash
 from cp_attention.kernels.cuda_flash import FlashKernel
-from cp_attention.schedules import BlockTask, VarlenSpec, block_plans, lower_steps
+from cp_attention.schedules import BlockTask, VarlenSpec, block_schedules, lower_steps
 from cp_attention.schedules.lowering import square_pieces
 
 from tests.support.aten_standins import AtenStandIns
@@ -85,7 +85,7 @@ def test_varlen_lowering_covers_each_pair_once(layout):
     """Every step: a few varlen batches of one mask kind each, disjoint query rows within one, and
     together exactly the pairs of the step's document blocks."""
     cu = (0, 1, 14, 17, 37, 42, 48)
-    plans = block_plans(cpa.get_layout(layout), True, 3, 48, cu, None)
+    plans = block_schedules(cpa.get_layout(layout), True, 3, 48, cu, None)
     for plan in plans:
         steps = lower_steps(plan, batched=False, tiled=True, local_len=16, varlen=True)
         for s, specs in enumerate(steps):

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import cp_attention as cpa
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
-from cp_attention.schedules import (BatchSpec, BlockTask, DocBlock, block_plans, doc_block_pairs, lower_steps,
+from cp_attention.schedules import (BatchSpec, BlockTask, DocBlock, block_schedules, doc_block_pairs, lower_steps,
                                     source_rank, split_doc_block, task_pairs)
 from cp_attention.schedules.lowering import SMALL_BLOCK
 
@@ -18,7 +18,7 @@ from cp_attention.schedules.lowering import SMALL_BLOCK
 def _doc_plan(layout, causal, rank, n, cu):
     """One rank's document blocks per step (the plan every rank's is built with)."""
     cu = tuple(cu)
-    return block_plans(cpa.get_layout(layout), causal, n, cu[-1], cu, None)[rank]
+    return block_schedules(cpa.get_layout(layout), causal, n, cu[-1], cu, None)[rank]
 
 
 def _cu(lengths, layout, n):

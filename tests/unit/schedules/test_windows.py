@@ -14,7 +14,7 @@ from cp_attention.schedules import lowering
 from cp_attention.schedules import DocBlock, doc_block_pairs, split_doc_block
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
 from cp_attention.schedules import BlockTask, source_rank, task_pairs
-from cp_attention.schedules import block_plans, normalize_window, ring_length
+from cp_attention.schedules import block_schedules, normalize_window, ring_length
 
 from tests.support import dist_cases
 from tests.support.reference import tolerance
@@ -72,7 +72,7 @@ def _coverage(layout: str, causal: bool, n: int, total: int, cu, window):
     tasks = torch.zeros_like(blocks)
     lengths = set()
     for r in range(n):
-        plan = block_plans(lay, causal, n, total, None if cu is None else tuple(cu), window)[r]
+        plan = block_schedules(lay, causal, n, total, None if cu is None else tuple(cu), window)[r]
         lengths.add(len(plan))
         for s, step in enumerate(plan):
             j = source_rank(r, n, s)
