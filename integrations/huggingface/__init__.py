@@ -6,7 +6,9 @@ from .attention import ATTN_IMPLEMENTATION, apply_context_parallel, causal_lm_lo
 from .batch import model_inputs, shard_batch
 from .fsdp import checkpoint_activations, parallelize
 from .generation import generate
+from .lm_loss import lm_loss
+from .savers import save_memory
 from .trainer import context_parallel_trainer
 
 __all__ = ["apply_context_parallel", "generate", "parallelize", "checkpoint_activations", "context_parallel_trainer",
-           "shard_batch", "model_inputs", "causal_lm_loss", "gather_sequence", "ATTN_IMPLEMENTATION"]
+           "shard_batch", "model_inputs", "causal_lm_loss", "lm_loss", "save_memory", "gather_sequence", "ATTN_IMPLEMENTATION"]
