@@ -15,7 +15,7 @@ from .batch import model_inputs
 __all__ = ["lm_loss"]
 
 
-def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tokens: int = 4096,
+def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tokens: int = 1024,
             num_items_in_batch: "torch.Tensor | int | None" = None) -> torch.Tensor:
     """``causal_lm_loss(model(**model_inputs(local)).logits, local["shift_labels"], group=group)``, the LM
     head and loss run over chunks of at most ``chunk_tokens`` tokens. With ``num_items_in_batch`` the
