@@ -4,11 +4,15 @@
 Context parallelism runs over the mesh's ``"cp"`` dim; FSDP2 (``fully_shard``, per decoder layer and at
 the root) shards parameters, gradients and optimizer state over ALL the mesh's ranks (dp x cp,
 flattened). FSDP normally averages gradients over its ranks. CP needs their SUM: each CP rank holds
-its share of a loss that is the mean over every label token of the global batch
-(:func:`.attention.causal_lm_loss` with ``group=mesh``), so the sum over dp x cp is exactly the gradient of one
-process on the whole global batch, however the label tokens fall between the dp ranks. ``parallelize``
-sets FSDP's reduction to a plain sum (``set_gradient_divide_factor(1.0)`` with sum-only collectives,
-which gloo supports too).
+its share of a loss that is the mean over every label token of the global batch (:func:`.lm_loss.lm_loss`,
+or :func:`.attention.causal_lm_loss` on full logits, with ``group=mesh``), so the sum over dp x cp is
+exactly the gradient of one process on the whole global batch, however the label tokens fall between
+the dp ranks. ``parallelize`` sets FSDP's reduction to a plain sum (``set_gradient_divide_factor(1.0)``
+with sum-only collectives, which gloo supports too).
+
+Memory: the savers of :func:`.savers.save_memory` (activation checkpointing, its saved inputs offloaded
+to the CPU, the MLP over sequence chunks) and FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and
+optimizer state in CPU memory, the optimizer step on the CPU) change where memory goes, not the result.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from cp_attention.transport import CP_DIM, is_device_mesh
 
 from ..agree import agree
 from .attention import apply_context_parallel
+from .savers import save_memory
 
-__all__ = ["parallelize", "fsdp_mesh", "checkpoint_activations"]
+__all__ = ["parallelize", "fsdp_mesh", "checkpoint_activations", "check_savers"]
 
 _KINDS = (ValueError, NotImplementedError)
 
@@ -90,6 +95,20 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def check_savers(checkpoint: Union[bool, str], mlp_chunks: Optional[int],
+                 names: "tuple[str, str]" = ("activation_checkpointing", "mlp_chunks")) -> None:
+    """Refuse memory-saver values :func:`.savers.save_memory` cannot take: ``checkpoint`` must be True,
+    False or ``"offload"``, ``mlp_chunks`` None or an int >= 1. ``names``: how the caller calls the two
+    (an argument, a config key). Raises ``ValueError`` naming the argument (pure: alike on every rank)."""
+    if not (isinstance(checkpoint, bool) or checkpoint == "offload"):
+        raise ValueError(f"{names[0]}={checkpoint!r}: expected True (recompute each decoder layer in backward), "
+                         "'offload' (and hold its saved inputs in CPU memory) or False")
+    if mlp_chunks is not None and (isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int)
+                                   or mlp_chunks < 1):
+        raise ValueError(f"{names[1]}={mlp_chunks!r}: expected None (the MLP over the whole sequence at once) or an "
+                         "int >= 1, the sequence chunks each decoder layer's MLP runs over")
+
+
 def fsdp_mesh(mesh):
     """The 1-D mesh FSDP shards over: every rank of ``mesh`` (its dims flattened, cached by the mesh)."""
     if mesh.ndim == 1:
@@ -98,34 +117,45 @@ def fsdp_mesh(mesh):
 
 
 def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "zigzag",
-                activation_checkpointing: bool = False, mp_policy=None, kernel: str = "auto",
-                reshard_after_forward: bool = True, cp_comm_type: str = "p2p") -> torch.nn.Module:
+                activation_checkpointing: Union[bool, str] = False, mp_policy=None, kernel: str = "auto",
+                reshard_after_forward: bool = True, cp_comm_type: str = "p2p", mlp_chunks: Optional[int] = None,
+                offload_optimizer: bool = False) -> torch.nn.Module:
     """Context parallelism over ``mesh["cp"]`` and FSDP2 over all of ``mesh`` (dp x cp); returns ``model``.
 
     ``mesh``: ``init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))`` (any name for
     the dp dim), or a 1-D mesh named ``"cp"``. Every rank passes the same model with the same weights
     (or meta weights it initialises after this call). Then, per step: ``local = shard_batch(batch,
-    group=mesh, layout=...)`` on this dp rank's batch, ``out = model(**model_inputs(local))``,
-    ``loss = causal_lm_loss(out.logits, local["shift_labels"], group=mesh)``, ``loss.backward()`` and
-    the optimizer's step: the gradients are those of one process on the global batch (the dp ranks'
+    group=mesh, layout=...)`` on this dp rank's batch, ``loss = lm_loss(model, local, group=mesh)`` (the
+    LM head and cross-entropy over chunks of tokens; ``causal_lm_loss(model(**model_inputs(local)).logits,
+    local["shift_labels"], group=mesh)`` is the same loss on full logits), ``loss.backward()`` and the
+    optimizer's step: the gradients are those of one process on the global batch (the dp ranks'
     batches together), with no further call. Do not call ``reduce_gradients``.
 
-    ``activation_checkpointing``: recompute each decoder layer in backward (transformers' gradient
-    checkpointing, non-reentrant). ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16
+    Memory (none changes the result): ``activation_checkpointing``: True recomputes each decoder layer
+    in backward (non-reentrant), ``"offload"`` also holds the layers' saved inputs in CPU memory;
+    ``mlp_chunks``: each decoder layer's MLP runs over that many sequence chunks (see
+    :func:`.savers.save_memory`); ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy``: the sharded
+    parameters, gradients and optimizer state live in CPU memory (pinned when CUDA is available),
+    parameters are copied to the device for each all-gather, and the optimizer steps on the CPU: build
+    the optimizer after this call. ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16
     compute, fp32 gradient reduction). ``kernel`` as in ``ring_attention``. ``reshard_after_forward``
     as in ``fully_shard`` for the decoder layers. ``cp_comm_type`` as in ``apply_context_parallel``, but
     ``"a2a+p2p"``, which needs a CP dim of two levels (a (dp, cp) mesh's is one).
 
     Raises, before any communication: ``TypeError`` if ``mesh`` is no DeviceMesh; ``ValueError`` for a
-    mesh without a ``"cp"`` dim, one whose cp does not divide the world or that does not span it, or
-    an unknown layout, kernel or ``cp_comm_type``; ``NotImplementedError`` for more than two mesh dims or
-    ``cp_comm_type="a2a+p2p"``. Then, the same on
-    every rank (one small all-gather over the mesh): ``ValueError`` if a rank's model is already
-    wrapped by FSDP or DDP, the ranks' models differ (parameter count, sizes or values), or the
-    model cannot checkpoint activations when asked to.
+    mesh without a ``"cp"`` dim, one whose cp does not divide the world or that does not span it, an
+    unknown layout, kernel or ``cp_comm_type``, or an ``activation_checkpointing``, ``mlp_chunks`` or
+    ``offload_optimizer`` value outside those above; ``NotImplementedError`` for more than two mesh
+    dims or ``cp_comm_type="a2a+p2p"``. Then, the same on every rank (one small all-gather over the
+    mesh): ``ValueError`` if a rank's model is already wrapped by FSDP or DDP, the ranks' models differ
+    (parameter count, sizes or values), or the model cannot checkpoint activations when asked to.
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
+    check_savers(activation_checkpointing, mlp_chunks)
+    if not isinstance(offload_optimizer, bool):
+        raise ValueError(f"offload_optimizer={offload_optimizer!r}: expected True (FSDP2's CPUOffloadPolicy: "
+                         "parameters, gradients and optimizer state in CPU memory) or False")
     _check_mesh(mesh)
     lay = cpa.get_layout(layout)
     check_kernel_name(kernel)
@@ -139,8 +169,8 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
         problem = (0, f"the model is already wrapped by {wrapped}; pass the bare model to parallelize, which "
                       "applies FSDP2 itself (context parallelism needs FSDP's gradients summed, not averaged)")
     elif activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
-        problem = (0, f"activation_checkpointing=True, but {type(model).__name__} does not support transformers' "
-                      "gradient checkpointing; pass activation_checkpointing=False")
+        problem = (0, f"activation_checkpointing={activation_checkpointing!r}, but {type(model).__name__} does not "
+                      "support transformers' gradient checkpointing; pass activation_checkpointing=False")
     # A wrapped model's parameters are DTensors, whose sums would communicate: fingerprint only a bare one.
     headers = agree(None, mesh.size(), problem, _KINDS, "(on rank {first}; ranks refused: {bad})",
                     _fingerprint(model) if problem is None else [0, 0, 0, 0])
@@ -149,10 +179,12 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
                          "same model with the same weights (seed torch alike, or load the same checkpoint) before "
                          f"parallelize; per rank [params, elements, sum, sum of squares]: {headers}")
     apply_context_parallel(model, group=mesh, layout=lay, kernel=kernel, cp_comm_type=cp_comm_type)
-    if activation_checkpointing:
-        checkpoint_activations(model)
+    if activation_checkpointing or mlp_chunks is not None:
+        save_memory(model, checkpoint=activation_checkpointing, mlp_chunks=mlp_chunks)
     flat = fsdp_mesh(mesh)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if offload_optimizer:  # pinned host memory needs CUDA; on a CPU mesh the shards stay where they are
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for m in list(model.modules()):
         if m is not model and type(m).__name__ in blocks:

@@ -66,11 +66,14 @@ def _optimizer(name: str, params):
 
 
 def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int, cp: int, packed: bool,
-                checkpointing: bool, optim: str, steps: int = 3, cp_comm_type: str = "p2p") -> dict:
+                checkpointing: "bool | str", optim: str, steps: int = 3, cp_comm_type: str = "p2p",
+                chunk_tokens: "int | None" = None, mlp_chunks: "int | None" = None,
+                offload_optimizer: bool = False) -> dict:
     """On the (dp, cp) mesh (dp=0: a 1-D "cp" mesh), train ``steps`` steps with ``parallelize`` (and
-    ``cp_comm_type``) and, on every rank, the reference on the global batch;
-    return the largest relative differences of the losses and of the full parameters, and what each
-    rank holds of them."""
+    ``cp_comm_type``, ``checkpointing``, ``mlp_chunks``, ``offload_optimizer``) and, on every rank, the
+    reference on the global batch; the loss is ``lm_loss`` over ``chunk_tokens`` (None: ``causal_lm_loss``
+    on the full logits). Return the largest relative differences of the losses and of the full
+    parameters, and what each rank holds of them."""
     from torch.distributed.tensor import DTensor
 
     from cp_attention.integrations import huggingface as cphf
@@ -81,7 +84,7 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int
     seq = WINDOW_SEQ if family.endswith("_window") else SEQ
     ref = build(family)
     model = cphf.parallelize(copy.deepcopy(ref), m, layout=layout, activation_checkpointing=checkpointing,
-                             cp_comm_type=cp_comm_type)
+                             cp_comm_type=cp_comm_type, mlp_chunks=mlp_chunks, offload_optimizer=offload_optimizer)
     ref.train(), model.train()
     opt_ref, opt = _optimizer(optim, ref.parameters()), _optimizer(optim, model.parameters())
     losses, ref_losses = [], []
@@ -89,8 +92,10 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int
         batches = [dp_batch(step, r, packed, seq) for r in range(dp)]
         ref_losses.append(_reference_step(ref, [d for _, docs in batches for d in docs]).item())
         local = cphf.shard_batch(batches[dp_rank][0], group=m, layout=layout)
-        out = model(**cphf.model_inputs(local))
-        loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=m)
+        if chunk_tokens is None:
+            loss = cphf.causal_lm_loss(model(**cphf.model_inputs(local)).logits, local["shift_labels"], group=m)
+        else:
+            loss = cphf.lm_loss(model, local, group=m, chunk_tokens=chunk_tokens)
         loss.backward()
         losses.append(loss.item())
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
@@ -107,8 +112,17 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int
     moved = max(((p0 - p1).abs().max() / p1.abs().max()).item()
                 for p0, p1 in zip(build(family).parameters(), ref.parameters()))
     return {"params": rel, "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "losses": losses,
-            "held": held, "full": full_sizes, "moved": moved,
+            "held": held, "full": full_sizes, "moved": moved, "offloaded": _offloaded(model),
             "impl": model.config._attn_implementation}
+
+
+def _offloaded(model) -> "bool | None":
+    """Whether every FSDP2 parameter group of ``model`` runs CPUOffloadPolicy (None: some do, some not)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    kinds = {isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups if g is not None}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def refusal(rank: int, world_size: int, *, case: str) -> "tuple[str, str]":

@@ -11,33 +11,37 @@ from tests.support import fsdp_cases  # noqa: E402
 
 EXACT = 1e-9  # relative, fp64 (the issue's bound; AdamW's division amplifies rounding to ~1e-13)
 
-# (dp, cp, layout, family, packed, activation checkpointing, optimizer, cp_comm_type): every mesh with
-# every layout, each family, packing and checkpointing on and off, SGD (with momentum) and AdamW, and
-# every strategy a (dp, cp) mesh can run, all covered.
+# (dp, cp, layout, family, packed, activation checkpointing, optimizer, cp_comm_type, lm_loss's chunk_tokens
+# (None: causal_lm_loss on full logits), mlp_chunks, offload_optimizer): every mesh with every layout, each
+# family, packing, checkpointing off, on and offloaded, SGD (with momentum) and AdamW, every strategy a
+# (dp, cp) mesh can run, the loss on full logits and in chunks smaller and larger than a rank's tokens, the
+# MLP in chunks and the optimizer offloaded (CPUOffloadPolicy), all covered.
 CASES = [
-    (1, 2, "zigzag", "llama", False, False, "sgd", "p2p"),
-    (1, 2, "contiguous", "qwen2", True, True, "adamw", "p2p"),
-    (1, 2, "interleaved", "gpt_oss", False, True, "sgd", "p2p"),
-    (2, 2, "zigzag", "qwen2", False, True, "adamw", "p2p"),
-    (2, 2, "contiguous", "mistral_window", True, False, "sgd", "all_gather"),
-    (2, 2, "interleaved", "gpt_oss", True, True, "adamw", "a2a"),
-    (1, 4, "zigzag", "mistral_window", False, True, "sgd", "p2p"),
-    (1, 4, "contiguous", "llama", True, False, "adamw", "a2a"),
-    (0, 4, "interleaved", "qwen2", False, False, "sgd", "auto"),  # dp=0: a 1-D mesh named "cp"
+    (1, 2, "zigzag", "llama", False, False, "sgd", "p2p", None, None, False),
+    (1, 2, "contiguous", "qwen2", True, True, "adamw", "p2p", 3, 2, False),
+    (1, 2, "interleaved", "gpt_oss", False, "offload", "sgd", "p2p", 1024, None, True),
+    (2, 2, "zigzag", "qwen2", False, "offload", "adamw", "p2p", 5, 3, True),
+    (2, 2, "contiguous", "mistral_window", True, False, "sgd", "all_gather", 1024, None, False),
+    (2, 2, "interleaved", "gpt_oss", True, True, "adamw", "a2a", 7, None, False),
+    (1, 4, "zigzag", "mistral_window", False, True, "sgd", "p2p", 2, 4, False),
+    (1, 4, "contiguous", "llama", True, False, "adamw", "a2a", 1, None, True),
+    (0, 4, "interleaved", "qwen2", False, False, "sgd", "auto", None, None, False),  # dp=0: a 1-D mesh named "cp"
 ]
 
 
 def _id(case) -> str:
-    dp, cp, layout, family, packed, ac, optim, comm = case
-    return (f"{dp or 'cp'}x{cp}-{layout}-{family}-{'packed' if packed else 'plain'}-{'ac' if ac else 'noac'}-{optim}"
-            f"-{comm}")
+    dp, cp, layout, family, packed, ac, optim, comm, chunk, mlp, offload = case
+    ac = {False: "noac", True: "ac", "offload": "acoffload"}[ac]
+    return (f"{dp or 'cp'}x{cp}-{layout}-{family}-{'packed' if packed else 'plain'}-{ac}-{optim}-{comm}"
+            f"-{'logits' if chunk is None else f'chunk{chunk}'}{f'-mlp{mlp}' if mlp else ''}{'-offopt' if offload else ''}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_parameters_equal_single_process_on_the_global_batch(pools, case):
-    dp, cp, layout, family, packed, ac, optim, comm = case
-    results = pools(max(dp, 1) * cp).run(fsdp_cases.equivalence, family=family, layout=layout, dp=dp, cp=cp, packed=packed,
-                                         checkpointing=ac, optim=optim, cp_comm_type=comm, timeout=300)
+    dp, cp, layout, family, packed, ac, optim, comm, chunk, mlp, offload = case
+    results = pools(max(dp, 1) * cp).run(fsdp_cases.equivalence, family=family, layout=layout, dp=dp, cp=cp,
+                                         packed=packed, checkpointing=ac, optim=optim, cp_comm_type=comm,
+                                         chunk_tokens=chunk, mlp_chunks=mlp, offload_optimizer=offload, timeout=300)
     what = _id(case)
     for rank, r in enumerate(results):
         assert r["impl"] == "cp_ring", f"{what}: rank {rank} not patched"
@@ -47,6 +51,7 @@ def test_parameters_equal_single_process_on_the_global_batch(pools, case):
         assert r["losses"] == results[0]["losses"], f"{what}: rank {rank}'s loss values differ from rank 0's"
         # FSDP shards every parameter over all dp x cp ranks: each holds about 1/(dp*cp) of them
         assert r["held"] <= r["full"] / (max(dp, 1) * cp) * 1.25, f"{what}: rank {rank} holds {r['held']} of {r['full']}"
+        assert r["offloaded"] == offload, f"{what}: rank {rank} CPUOffloadPolicy {r['offloaded']}, asked {offload}"
     assert sum(r["held"] for r in results) >= results[0]["full"], f"{what}: the shards do not cover the parameters"
 
 
@@ -80,3 +85,19 @@ def test_a_mesh_is_a_group_everywhere(pools):
     for rank, r in enumerate(pools(4).run(fsdp_cases.mesh_as_group, timeout=180)):
         assert all(r[key] for key in ("ring", "plan", "gather", "shard_batch")), (rank, r)
         assert r["loss"] <= 1e-12, (rank, r)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(activation_checkpointing="yes"), "activation_checkpointing='yes': expected True"),
+    (dict(activation_checkpointing=1), "activation_checkpointing=1: expected True"),
+    (dict(mlp_chunks=0), "mlp_chunks=0: expected None"),
+    (dict(mlp_chunks=2.0), "mlp_chunks=2.0: expected None"),
+    (dict(mlp_chunks=True), "mlp_chunks=True: expected None"),
+    (dict(offload_optimizer="cpu"), "offload_optimizer='cpu': expected True"),
+])
+def test_bad_memory_saver_values_are_refused_by_name(kwargs, words):
+    """Refused before the mesh is even looked at (so before any communication), naming the argument."""
+    from cp_attention.integrations import huggingface as cphf
+
+    with pytest.raises(ValueError, match=words):
+        cphf.parallelize(fsdp_cases.build("llama"), None, **kwargs)
