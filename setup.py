@@ -19,7 +19,7 @@ EXTRAS = {
     "test": ["pytest>=7", "hypothesis>=6"],
 }
 # The core's rooms (sub-packages), then the rooms above them.
-ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "training")
+ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies", "training")
 # Everything that installs on a CPU-only machine.
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
 

@@ -1,20 +1,166 @@
-"""Memory savers on a HuggingFace causal LM: :func:`save_memory`. (STUB: checkpointing only.)"""
+"""Memory savers on a HuggingFace causal LM: :func:`save_memory` (re-exported by
+:mod:`cp_attention.integrations.huggingface`).
+
+Three savers, for the activations that grow with the sequence (see ``cp_attention.memory``):
+
+- ``checkpoint=True``: transformers' activation checkpointing (non-reentrant) on every decoder layer: a
+  layer keeps only its input (``S x hidden``) and runs again in backward;
+- ``checkpoint="offload"``: the same, and that input waits in (pinned) host memory between the forward
+  and the backward, copied out on a side stream with no host sync (``memory.offload_checkpoint``);
+- ``mlp_chunks=n``: ALST's TiledMLP: each decoder layer's MLP runs over ``n`` chunks of the sequence, and
+  only its input is kept for the backward, which recomputes it chunk by chunk (``memory.tiled_apply``).
+"""
 
 from __future__ import annotations
 
+import types
 from typing import Optional, Union
 
 import torch
 
+from cp_attention.memory import offload_checkpoint, tiled_apply
+
 __all__ = ["save_memory"]
+
+_CHECKPOINT_VALUES = (True, False, "offload")
+_CHUNKS = "_cp_mlp_chunks"  # on a tiled MLP: its chunk count
+_INNER = "_cp_mlp_inner_forward"  # on a tiled MLP: the instance-level forward it had before (or None)
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' activation checkpointing, non-reentrant, on every decoder layer (what
+    ``.fsdp.checkpoint_activations`` does; not imported from there: ``fsdp`` imports this module). Sets
+    every layer's checkpoint function anew, so it also undoes an earlier offload."""
+    model.config.use_cache = False  # training reads no KV cache; transformers warns on every forward else
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _disable_checkpointing(model: torch.nn.Module) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """transformers' checkpointable decoder layers of ``model`` (``GradientCheckpointingLayer``)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _recorded_classes(model: torch.nn.Module) -> dict[type, str]:
+    """The module classes whose outputs transformers records per call (``_can_record_outputs``: router
+    logits, attention weights, ...) -> what it records them as."""
+    found: dict[type, str] = {}
+    for m in model.modules():
+        for key, spec in (getattr(m, "_can_record_outputs", None) or {}).items():
+            target = getattr(spec, "target_class", spec)
+            if isinstance(target, type):
+                found[target] = key
+    return found
+
+
+def _mlp_problem(layer: torch.nn.Module, recorded: dict[type, str]) -> Optional[str]:
+    """Why ``layer``'s MLP cannot run over sequence chunks exactly, or None."""
+    name = type(layer).__name__
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, torch.nn.Module):
+        return f"{name} has no .mlp module to run over sequence chunks"
+    for sub_name, sub in mlp.named_modules():
+        where = f"{name}.mlp{'.' + sub_name if sub_name else ''} ({type(sub).__name__})"
+        if type(sub) in recorded:
+            # MoE blocks: their router's logits are recorded (and feed the aux loss); chunked, they would be
+            # recorded once per chunk, without gradient. Routing can also be capacity-limited or jittered.
+            return (f"{where} is a module whose outputs transformers records as {recorded[type(sub)]!r}: a "
+                    "mixture-of-experts block, which mlp_chunks does not tile (only per-token dense MLPs are exact)")
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return f"{where} has dropout p={sub.p}: its recompute in backward would draw other masks"
+    return None
+
+
+def _tiled_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A tiled MLP's forward: its former forward over ``self._cp_mlp_chunks`` sequence chunks."""
+    inner = getattr(self, _INNER) or types.MethodType(type(self).forward, self)
+    # the parameters now (FSDP2: the unsharded ones, the same objects its backward unshards again)
+    return tiled_apply(inner, hidden_states, tuple(self.parameters()), getattr(self, _CHUNKS), dim=-2,
+                       name=f"{type(self).__name__}.forward")
+
+
+def _set_mlp_chunks(mlp: torch.nn.Module, chunks: Optional[int]) -> None:
+    tiled = _CHUNKS in mlp.__dict__
+    if chunks is None:
+        if tiled:
+            inner = mlp.__dict__.pop(_INNER)
+            del mlp.__dict__[_CHUNKS], mlp.__dict__["forward"]
+            if inner is not None:
+                mlp.forward = inner
+        return
+    if not tiled:
+        mlp.__dict__[_INNER] = mlp.__dict__.get("forward")  # e.g. a hook library's wrapper: kept inside
+        mlp.forward = types.MethodType(_tiled_forward, mlp)
+    mlp.__dict__[_CHUNKS] = chunks
+
+
+def _check_arguments(checkpoint, mlp_chunks) -> None:
+    if not any(checkpoint is v if isinstance(v, bool) else checkpoint == v for v in _CHECKPOINT_VALUES) \
+            or not isinstance(checkpoint, (bool, str)):
+        raise ValueError(f"save_memory: checkpoint must be True, False or 'offload', got {checkpoint!r}")
+    if mlp_chunks is not None and (isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1):
+        raise ValueError(f"save_memory: mlp_chunks must be None (no tiling) or a positive int (the number of "
+                         f"sequence chunks each MLP runs over, e.g. 4), got {mlp_chunks!r}")
 
 
 def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
                 mlp_chunks: Optional[int] = None) -> torch.nn.Module:
-    """Checkpoint every decoder layer (``checkpoint=True``), also offload the saved layer inputs to CPU
-    memory (``"offload"``), and run each layer's MLP over ``mlp_chunks`` sequence chunks; returns ``model``."""
-    from .fsdp import checkpoint_activations
+    """Put memory savers on a HuggingFace causal LM (before or after ``apply_context_parallel``, before
+    FSDP2 or DDP wraps it); returns ``model``. Exact: the loss and the gradients are those without savers
+    (up to floating-point reordering in the tiled MLP's matmuls).
 
-    if checkpoint:
-        checkpoint_activations(model)
+    ``checkpoint``: ``True`` recomputes each decoder layer in backward (transformers' activation
+    checkpointing, non-reentrant); ``"offload"`` also keeps each layer's saved input in pinned host memory
+    until its recompute (CUDA: copies on a side stream, no host sync; on the CPU a plain copy);
+    ``False`` turns checkpointing off. ``mlp_chunks``: run each decoder layer's MLP over that many chunks
+    of the sequence, keeping only its input for the backward (ALST's TiledMLP); ``None``: untiled.
+
+    Each call states the whole set: ``save_memory(model, checkpoint=False)`` leaves no saver on (nor a
+    checkpointing turned on before by other means), calling it again with the same arguments changes nothing.
+
+    Raises, changing nothing: ``ValueError`` for a ``checkpoint`` other than True, False or "offload", an
+    ``mlp_chunks`` other than None or a positive int, a model that cannot checkpoint activations when asked
+    to, or (``mlp_chunks``) a model without decoder layers or with a decoder layer whose MLP is no per-token
+    dense MLP: a mixture-of-experts block (gpt-oss, Qwen2-MoE, Mixtral: their router logits are recorded per
+    call and routing may be capacity-limited), an MLP with dropout, or one missing. At the first forward:
+    ``TypeError``/``ValueError`` if a tiled MLP returns anything but one tensor of its input's shape.
+    """
+    _check_arguments(checkpoint, mlp_chunks)
+    layers = _decoder_layers(model)
+    if checkpoint is not False and not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"save_memory(checkpoint={checkpoint!r}): {type(model).__name__} does not support "
+                         "transformers' activation checkpointing; pass checkpoint=False")
+    if mlp_chunks is not None:
+        if not layers:
+            raise ValueError(f"save_memory(mlp_chunks={mlp_chunks}): {type(model).__name__} has no transformers "
+                             "decoder layers (GradientCheckpointingLayer) whose MLP to tile; pass mlp_chunks=None")
+        recorded = _recorded_classes(model)
+        problems = sorted({p for p in (_mlp_problem(layer, recorded) for layer in layers) if p is not None})
+        if problems:
+            raise ValueError(f"save_memory(mlp_chunks={mlp_chunks}) cannot tile this model's MLPs exactly: "
+                             f"{'; '.join(problems)}. Pass mlp_chunks=None")
+    if checkpoint is False:
+        if getattr(model, "supports_gradient_checkpointing", False):
+            _disable_checkpointing(model)
+    else:
+        _enable_checkpointing(model)
+        if checkpoint == "offload":
+            for layer in layers:
+                layer._gradient_checkpointing_func = offload_checkpoint
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, torch.nn.Module):
+            _set_mlp_chunks(mlp, mlp_chunks)
     return model

@@ -2,7 +2,7 @@
 
 - no import cycle anywhere in ``cp_attention/``, ``integrations/`` (installed as
   ``cp_attention.integrations``), ``benchmarks/`` or ``examples/``, function-level imports included;
-- the core's rooms import only the rooms below them: kernels and transport < layouts < schedules <
+- the core's rooms import only the rooms below them: kernels, transport and memory < layouts < schedules <
   checks < engine < strategies < the API;
 - each adapter (``cp_attention.integrations.huggingface``, ``.megatron``) imports only the core, its
   own sub-package and the adapters' shared ``integrations/agree.py``: never the other adapter, never
@@ -28,9 +28,9 @@ SHARED = f"{INTEGRATIONS}.agree"  # what both adapters share (the one-all-gather
 LAYERS = ("integrations", "training")  # above the core
 CHECKOUT_ROOMS = ("benchmarks", "examples")  # a checkout's, not installed: above everything
 # Room -> its level; a module may import rooms of its own level or lower only.
-LEVELS = {"kernels": 0, "transport": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4, "strategies": 5,
-          "api": 6, "__init__": 6, "_extras": 0, "launch": 0}
-ROOMS = ("kernels", "transport", "layouts", "schedules", "checks", "engine", "strategies")
+LEVELS = {"kernels": 0, "transport": 0, "memory": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4,
+          "strategies": 5, "api": 6, "__init__": 6, "_extras": 0, "launch": 0}
+ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies")
 
 
 def _module_name(path: Path) -> str:
@@ -184,6 +184,18 @@ def test_every_core_module_is_in_a_room():
     loose = sorted(m for m in _modules() if _room(m) not in LEVELS)
     assert not loose, f"modules outside the rooms: {loose}"
     assert all((PACKAGE / room / "__init__.py").exists() for room in ROOMS)
+
+
+def test_setup_installs_every_room():
+    """setup.py's ROOMS (the sub-packages it installs) name every sub-package of cp_attention/: one left
+    out imports from a checkout but is missing from an installed wheel."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    listed = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                  and [getattr(t, "id", None) for t in node.targets] == ["ROOMS"])
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages == set(listed), f"setup.py ROOMS misses {sorted(packages - set(listed))}, " \
+                                    f"names no package {sorted(set(listed) - packages)}"
+    assert set(ROOMS) | {"training"} == packages, "test_rooms' ROOMS must name every core room"
 
 
 def test_the_checkers_can_fail():
