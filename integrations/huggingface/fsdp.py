@@ -148,7 +148,8 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     ``offload_optimizer`` value outside those above; ``NotImplementedError`` for more than two mesh
     dims or ``cp_comm_type="a2a+p2p"``. Then, the same on every rank (one small all-gather over the
     mesh): ``ValueError`` if a rank's model is already wrapped by FSDP or DDP, the ranks' models differ
-    (parameter count, sizes or values), or the model cannot checkpoint activations when asked to.
+    (parameter count, sizes or values), the model cannot checkpoint activations when asked to, or its
+    MLPs cannot run over sequence chunks exactly (mixture-of-experts blocks: see ``save_memory``).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
@@ -171,6 +172,12 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     elif activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         problem = (0, f"activation_checkpointing={activation_checkpointing!r}, but {type(model).__name__} does not "
                       "support transformers' gradient checkpointing; pass activation_checkpointing=False")
+    elif activation_checkpointing or mlp_chunks is not None:
+        try:  # save_memory refuses what it cannot do exactly (an MoE MLP in chunks) changing nothing: agreed below
+            save_memory(model, checkpoint=activation_checkpointing, mlp_chunks=mlp_chunks)
+        except ValueError as e:
+            problem = (0, f"parallelize(activation_checkpointing={activation_checkpointing!r}, "
+                          f"mlp_chunks={mlp_chunks!r}): {e}")
     # A wrapped model's parameters are DTensors, whose sums would communicate: fingerprint only a bare one.
     headers = agree(None, mesh.size(), problem, _KINDS, "(on rank {first}; ranks refused: {bad})",
                     _fingerprint(model) if problem is None else [0, 0, 0, 0])
@@ -179,8 +186,6 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
                          "same model with the same weights (seed torch alike, or load the same checkpoint) before "
                          f"parallelize; per rank [params, elements, sum, sum of squares]: {headers}")
     apply_context_parallel(model, group=mesh, layout=lay, kernel=kernel, cp_comm_type=cp_comm_type)
-    if activation_checkpointing or mlp_chunks is not None:
-        save_memory(model, checkpoint=activation_checkpointing, mlp_chunks=mlp_chunks)
     flat = fsdp_mesh(mesh)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     if offload_optimizer:  # pinned host memory needs CUDA; on a CPU mesh the shards stay where they are

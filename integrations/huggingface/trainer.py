@@ -1,7 +1,7 @@
 """Context parallelism inside ``transformers.Trainer`` and TRL's ``SFTTrainer``:
 :func:`context_parallel_trainer` (re-exported by :mod:`cp_attention.integrations.huggingface`).
 
-The Trainer stays in charge of everything it does; the subclass changes four things:
+The Trainer stays in charge of everything it does; the subclass changes five things:
 
 - **data**: the Trainer's loaders are sharded over the dp ranks only (accelerate's own batch-sampler
   shard, re-pointed from the world to dp), so every CP rank of a dp group draws the same batch;
@@ -19,6 +19,13 @@ The Trainer stays in charge of everything it does; the subclass changes four thi
   process's loss on the same global batch), the logits are gathered to the full batch, and the loop's
   all-gather keeps one copy per dp group of the real examples only. ``compute_loss`` runs the base's
   own (TRL's metrics included), its ``gather_for_metrics`` summing every rank's share;
+- **the loss in chunks**: where the Trainer's own ``compute_loss`` would run (training, and evaluation of
+  the loss only), :func:`.lm_loss.lm_loss` computes the same loss with the LM head and cross-entropy over
+  ``cp_loss_chunk_tokens`` tokens at a time, so the ``[tokens, vocab]`` logits never exist at once
+  (value and gradient those of the Trainer's own loss). Full logits only where they are asked for:
+  ``predict`` and evaluation with metrics, a base whose ``compute_loss`` is its own (TRL's SFTTrainer: its
+  entropy and token-accuracy metrics read the logits), ``cp_loss_chunk_tokens=None``. The memory savers
+  (``cp_activation_checkpointing``, ``cp_mlp_chunks``: :func:`.savers.save_memory`) go on the model;
 - ``get_cp_size()`` is cp, so the Trainer's batch-size arithmetic counts dp ranks.
 
 Why a subclass: accelerate's ``ParallelismConfig(cp_size=...)`` and the Trainer's CP path run
@@ -41,6 +48,9 @@ from cp_attention.transport import transport_for
 
 from .attention import apply_context_parallel, gather_sequence
 from .batch import model_inputs, shard_batch
+from .fsdp import check_savers
+from .lm_loss import lm_loss
+from .savers import save_memory
 from .trainer_eval import EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, world_gathers
 
 __all__ = ["context_parallel_trainer"]
@@ -50,6 +60,13 @@ def _refusals(trainer, cp_size: int, world: int) -> None:
     """What a CP Trainer cannot honour exactly; raised before any communication (the same on every
     rank: the Trainer's arguments are)."""
     args = trainer.args
+    theirs = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
+    if trainer.cp_activation_checkpointing and theirs:
+        raise ValueError(f"cp_activation_checkpointing={trainer.cp_activation_checkpointing!r} and the Trainer's own "
+                         "activation_checkpointing=True (gradient_checkpointing) both checkpoint the decoder layers, "
+                         "and the Trainer's, switched on when train() starts, would replace ours: set one of them "
+                         "(cp_activation_checkpointing='offload' holds the saved inputs in CPU memory with no host "
+                         "syncs; TrainingArguments(activation_checkpointing=False) to use it)")
     if cp_size > 1 and not trainer.model_accepts_loss_kwargs:
         raise NotImplementedError("the model's forward takes no loss kwargs (the Trainer's model_accepts_loss_kwargs "
                                   "is False), so under context parallelism its loss would be each rank's own token "
@@ -89,13 +106,21 @@ def context_parallel_trainer(base: type) -> type:
     """A subclass of ``base`` (``transformers.Trainer``, ``trl.SFTTrainer`` or a subclass of either)
     whose constructor takes ``cp_size`` (default 1: the Trainer unchanged), ``cp_layout`` (default
     ``"zigzag"``), ``cp_kernel`` (default ``"auto"``) and ``cp_comm_type`` (default ``"p2p"``; not
-    ``"a2a+p2p"``, whose CP group needs two levels) besides the base's own arguments.
+    ``"a2a+p2p"``, whose CP group needs two levels) besides the base's own arguments, and the memory
+    savers: ``cp_loss_chunk_tokens`` (default 1024: under CP the training loss runs the LM head and
+    cross-entropy over chunks of that many tokens, :func:`.lm_loss.lm_loss`; None: on the full logits, as
+    the base computes it), ``cp_activation_checkpointing`` (True: recompute each decoder layer in
+    backward; ``"offload"``: and hold its saved inputs in CPU memory; default False) and ``cp_mlp_chunks``
+    (each decoder layer's MLP over that many sequence chunks; default None), applied by
+    :func:`.savers.save_memory` at any ``cp_size``. None of them changes the result.
 
     Under ``torchrun --nproc-per-node=W`` the world is dp x cp, dp = W / cp_size: the model's attention
     runs ring attention over each CP group, and training, evaluation and ``predict`` equal the Trainer
     without CP in one process on the same global batch (``batch * dp``), for any eval set size. Raises
     ``TypeError`` for a base that is not a Trainer; the constructor raises ``ValueError`` for a cp_size
-    that does not divide the world or an unknown layout or kernel, and ``NotImplementedError`` for label
+    that does not divide the world, an unknown layout or kernel, a memory saver's value outside those
+    above, or ``cp_activation_checkpointing`` together with the Trainer's own ``activation_checkpointing``
+    (``gradient_checkpointing``), and ``NotImplementedError`` for label
     smoothing, ``compute_loss_func``, a model whose forward takes no loss kwargs or ``n_gpu > 1``;
     ``evaluate``/``predict`` raise ``NotImplementedError`` where the eval loader's repeated examples
     cannot be told apart (see :mod:`.trainer_eval`).
@@ -113,17 +138,27 @@ class _ContextParallelMixin:
     """The overrides of :func:`context_parallel_trainer` (placed before the Trainer in the MRO)."""
 
     def __init__(self, *args: Any, cp_size: int = 1, cp_layout: Union[str, cpa.Layout] = "zigzag",
-                 cp_kernel: str = "auto", cp_comm_type: str = "p2p", **kwargs: Any) -> None:
+                 cp_kernel: str = "auto", cp_comm_type: str = "p2p", cp_loss_chunk_tokens: Optional[int] = 1024,
+                 cp_activation_checkpointing: Union[bool, str] = False, cp_mlp_chunks: Optional[int] = None,
+                 **kwargs: Any) -> None:
         self.cp_layout, self.cp_size, self._cp_group, self._cp_mesh = cpa.get_layout(cp_layout), cp_size, None, None
         self._cp_eval: Optional[EvalSteps] = None  # the evaluation loop's steps, while one runs
         check_kernel_name(cp_kernel)
         if cpa.check_comm_type_name(cp_comm_type) == "a2a+p2p":
             raise NotImplementedError("the CP Trainer's CP group is one level (a (dp, cp) mesh's cp dim); "
                                       "cp_comm_type='a2a+p2p' needs two: use 'a2a', 'all_gather' or 'p2p'")
+        check_savers(cp_activation_checkpointing, cp_mlp_chunks, ("cp_activation_checkpointing", "cp_mlp_chunks"))
+        if cp_loss_chunk_tokens is not None and (isinstance(cp_loss_chunk_tokens, bool)
+                                                 or not isinstance(cp_loss_chunk_tokens, int) or cp_loss_chunk_tokens < 1):
+            raise ValueError(f"cp_loss_chunk_tokens={cp_loss_chunk_tokens!r}: expected an int >= 1 (the tokens the LM "
+                             "head and loss take at a time) or None (the full logits at once)")
+        self.cp_loss_chunk_tokens, self.cp_activation_checkpointing = cp_loss_chunk_tokens, cp_activation_checkpointing
         super().__init__(*args, **kwargs)
         world = self.args.world_size
         _refusals(self, cp_size, world)
         self._dp, self._dp_rank = world // cp_size, 0
+        if cp_activation_checkpointing or cp_mlp_chunks is not None:
+            save_memory(self.model, checkpoint=cp_activation_checkpointing, mlp_chunks=cp_mlp_chunks)
         if cp_size == 1:
             return
         from torch.distributed.device_mesh import init_device_mesh
@@ -212,13 +247,23 @@ class _ContextParallelMixin:
         return batches, local_count / self.cp_size
 
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        """The base's own loss, its ``gather_for_metrics`` summing every rank's share (TRL's token,
-        entropy and accuracy sums: see :func:`world_gathers`); TRL's ``num_tokens`` then counts the
-        batch's real tokens, not the layout's padding."""
+        """The Trainer's own loss through :func:`lm_loss` in chunks (see :meth:`_chunked_loss`: the same
+        value and gradient), or the base's own, its ``gather_for_metrics`` summing every rank's share
+        (TRL's token, entropy and accuracy sums: see :func:`world_gathers`); TRL's ``num_tokens`` then
+        counts the batch's real tokens, not the layout's padding."""
         if self._cp_group is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         tokens = inputs.pop(_TRAIN_TOKENS, None)
+        if self._chunked_loss(inputs, return_outputs, num_items_in_batch):
+            loss = lm_loss(model, inputs, group=self._cp_group, chunk_tokens=self.cp_loss_chunk_tokens,
+                           num_items_in_batch=num_items_in_batch)
+            if self.args.average_tokens_across_devices:  # as the base does, for DDP's average over the world
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            # lm_loss's value is the CP group's, its gradient this rank's share. The Trainer's value is this
+            # rank's share, which it averages over the world to log and sums to evaluate: 1/cp of the group's
+            # value has the same sum over the group, and so the same mean and sum over the world
+            return loss.detach() / self.cp_size + (loss - loss.detach())
         before = getattr(self, "_total_train_tokens", None)
         with world_gathers(self.accelerator):
             out = super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -228,11 +273,25 @@ class _ContextParallelMixin:
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return out
 
+    def _chunked_loss(self, inputs: dict, return_outputs: bool, num_items_in_batch) -> bool:
+        """Whether this ``compute_loss`` takes :func:`lm_loss` instead of the base's: the base's would be
+        the Trainer's own (neither the base class nor a label smoother or ``compute_loss_func`` computes
+        it), on counted labels, and no one asked for the outputs (the logits)."""
+        from transformers import Trainer
+
+        if self.cp_loss_chunk_tokens is None or return_outputs or num_items_in_batch is None:
+            return False
+        if "shift_labels" not in inputs or self.label_smoother is not None or self.compute_loss_func is not None:
+            return False
+        mro = type(self).__mro__
+        owner = next(c for c in mro[mro.index(_ContextParallelMixin) + 1:] if "compute_loss" in vars(c))
+        return owner is Trainer
+
     # ---------------------------------------------------------------------------- evaluation
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None):
         """The step's loss over every dp group's real examples (the same on every rank: one process's
-        loss on the same global batch), from the base's ``compute_loss`` given the step's label tokens;
-        and the logits gathered and unpacked to the batch's ``[batch, seq, vocab]`` (zeros at padding)
+        loss on the same global batch), from ``compute_loss`` given the step's label tokens (in chunks
+        when only the loss is asked for); and the logits gathered and unpacked to the batch's ``[batch, seq, vocab]`` (zeros at padding)
         with the batch's labels."""
         if self._cp_group is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

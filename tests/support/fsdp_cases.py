@@ -133,7 +133,7 @@ def refusal(rank: int, world_size: int, *, case: str) -> "tuple[str, str]":
     from cp_attention.integrations import huggingface as cphf
 
     m = mesh(2, world_size // 2)
-    model = build("llama", seed=rank if case == "weights_differ" else 0)
+    model = build("gpt_oss" if case == "moe_mlp_chunks" else "llama", seed=rank if case == "weights_differ" else 0)
     try:
         if case == "no_cp_dim":
             cphf.parallelize(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)))
@@ -146,6 +146,8 @@ def refusal(rank: int, world_size: int, *, case: str) -> "tuple[str, str]":
             cphf.parallelize(model, m)
         elif case == "weights_differ":
             cphf.parallelize(model, m)
+        elif case == "moe_mlp_chunks":  # a mixture-of-experts MLP cannot run over sequence chunks exactly
+            cphf.parallelize(model, m, mlp_chunks=2)
         elif case == "a2a_p2p":  # the (dp, cp) mesh's cp dim is one level
             cphf.parallelize(model, m, cp_comm_type="a2a+p2p")
         elif case == "batch_differs":  # the cp ranks of one group were given different batches

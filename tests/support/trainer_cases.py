@@ -49,6 +49,25 @@ class Rows(torch.utils.data.Dataset):
         return self.examples[i]
 
 
+@contextlib.contextmanager
+def lm_loss_calls() -> Iterator[list]:
+    """Within the block, the CP Trainer's calls of ``lm_loss`` (the chunked loss) are listed: each
+    call's ``chunk_tokens`` and whether the model was training."""
+    from cp_attention.integrations.huggingface import trainer as cp_trainer
+
+    calls, real = [], cp_trainer.lm_loss
+
+    def counting(model, local, group=None, chunk_tokens=1024, num_items_in_batch=None):
+        calls.append((chunk_tokens, model.training))
+        return real(model, local, group=group, chunk_tokens=chunk_tokens, num_items_in_batch=num_items_in_batch)
+
+    cp_trainer.lm_loss = counting
+    try:
+        yield calls
+    finally:
+        cp_trainer.lm_loss = real
+
+
 def examples(seq: int, varied: bool, seed: int = 5) -> list:
     """``ROWS`` examples; prompts of several lengths carry no label (-100), so batches hold different
     numbers of label tokens. ``varied``: lengths differ too (for packing collators)."""
@@ -63,9 +82,11 @@ def examples(seq: int, varied: bool, seed: int = 5) -> list:
 
 
 def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, steps: int, cp: int, layout: str,
-             eval_dataset=None, save_steps: int = 0, average_tokens: bool = True, cp_comm_type: str = "p2p"):
+             eval_dataset=None, save_steps: int = 0, average_tokens: bool = True, cp_comm_type: str = "p2p",
+             savers: "dict | None" = None):
     """The Trainer of ``kind`` (``trainer``: default collator; ``flatten``: DataCollatorWithFlattening;
-    ``sft``: SFTTrainer with packing), CP when ``cp`` > 1; sequential sampling, constant-lr SGD."""
+    ``sft``: SFTTrainer with packing), CP when ``cp`` > 1 (with the CP Trainer's memory arguments
+    ``savers``); sequential sampling, constant-lr SGD."""
     import transformers as tf
 
     from cp_attention.integrations import huggingface as cphf
@@ -76,7 +97,7 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
                   train_sampling_strategy="sequential", seed=0, save_strategy="steps" if save_steps else "no",
                   save_steps=save_steps or 500, dataloader_num_workers=0, disable_tqdm=True,
                   average_tokens_across_devices=average_tokens)
-    extra = {"cp_size": cp, "cp_layout": layout, "cp_comm_type": cp_comm_type} if cp > 1 else {}
+    extra = {"cp_size": cp, "cp_layout": layout, "cp_comm_type": cp_comm_type, **(savers or {})} if cp > 1 else {}
     if kind == "sft":
         import datasets
         import trl
@@ -97,23 +118,25 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
 
 
 def train(rank: int, world_size: int, *, kind: str, family: str, layout: str, cp: int, batch: int, accum: int = 1,
-          steps: int = 3, average_tokens: bool = True, cp_comm_type: str = "p2p") -> dict:
-    """Train ``steps`` steps; rank 0 returns the weights and the logged losses. ``batch`` is per
-    device: with cp > 1 each dp rank's; the global batch is ``batch * world_size / cp``.
-    ``average_tokens``: the Trainer's ``average_tokens_across_devices``; ``cp_comm_type``: the CP Trainer's."""
+          steps: int = 3, average_tokens: bool = True, cp_comm_type: str = "p2p", savers: "dict | None" = None) -> dict:
+    """Train ``steps`` steps; rank 0 returns the weights and the logged losses, every rank its calls of
+    the chunked loss. ``batch`` is per device: with cp > 1 each dp rank's; the global batch is ``batch *
+    world_size / cp``. ``average_tokens``: the Trainer's ``average_tokens_across_devices``;
+    ``cp_comm_type`` and ``savers`` (cp_loss_chunk_tokens, cp_activation_checkpointing, cp_mlp_chunks): the
+    CP Trainer's."""
     seq = WINDOW_SEQ if family.endswith("_window") else SEQ
     model = build(family)
     # No KV cache: with one, transformers does not separate packed documents (nor, ever, GPT-OSS's
     # own attention: no packed case runs it as the reference)
     model.config.use_cache = False
     data = Rows(examples(seq, varied=kind != "trainer"))
-    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
+    with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out, lm_loss_calls() as calls:
         trainer = _trainer(kind, model, data, out, batch=batch, accum=accum, steps=steps, cp=cp, layout=layout,
-                           average_tokens=average_tokens, cp_comm_type=cp_comm_type)
+                           average_tokens=average_tokens, cp_comm_type=cp_comm_type, savers=savers)
         trainer.train()
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"weights": weights if rank == 0 else None, "losses": losses,
+    return {"weights": weights if rank == 0 else None, "losses": losses, "lm_loss_calls": calls,
             "impl": model.config._attn_implementation}
 
 
@@ -129,9 +152,11 @@ def evaluate(rank: int, world_size: int, *, family: str, layout: str, cp: int, r
     with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
         trainer = _trainer("trainer", model, data, out, batch=batch, accum=1, steps=1, cp=cp, layout=layout,
                            eval_dataset=held_out)
-        loss = trainer.evaluate()["eval_loss"]
-        predicted = trainer.predict(held_out)
-    return {"loss": loss, "test_loss": predicted.metrics["test_loss"],
+        with lm_loss_calls() as evaluating:
+            loss = trainer.evaluate()["eval_loss"]
+        with lm_loss_calls() as predicting:
+            predicted = trainer.predict(held_out)
+    return {"loss": loss, "test_loss": predicted.metrics["test_loss"], "lm_loss_calls": (evaluating, predicting),
             "logits": torch.as_tensor(predicted.predictions) if rank == 0 else None,
             "labels": torch.as_tensor(predicted.label_ids) if rank == 0 else None}
 

@@ -62,6 +62,7 @@ REFUSALS = {
     "weights_differ": ("ValueError", "models differ"),
     "batch_differs": ("ValueError", "different batches"),
     "a2a_p2p": ("NotImplementedError", "parallelize cannot run cp_comm_type='a2a+p2p'"),
+    "moe_mlp_chunks": ("ValueError", "parallelize(activation_checkpointing=False, mlp_chunks=2): save_memory"),
 }
 
 

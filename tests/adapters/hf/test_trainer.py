@@ -11,19 +11,26 @@ from tests.support import trainer_cases  # noqa: E402
 
 FP32 = 1e-6  # relative: transformers' loss runs in fp32 (the models are fp64)
 
-# (kind, family, layout, dp, cp, per-device batch of the CP run, gradient accumulation, cp_comm_type)
+# (kind, family, layout, dp, cp, per-device batch of the CP run, gradient accumulation, cp_comm_type, the CP
+# Trainer's memory arguments): the loss in chunks smaller and larger than a rank's tokens (1024: the
+# default) and on full logits (None), checkpointing on, offloaded, off, the MLP in chunks
 CASES = [
-    ("trainer", "llama", "zigzag", 1, 2, 2, 2, "p2p"),
-    ("trainer", "mistral_window", "interleaved", 2, 2, 1, 1, "all_gather"),
-    ("trainer", "gpt_oss", "contiguous", 1, 2, 2, 1, "p2p"),  # sinks (GPT-OSS's own attention cannot pack: no reference)
-    ("flatten", "llama", "contiguous", 2, 2, 1, 2, "a2a"),  # DataCollatorWithFlattening: packed documents
-    ("sft", "qwen2", "zigzag", 1, 2, 2, 1, "auto"),  # SFTTrainer, packing (bfd, padding-free)
+    ("trainer", "llama", "zigzag", 1, 2, 2, 2, "p2p",
+     dict(cp_loss_chunk_tokens=3, cp_activation_checkpointing="offload", cp_mlp_chunks=2)),
+    ("trainer", "mistral_window", "interleaved", 2, 2, 1, 1, "all_gather", dict(cp_loss_chunk_tokens=None)),
+    ("trainer", "gpt_oss", "contiguous", 1, 2, 2, 1, "p2p",  # sinks (GPT-OSS's own attention cannot pack: no reference)
+     dict(cp_activation_checkpointing=True)),
+    ("flatten", "llama", "contiguous", 2, 2, 1, 2, "a2a",  # DataCollatorWithFlattening: packed documents
+     dict(cp_loss_chunk_tokens=5, cp_activation_checkpointing=True, cp_mlp_chunks=3)),
+    ("sft", "qwen2", "zigzag", 1, 2, 2, 1, "auto", {}),  # SFTTrainer, packing (bfd, padding-free); its own loss
 ]
 
 
 def _id(case) -> str:
-    kind, family, layout, dp, cp, batch, accum, comm = case
-    return f"{kind}-{family}-{layout}-{dp}x{cp}-b{batch}-ga{accum}-{comm}"
+    kind, family, layout, dp, cp, batch, accum, comm, savers = case
+    short = {"cp_loss_chunk_tokens": "chunk", "cp_activation_checkpointing": "ac", "cp_mlp_chunks": "mlp"}
+    return "-".join([f"{kind}-{family}-{layout}-{dp}x{cp}-b{batch}-ga{accum}-{comm}",
+                     *(f"{short[k]}{v}" for k, v in savers.items())])
 
 
 def _relative(a, b) -> float:
@@ -32,20 +39,26 @@ def _relative(a, b) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_weights_equal_one_process_on_the_global_batch(pools, case):
-    kind, family, layout, dp, cp, batch, accum, comm = case
+    """Training (the loss in chunks by default, with the memory savers asked for) equals the plain Trainer
+    in one process: the logged losses and the final weights; the chunked loss ran on every micro-step
+    where the Trainer's own loss would, with the chunks asked for, and nowhere else."""
+    kind, family, layout, dp, cp, batch, accum, comm, savers = case
     pytest.importorskip("accelerate", reason="needs the trainer extra: pip install -e '.[trainer]'")
     if kind == "sft":
         pytest.importorskip("trl", reason="needs the trainer extra: pip install -e '.[trainer]'")
     common = dict(kind=kind, family=family, layout=layout, accum=accum, timeout=300)
     ref = pools(1).run(trainer_cases.train, cp=1, batch=batch * dp, **common)[0]
-    got = pools(dp * cp).run(trainer_cases.train, cp=cp, batch=batch, cp_comm_type=comm, **common)
+    got = pools(dp * cp).run(trainer_cases.train, cp=cp, batch=batch, cp_comm_type=comm, savers=savers, **common)
     assert all(r["impl"] == "cp_ring" for r in got), [r["impl"] for r in got]
     start = trainer_cases.build(family).state_dict()
     assert _relative(ref["weights"], start) > 1e-3, "training did not move the weights"
     assert _relative(got[0]["weights"], ref["weights"]) <= FP32, _id(case)
+    chunk = savers.get("cp_loss_chunk_tokens", 1024)
+    expected = [] if kind == "sft" or chunk is None else [(chunk, True)] * (3 * accum)
     for r in got:
         assert len(r["losses"]) == len(ref["losses"]) == 3
         assert max(abs(a - b) / b for a, b in zip(r["losses"], ref["losses"])) <= FP32, (r["losses"], ref["losses"])
+        assert r["lm_loss_calls"] == expected, (r["lm_loss_calls"], expected)
 
 
 def test_without_averaging_tokens_across_devices(pools):
@@ -74,6 +87,9 @@ def test_evaluate_and_predict_equal_one_process(pools, dp, cp, rows, batch):
     for r in got:  # every rank reports the same, one-process losses
         for key in ("loss", "test_loss"):
             assert abs(r[key] - ref[key]) <= FP32 * ref[key], (key, r[key], ref[key])
+        # evaluate() without metrics asks for the loss only: in chunks; predict() for the logits: none
+        evaluating, predicting = r["lm_loss_calls"]
+        assert evaluating == [(1024, False)] * -(-rows // (batch * dp)) and predicting == [], r["lm_loss_calls"]
     # the logits gathered to the full sequence, one copy per example, in order
     assert got[0]["logits"].shape == ref["logits"].shape == (rows, trainer_cases.SEQ, trainer_cases.VOCAB)
     assert (got[0]["logits"] - ref["logits"]).abs().max() <= 1e-9 * ref["logits"].abs().max()
@@ -227,3 +243,27 @@ def test_models_without_loss_kwargs_are_refused(tmp_path):
     with pytest.raises(NotImplementedError, match="model_accepts_loss_kwargs"):
         cphf.context_parallel_trainer(tf.Trainer)(model=model, args=args, cp_size=2)
 
+
+
+@pytest.mark.parametrize("kwargs,args,words", [
+    (dict(cp_activation_checkpointing=True), dict(activation_checkpointing=True),
+     "cp_activation_checkpointing=True and the Trainer's own activation_checkpointing=True"),
+    (dict(cp_activation_checkpointing="offload"), dict(activation_checkpointing=True),
+     "cp_activation_checkpointing='offload' and the Trainer's own"),
+    (dict(cp_activation_checkpointing="on"), {}, "cp_activation_checkpointing='on': expected True"),
+    (dict(cp_mlp_chunks=0), {}, "cp_mlp_chunks=0: expected None"),
+    (dict(cp_loss_chunk_tokens=0), {}, "cp_loss_chunk_tokens=0: expected an int >= 1"),
+    (dict(cp_loss_chunk_tokens=True), {}, "cp_loss_chunk_tokens=True: expected an int >= 1"),
+])
+def test_memory_arguments_that_cannot_be_honoured_are_refused(tmp_path, kwargs, args, words):
+    """When the Trainer is built, before any process group: bad values, and our checkpointing together
+    with the Trainer's own (which, switched on at train(), would replace ours), refused by name."""
+    import transformers as tf
+
+    from cp_attention.integrations import huggingface as cphf
+
+    from tests.support.hf_cases import build
+
+    arguments = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **args)
+    with pytest.raises(ValueError, match=words):
+        cphf.context_parallel_trainer(tf.Trainer)(model=build("llama"), args=arguments, cp_size=2, **kwargs)
