@@ -248,7 +248,8 @@ def find_complete_checkpoint(directory: "str | Path") -> "tuple[Optional[Path], 
 # must be equal, because it changes what a step computes or which data it sees.
 RESUMABLE_CHANGES = ("nproc", "trainer.steps", "trainer.log_every", "trainer.ckpt_every", "trainer.resume_from",
                      "trainer.stop_after", "trainer.dist_timeout_s", "trainer.device", "trainer.backend", "kernel",
-                     "cp_comm", "trainer.activation_checkpointing")
+                     "cp_comm", "trainer.activation_checkpointing", "trainer.mlp_chunks", "trainer.loss_chunk_tokens",
+                     "trainer.offload_optimizer")  # the last four: where memory goes, not what a step computes
 # A sharded (trainer.fsdp) checkpoint reshards on load: dp x cp may change too, with the same global batch.
 RESHARDABLE_CHANGES = ("cp_size", "trainer.micro_batch")
 
@@ -271,8 +272,10 @@ def check_resume_compatible(info: dict, cfg: dict, world_size: int, path: "str |
     groups. May change: ``trainer.steps`` (the cosine schedule then follows the new total),
     ``log_every``, ``ckpt_every``, ``resume_from``, ``stop_after``, ``dist_timeout_s``, ``nproc`` (only
     through dp and cp_size, which must match), ``device`` and ``backend`` (a GPU job may continue on
-    the CPU or back), ``kernel`` (exact kernels agree up to rounding, not bit for bit) and ``cp_comm``
-    (every strategy is exact; they agree up to rounding);
+    the CPU or back), ``kernel`` (exact kernels agree up to rounding, not bit for bit), ``cp_comm``
+    (every strategy is exact; they agree up to rounding) and the memory savers
+    ``activation_checkpointing``, ``mlp_chunks``, ``loss_chunk_tokens`` and ``offload_optimizer`` (where
+    memory goes, not what a step computes; exact up to rounding);
     ``trainer.precision`` must match. A field that only one of the two configs has (a config from
     another version) is not compared. A sharded checkpoint (``trainer.fsdp=true``) is resharded on load:
     ``cp_size``, ``micro_batch`` and so dp may change, as long as the global batch (dp x

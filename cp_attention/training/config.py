@@ -83,14 +83,33 @@ def validate_config(cfg: dict, world_size: int) -> None:
     for key in ("steps", "micro_batch", "grad_accum"):
         if t[key] < 1:
             raise ValueError(f"trainer.{key} must be >= 1, got {t[key]}")
-    for key in ("fsdp", "activation_checkpointing"):
+    for key in ("fsdp", "offload_optimizer"):
         if not isinstance(t.get(key, False), bool):
             raise ValueError(f"trainer.{key} must be true or false, got {t[key]!r}")
+    _check_memory(t)
     timeout = t.get("dist_timeout_s")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"trainer.dist_timeout_s must be a positive number of seconds (or null for torch's "
                          f"default), got {timeout}")
     trainer_placement(cfg, world_size)
+
+
+def _check_memory(t: dict) -> None:
+    """The memory savers' keys: ``activation_checkpointing`` true, false or offload, ``mlp_chunks`` null or
+    an int >= 1, ``loss_chunk_tokens`` null (full logits) or an int >= 1, ``offload_optimizer`` with
+    ``fsdp`` only. Raises ``ValueError`` naming the key."""
+    from cp_attention.integrations.huggingface.fsdp import check_savers
+
+    check_savers(t.get("activation_checkpointing", False), t.get("mlp_chunks"),
+                 ("trainer.activation_checkpointing", "trainer.mlp_chunks"))
+    chunk = t.get("loss_chunk_tokens", 1024)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"trainer.loss_chunk_tokens={chunk!r}: expected an int >= 1 (the tokens the LM head and "
+                         "loss take at a time) or null (the full logits at once)")
+    if t.get("offload_optimizer", False) and not t.get("fsdp", False):
+        raise ValueError("trainer.offload_optimizer=true needs trainer.fsdp=true: it is FSDP2's CPUOffloadPolicy "
+                         "(sharded parameters, gradients and optimizer state in CPU memory); set trainer.fsdp=true "
+                         "or trainer.offload_optimizer=false")
 
 
 def _heads(model_cfg: dict) -> Optional[int]:

@@ -8,6 +8,12 @@ With ``trainer.fsdp=true`` the model is sharded by FSDP2 over dp x cp (``cphf.pa
 is the mean over every token of the global micro-batch, and checkpoints are sharded
 (:mod:`.sharded_checkpoint`): a resume may change dp x cp, keeping the global batch.
 
+Memory, never the result: the loss runs the LM head and cross-entropy over ``trainer.loss_chunk_tokens``
+tokens at a time (``cphf.lm_loss``; null: on the full logits), ``trainer.activation_checkpointing``
+(true, offload) and ``trainer.mlp_chunks`` put ``cphf.save_memory``'s savers on the model, and
+``trainer.offload_optimizer`` (FSDP only) keeps the sharded parameters, gradients and optimizer state in
+CPU memory. A resume may change any of them.
+
 Failures: a rank that dies makes every other rank's next collective fail (gloo: at once, "Connection
 closed by peer"; a rank that hangs: after ``trainer.dist_timeout_s``); each survivor then raises
 :class:`PeerRankError` naming the step, and exits non-zero. ``trainer.resume_from=auto`` continues
@@ -135,15 +141,18 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     torch.manual_seed(t["seed"])
     random.seed(t["seed"])
     model = build_model(cfg["model"]).to(device)
-    fsdp, checkpointing = t.get("fsdp", False), t.get("activation_checkpointing", False)
+    model.config.use_cache = False  # training never reads the KV cache HF would build each step
+    fsdp, checkpointing, mlp_chunks = t.get("fsdp", False), t.get("activation_checkpointing", False), t.get("mlp_chunks")
+    chunk_tokens = t.get("loss_chunk_tokens", 1024)  # None: the loss on the full logits
     if fsdp:  # parameters, gradients and optimizer state sharded over dp x cp; gradients summed by FSDP
-        cphf.parallelize(model, mesh, layout=layout, kernel=cfg["kernel"]["name"],
-                         activation_checkpointing=checkpointing, cp_comm_type=comm["name"])
+        cphf.parallelize(model, mesh, layout=layout, kernel=cfg["kernel"]["name"], cp_comm_type=comm["name"],
+                         activation_checkpointing=checkpointing, mlp_chunks=mlp_chunks,
+                         offload_optimizer=t.get("offload_optimizer", False))
     else:
         cphf.apply_context_parallel(model, group=attention_group, layout=layout, kernel=cfg["kernel"]["name"],
                                     cp_comm_type=comm["name"])
-        if checkpointing:
-            cphf.checkpoint_activations(model)
+        if checkpointing or mlp_chunks is not None:
+            cphf.save_memory(model, checkpoint=checkpointing, mlp_chunks=mlp_chunks)
     # FSDP: the loss is the mean over the global batch (all dp x cp ranks); else over the replica's tokens
     loss_group = mesh if fsdp else cp_group
     opt, sched = optimizer(model.parameters(), cfg["optim"], t["steps"])
@@ -198,9 +207,12 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
         else:
             local = cphf.shard_batch({"input_ids": batch.to(device)}, group=cp_group, layout=layout)
             inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
-        with precision:  # use_cache=False: training never reads the KV cache HF would build each step
-            out = model(**inputs, use_cache=False)
-            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=loss_group)
+        with precision:  # the LM head and loss too: under autocast, as the layers
+            if chunk_tokens is None:
+                loss = cphf.causal_lm_loss(model(**inputs).logits, local["shift_labels"], group=loss_group)
+            else:  # the head and cross-entropy over chunks of tokens: no [tokens, vocab] logits at once
+                loss = cphf.lm_loss(model, {**inputs, "shift_labels": local["shift_labels"]}, group=loss_group,
+                                    chunk_tokens=chunk_tokens)
         return loss, loss.detach()
 
     def replica_rows(full):  # the same global batch on every rank; each dp replica takes its rows

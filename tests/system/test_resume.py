@@ -123,6 +123,16 @@ def test_incompatible_configs_are_refused_by_field(change, field):
     check_resume_compatible(info, allowed, 2, "ckpt.pt")
 
 
+def test_memory_savers_may_change_on_resume():
+    """Where memory goes is no part of what a step computes: the savers may change on resume."""
+    trainer = {"steps": 6, "seq_len": 64, "activation_checkpointing": False, "mlp_chunks": None,
+               "loss_chunk_tokens": 1024, "offload_optimizer": False}
+    saved = {"cp_size": 2, "trainer": trainer}
+    changed = {"cp_size": 2, "trainer": {**trainer, "activation_checkpointing": "offload", "mlp_chunks": 4,
+                                         "loss_chunk_tokens": None, "offload_optimizer": True}}
+    check_resume_compatible({"world_size": 2, "config": saved}, changed, 2, "ckpt.pt")
+
+
 def test_a_killed_spawned_rank_is_named():
     from torch.multiprocessing import ProcessExitedException
 

@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("transformers", reason="needs the hf extra")
 import torch  # noqa: E402
 
+from cp_attention.training.config import validate_config  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 # trainer.device=cpu: these runs compare CPU results bit for bit, also on a machine with GPUs
 # (tests/system/test_train_gpu.py trains on CUDA).
@@ -242,6 +244,79 @@ def test_cp_comm_is_checked_before_any_rank_starts(overrides, message):
     with pytest.raises(ValueError) as e:
         validate_config(cfg, cfg["cp_size"])
     assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.activation_checkpointing=sometimes"], "trainer.activation_checkpointing='sometimes': expected True"),
+    (["trainer.mlp_chunks=0"], "trainer.mlp_chunks=0: expected None"),
+    (["trainer.loss_chunk_tokens=0"], "trainer.loss_chunk_tokens=0: expected an int >= 1"),
+    (["trainer.offload_optimizer=true"], "trainer.offload_optimizer=true needs trainer.fsdp=true"),
+    (["trainer.offload_optimizer=maybe"], "trainer.offload_optimizer must be true or false, got 'maybe'"),
+])
+def test_memory_keys_are_checked_before_any_rank_starts(overrides, message):
+    from cp_attention.training.config import validate_config
+
+    cfg = _config(*TINY, *overrides)
+    with pytest.raises(ValueError) as e:
+        validate_config(cfg, cfg["cp_size"])
+    assert message in str(e.value), str(e.value)
+
+
+def _launcher_savers(rank: int, world_size: int, cfgs: list, run_dir: str) -> list:
+    """The launcher's loop on this pool's ranks, one run per config (into ``run_dir/i``); per run, the
+    savers it put on the model (save_memory's arguments) and the chunks of each lm_loss call."""
+    from cp_attention.integrations import huggingface as cphf
+    from cp_attention.integrations.huggingface import fsdp
+    from cp_attention.training import loop
+
+    calls: list = []
+    real_loss, real_savers = cphf.lm_loss, cphf.save_memory
+
+    def lm_loss(model, local, group=None, chunk_tokens=1024, num_items_in_batch=None):
+        calls[-1].append(("lm_loss", chunk_tokens))
+        return real_loss(model, local, group=group, chunk_tokens=chunk_tokens, num_items_in_batch=num_items_in_batch)
+
+    def save_memory(model, checkpoint=True, mlp_chunks=None):
+        calls[-1].append(("save_memory", checkpoint, mlp_chunks))
+        return real_savers(model, checkpoint=checkpoint, mlp_chunks=mlp_chunks)
+
+    cphf.lm_loss, cphf.save_memory, fsdp.save_memory = lm_loss, save_memory, save_memory
+    try:
+        for i, cfg in enumerate(cfgs):
+            calls.append([])
+            os.makedirs(os.path.join(run_dir, str(i)), exist_ok=True)
+            loop.train(cfg, os.path.join(run_dir, str(i)))
+    finally:
+        cphf.lm_loss, cphf.save_memory, fsdp.save_memory = real_loss, real_savers, real_savers
+    return calls
+
+
+@pytest.mark.slow
+def test_memory_savers_train_like_without(pools, tmp_path):
+    """The loss in chunks (the default 1024 > a rank's tokens, and 7 tokens), checkpointing (offloaded),
+    the MLP in chunks, and with FSDP the optimizer offloaded: the same losses, step after step, as the
+    loss on the full logits without savers (fp32: equal up to rounding), and the same weights; the loop
+    put the savers asked for on the model and took the loss through lm_loss in the chunks asked for."""
+    base = [*TINY, "cp_size=2", "optim=sgd", "optim.lr=0.5", "trainer.steps=3", "trainer.grad_clip=null",
+            "trainer.loss_chunk_tokens=null"]
+    savers = ["trainer.loss_chunk_tokens=7", "trainer.activation_checkpointing=offload", "trainer.mlp_chunks=3"]
+    runs = [base, [*base, "trainer.loss_chunk_tokens=1024"], [*base, *savers],
+            [*base, "trainer.fsdp=true", "trainer.loss_chunk_tokens=5", "trainer.activation_checkpointing=true",
+             "trainer.mlp_chunks=2", "trainer.offload_optimizer=true"]]
+    cfgs = [_config(*overrides) for overrides in runs]
+    for cfg in cfgs:
+        validate_config(cfg, 2)
+    calls = pools(2).run(_launcher_savers, cfgs=cfgs, run_dir=str(tmp_path), timeout=240)
+    assert calls[0] == calls[1] == [[], [("lm_loss", 1024)] * 3, [("save_memory", "offload", 3)] + [("lm_loss", 7)] * 3,
+                                    [("save_memory", True, 2)] + [("lm_loss", 5)] * 3], calls
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()]
+              for i in range(len(runs))]
+    assert len(losses[0]) == 3 and losses[0][-1] < losses[0][0] - 0.05, losses[0]  # the steps did something
+    for i, got in enumerate(losses[1:], 1):
+        assert max(abs(a - b) / b for a, b in zip(got, losses[0])) <= 1e-6, (runs[i][len(base):], got, losses[0])
+    for i in (1, 2):  # the single-file checkpoints' weights (the FSDP run's are sharded: its losses speak for them)
+        for k, w in weights(tmp_path / str(i)).items():
+            torch.testing.assert_close(w, weights(tmp_path / "0")[k], atol=1e-6, rtol=0, msg=f"{runs[i][len(base):]}: {k}")
 
 
 @pytest.mark.slow
