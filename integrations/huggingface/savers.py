@@ -22,7 +22,6 @@ from cp_attention.memory import offload_checkpoint, tiled_apply
 
 __all__ = ["save_memory"]
 
-_CHECKPOINT_VALUES = (True, False, "offload")
 _CHUNKS = "_cp_mlp_chunks"  # on a tiled MLP: its chunk count
 _INNER = "_cp_mlp_inner_forward"  # on a tiled MLP: the instance-level forward it had before (or None)
 
@@ -107,8 +106,7 @@ def _set_mlp_chunks(mlp: torch.nn.Module, chunks: Optional[int]) -> None:
 
 
 def _check_arguments(checkpoint, mlp_chunks) -> None:
-    if not any(checkpoint is v if isinstance(v, bool) else checkpoint == v for v in _CHECKPOINT_VALUES) \
-            or not isinstance(checkpoint, (bool, str)):
+    if not (checkpoint is True or checkpoint is False or (isinstance(checkpoint, str) and checkpoint == "offload")):
         raise ValueError(f"save_memory: checkpoint must be True, False or 'offload', got {checkpoint!r}")
     if mlp_chunks is not None and (isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1):
         raise ValueError(f"save_memory: mlp_chunks must be None (no tiling) or a positive int (the number of "

@@ -133,3 +133,21 @@ def test_refusals_change_nothing():
         cphf.save_memory(moe, checkpoint="offload", mlp_chunks=2)
     for m in (model, moe):  # refused before anything changed
         assert not m.is_activation_checkpointing and not any("forward" in x.__dict__ for x in m.modules())
+
+
+def test_an_mlp_that_returns_more_than_one_tensor_is_refused_at_its_first_call():
+    from cp_attention.integrations import huggingface as cphf
+
+    class PairMLP(torch.nn.Module):  # like gpt-oss's MLP: (hidden states, router scores)
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32).double()
+
+        def forward(self, x):
+            return self.proj(x), x.sum(-1)
+
+    model = build("llama")
+    model.model.layers[0].mlp = PairMLP()
+    cphf.save_memory(model, checkpoint=False, mlp_chunks=2)
+    with pytest.raises(TypeError, match="PairMLP.forward returned tuple, not one tensor"):
+        model(input_ids=make_batch("plain", "llama")["input_ids"])
