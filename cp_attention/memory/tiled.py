@@ -109,8 +109,8 @@ class TiledFunction(torch.autograd.Function):
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
     """The forward's autocast state, restored around the backward's recompute (the Function's backward
     does not run under the forward's autocast)."""
-    if device_type not in ("cpu", "cuda"):
-        device_type = "cpu"  # only to have a valid autocast context; disabled below unless it is on
+    if not torch.amp.is_autocast_available(device_type):
+        return "cpu", False, torch.get_autocast_dtype("cpu")  # a valid, disabled context
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 

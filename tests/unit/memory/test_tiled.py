@@ -139,3 +139,20 @@ def test_refuses_a_function_that_is_not_shape_preserving():
         tiled_apply(lambda c: (c, c), x, (), 2, name="probe")
     with pytest.raises(ValueError, match="no dim 3"):
         tiled_apply(lambda c: c, x, (), 2, dim=3)
+
+
+def test_backward_recomputes_under_the_forwards_autocast():
+    """The Function's backward does not run under the forward's autocast by itself: the recompute
+    restores it, so it computes what the forward computed (bf16 matmuls here)."""
+    mlp = _mlp().float()
+    seen = []
+    mlp.register_forward_pre_hook(lambda m, args: seen.append(torch.is_autocast_enabled("cpu")))
+    x = torch.randn(1, 6, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = mlp(x)
+        out = tiled_apply(mlp, x, tuple(mlp.parameters()), 2)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert (out.float() - ref.float()).abs().max().item() < 1e-2
+    out.float().sum().backward()
+    assert seen == [True] * 5  # the plain call, two chunks forward, two again in backward
+    assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
