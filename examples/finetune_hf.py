@@ -9,7 +9,12 @@ the GPUs (NCCL, rank i on cuda:LOCAL_RANK) when this machine has one per rank, e
     torchrun --nproc-per-node=2 examples/finetune_hf.py # or under torchrun
     python examples/finetune_hf.py --world-size 4 --layout interleaved --steps 30
     python examples/finetune_hf.py --world-size 4 --cp-comm-type a2a+p2p --cp-a2a-size 2
+    python examples/finetune_hf.py --activation-checkpointing offload --mlp-chunks 4
     torchrun --nproc-per-node=8 examples/finetune_hf.py --device cuda --precision bf16
+
+The loss runs the LM head and cross-entropy over chunks of ``--loss-chunk-tokens`` tokens (``cphf.lm_loss``:
+the ``[tokens, vocab]`` logits never exist at once); ``--activation-checkpointing`` and ``--mlp-chunks`` put
+``cphf.save_memory``'s savers on the model. None changes the result.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from cp_attention.training.device import autocast, rank_device
 from cp_attention.training.steps import progress_line, train_step
 from cp_attention.training.summary import example_summary
 from cp_attention.launch import run_on_ranks
-from cp_attention.training.cli import example_parser, place_example
+from cp_attention.training.cli import example_parser, memory_options, memory_savers, place_example
 
 __all__ = ["build_model", "train"]
 
@@ -52,7 +57,8 @@ def train(args: argparse.Namespace) -> list[float]:
     ``args``: layout, kernel, seq_len, batch, steps, lr, seed, log_every, device (``cpu``, ``cuda``: this
     rank's GPU, or ``auto``: what the group's backend needs), precision, cp_comm_type and cp_a2a_size
     (see ``example_parser``; a2a size: every rank's CP group is a 2-D DeviceMesh, the ring across
-    dim 0 and all-to-all inside dim 1).
+    dim 0 and all-to-all inside dim 1), and the memory savers (``memory_options``; absent: the loss in
+    chunks of 1024 tokens, no savers).
     """
     from cp_attention.integrations import huggingface as cphf
 
@@ -60,6 +66,8 @@ def train(args: argparse.Namespace) -> list[float]:
     precision = autocast(device, getattr(args, "precision", "fp32"))
     data = load_bytes("builtin")  # Python's bundled help texts as bytes
     model = build_model(args.seed).to(device)
+    model.config.use_cache = False  # training never reads the KV cache HF would build each step
+    chunk_tokens, checkpoint, mlp_chunks = memory_savers(args)
     group = None  # the default group: every rank
     a2a = getattr(args, "cp_a2a_size", None)
     if a2a:  # a two-level CP group; its CP rank (shard_batch's) is the flattened mesh rank
@@ -68,14 +76,18 @@ def train(args: argparse.Namespace) -> list[float]:
         group = init_device_mesh(device.type, (dist.get_world_size() // a2a, a2a))
     model = cphf.apply_context_parallel(model, group=group, layout=args.layout, kernel=args.kernel,
                                         cp_comm_type=getattr(args, "cp_comm_type", "p2p"))
+    if checkpoint or mlp_chunks is not None:
+        cphf.save_memory(model, checkpoint=checkpoint, mlp_chunks=mlp_chunks)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
 
     def loss_fn(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         local = cphf.shard_batch({"input_ids": ids.to(device)}, group=group, layout=args.layout)
-        with precision:  # use_cache=False: training never reads the KV cache HF would build each step
-            out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
-            loss = cphf.causal_lm_loss(out.logits, local["shift_labels"])
+        with precision:  # the LM head and loss too: under autocast, as the layers
+            if chunk_tokens is None:  # the full [tokens, vocab] logits at once
+                loss = cphf.causal_lm_loss(model(**cphf.model_inputs(local)).logits, local["shift_labels"])
+            else:
+                loss = cphf.lm_loss(model, local, chunk_tokens=chunk_tokens)
         return loss, loss.detach()
 
     losses, tok_s = [], None
@@ -93,5 +105,5 @@ def train(args: argparse.Namespace) -> list[float]:
 
 
 if __name__ == "__main__":
-    args = place_example(example_parser(__doc__).parse_args())
+    args = place_example(memory_options(example_parser(__doc__)).parse_args())
     run_on_ranks(train, args.world_size, args, backend=args.backend)

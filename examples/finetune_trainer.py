@@ -2,7 +2,10 @@
 parallelism, nothing downloaded.
 
 The one change to a Trainer script is the class: ``cphf.context_parallel_trainer(Trainer)`` and
-``cp_size``/``cp_layout`` (and ``cp_comm_type``) in its constructor. The data are Python's bundled help topics as bytes (one
+``cp_size``/``cp_layout`` (and ``cp_comm_type``) in its constructor. The CP Trainer's loss runs the LM head
+and cross-entropy over chunks of tokens by default (``--loss-chunk-tokens``, the constructor's
+``cp_loss_chunk_tokens``); ``--activation-checkpointing`` and ``--mlp-chunks`` are its
+``cp_activation_checkpointing`` and ``cp_mlp_chunks``. The data are Python's bundled help topics as bytes (one
 example per topic, cut to ``--seq-len``); ``--packing`` flattens each batch's examples into one row of
 documents (``DataCollatorWithFlattening``), and ``--sft`` trains with TRL's ``SFTTrainer`` and its
 packing instead.
@@ -13,6 +16,7 @@ Run without torchrun, it starts itself under torchrun with --nproc ranks (gloo o
     python examples/finetune_trainer.py --nproc 4 --cp-size 2   # dp=2 x cp=2
     python examples/finetune_trainer.py --packing               # DataCollatorWithFlattening
     python examples/finetune_trainer.py --sft                   # TRL's SFTTrainer with packing
+    python examples/finetune_trainer.py --activation-checkpointing offload --mlp-chunks 4
 """
 
 from __future__ import annotations
@@ -30,17 +34,19 @@ import tempfile
 import torch
 
 from cp_attention.strategies import CP_COMM_TYPES
+from cp_attention.training.cli import memory_options, memory_savers
 from cp_attention.training.data import load_documents
 from examples.finetune_hf import build_model
 from cp_attention.training.summary import example_summary, shown
 
-__all__ = ["parser", "train", "id_tokenizer"]
+__all__ = ["parser", "train", "id_tokenizer", "torchrun_command"]
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks torchrun starts (when not under torchrun already)")
-    p.add_argument("--cp-size", type=int, default=2, help="context-parallel group size; dp = ranks / cp-size")
+    p.add_argument("--cp-size", type=int, default=None,
+                   help="context-parallel group size (default: every rank); dp = ranks / cp-size")
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--cp-comm-type", default="p2p", choices=[n for n in CP_COMM_TYPES if n != "a2a+p2p"],
                    help="how K/V travel (the Trainer's CP group is one level: no a2a+p2p)")
@@ -51,7 +57,23 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--packing", action="store_true", help="DataCollatorWithFlattening: one row of documents")
     p.add_argument("--sft", action="store_true", help="TRL's SFTTrainer with its packing")
     p.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary one)")
-    return p
+    return memory_options(p)
+
+
+def torchrun_command(argv: list[str], nproc: int) -> list[str]:
+    """The command that starts this script under torchrun with ``nproc`` ranks and this script's options
+    ``argv`` but ``--nproc``: the ranks do not read it, and torchrun's own parser refuses it as an
+    ambiguous abbreviation of its --nproc-per-node / --nproc_per_node, even after the script's name."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True  # and its value
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(Path(__file__).resolve()), *kept]
 
 
 def id_tokenizer(vocab_size: int, pad_id: int, eos_id: int):
@@ -94,8 +116,11 @@ def train(args: argparse.Namespace) -> dict:
         base, extra = tf.Trainer, dict(args=tf.TrainingArguments(**common, remove_unused_columns=False),
                                        train_dataset=rows, data_collator=collator)
     CPTrainer = cphf.context_parallel_trainer(base)  # the one change
-    trainer = CPTrainer(model=model, cp_size=args.cp_size, cp_layout=args.layout,
-                        cp_comm_type=getattr(args, "cp_comm_type", "p2p"), **extra)
+    chunk_tokens, checkpoint, mlp_chunks = memory_savers(args)
+    cp_size = args.cp_size or int(os.environ.get("WORLD_SIZE", 1))
+    trainer = CPTrainer(model=model, cp_size=cp_size, cp_layout=args.layout,
+                        cp_comm_type=getattr(args, "cp_comm_type", "p2p"), cp_loss_chunk_tokens=chunk_tokens,
+                        cp_activation_checkpointing=checkpoint, cp_mlp_chunks=mlp_chunks, **extra)
     trainer.train()
     if not args.output_dir and not os.listdir(common["output_dir"]):
         os.rmdir(common["output_dir"])  # our temporary default, left empty (save_strategy="no")
@@ -121,8 +146,8 @@ def _summary(args: argparse.Namespace, output_dir: str, history: list[dict]):
 if __name__ == "__main__":
     args = parser(__doc__).parse_args()
     if "RANK" not in os.environ:  # start the ranks under torchrun, as a user would
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]])
+        command = torchrun_command(sys.argv[1:], args.nproc)
+        os.execv(command[0], command)
     last = train(args)
     if int(os.environ["RANK"]) == 0:
         print(f"done: {last}")

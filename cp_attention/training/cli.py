@@ -11,7 +11,7 @@ from ..kernels import KERNEL_NAMES
 from ..strategies import check_comm_type_name
 from .device import BACKENDS, DEVICES, PRECISIONS, placement
 
-__all__ = ["example_parser", "place_example", "comm_problem"]
+__all__ = ["example_parser", "memory_options", "memory_savers", "place_example", "comm_problem"]
 
 
 def example_parser(description: str) -> argparse.ArgumentParser:
@@ -39,6 +39,38 @@ def example_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5)
     return p
+
+
+def _count(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {text!r}")
+        return value
+    return parse
+
+
+def memory_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the HuggingFace examples' memory savers to ``p`` (none changes the result): the loss in chunks,
+    activation checkpointing (offloaded), the MLP in chunks; returns ``p``. See :func:`memory_savers`."""
+    p.add_argument("--loss-chunk-tokens", type=_count(0), default=1024,
+                   help="the LM head and loss over chunks of this many tokens (lm_loss); 0: the full logits at once")
+    p.add_argument("--activation-checkpointing", default="off", choices=["off", "on", "offload"],
+                   help="on: recompute each decoder layer in backward; offload: and hold its saved input in CPU memory")
+    p.add_argument("--mlp-chunks", type=_count(1), default=None,
+                   help="run each decoder layer's MLP over this many sequence chunks (ALST's TiledMLP)")
+    return p
+
+
+def memory_savers(args: argparse.Namespace) -> "tuple[Optional[int], bool | str, Optional[int]]":
+    """``(loss chunk tokens or None for full logits, checkpoint, mlp_chunks)`` from :func:`memory_options`'
+    flags, the defaults where ``args`` lacks them (no chunks of the loss: 1024 tokens, no savers)."""
+    chunk = getattr(args, "loss_chunk_tokens", 1024)
+    checkpoint = {"off": False, "on": True, "offload": "offload"}[getattr(args, "activation_checkpointing", "off")]
+    return (chunk or None), checkpoint, getattr(args, "mlp_chunks", None)
 
 
 def comm_problem(cp_comm_type: str, a2a_size: Optional[int], cp_size: int, layers: int = 0) -> Optional[str]:

@@ -144,6 +144,14 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     model.config.use_cache = False  # training never reads the KV cache HF would build each step
     fsdp, checkpointing, mlp_chunks = t.get("fsdp", False), t.get("activation_checkpointing", False), t.get("mlp_chunks")
     chunk_tokens = t.get("loss_chunk_tokens", 1024)  # None: the loss on the full logits
+    if chunk_tokens is not None:  # every rank builds the same model: refused alike, before the first step
+        from cp_attention.integrations.huggingface.lm_loss import head_kind
+
+        try:
+            head_kind(model)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"trainer.loss_chunk_tokens={chunk_tokens}: {e}; or set "
+                                      "trainer.loss_chunk_tokens=null") from None
     if fsdp:  # parameters, gradients and optimizer state sharded over dp x cp; gradients summed by FSDP
         cphf.parallelize(model, mesh, layout=layout, kernel=cfg["kernel"]["name"], cp_comm_type=comm["name"],
                          activation_checkpointing=checkpointing, mlp_chunks=mlp_chunks,

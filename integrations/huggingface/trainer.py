@@ -49,7 +49,7 @@ from cp_attention.transport import transport_for
 from .attention import apply_context_parallel, gather_sequence
 from .batch import model_inputs, shard_batch
 from .fsdp import check_savers
-from .lm_loss import lm_loss
+from .lm_loss import head_kind, lm_loss
 from .savers import save_memory
 from .trainer_eval import EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, world_gathers
 
@@ -67,6 +67,12 @@ def _refusals(trainer, cp_size: int, world: int) -> None:
                          "and the Trainer's, switched on when train() starts, would replace ours: set one of them "
                          "(cp_activation_checkpointing='offload' holds the saved inputs in CPU memory with no host "
                          "syncs; TrainingArguments(activation_checkpointing=False) to use it)")
+    if cp_size > 1 and trainer.cp_loss_chunk_tokens is not None and trainer._base_loss_is_the_trainers():
+        try:  # lm_loss applies the head only as the forwards it has read do: refused now, not at the first step
+            head_kind(trainer.model)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"cp_loss_chunk_tokens={trainer.cp_loss_chunk_tokens}: {e}; or pass "
+                                      "cp_loss_chunk_tokens=None (the Trainer's own loss on full logits)") from None
     if cp_size > 1 and not trainer.model_accepts_loss_kwargs:
         raise NotImplementedError("the model's forward takes no loss kwargs (the Trainer's model_accepts_loss_kwargs "
                                   "is False), so under context parallelism its loss would be each rank's own token "
@@ -120,7 +126,8 @@ def context_parallel_trainer(base: type) -> type:
     ``TypeError`` for a base that is not a Trainer; the constructor raises ``ValueError`` for a cp_size
     that does not divide the world, an unknown layout or kernel, a memory saver's value outside those
     above, or ``cp_activation_checkpointing`` together with the Trainer's own ``activation_checkpointing``
-    (``gradient_checkpointing``), and ``NotImplementedError`` for label
+    (``gradient_checkpointing``), and ``NotImplementedError`` for a model whose LM head ``lm_loss`` cannot
+    apply (where it would run: pass ``cp_loss_chunk_tokens=None``), label
     smoothing, ``compute_loss_func``, a model whose forward takes no loss kwargs or ``n_gpu > 1``;
     ``evaluate``/``predict`` raise ``NotImplementedError`` where the eval loader's repeated examples
     cannot be told apart (see :mod:`.trainer_eval`).
@@ -277,12 +284,16 @@ class _ContextParallelMixin:
         """Whether this ``compute_loss`` takes :func:`lm_loss` instead of the base's: the base's would be
         the Trainer's own (neither the base class nor a label smoother or ``compute_loss_func`` computes
         it), on counted labels, and no one asked for the outputs (the logits)."""
-        from transformers import Trainer
-
         if self.cp_loss_chunk_tokens is None or return_outputs or num_items_in_batch is None:
             return False
         if "shift_labels" not in inputs or self.label_smoother is not None or self.compute_loss_func is not None:
             return False
+        return self._base_loss_is_the_trainers()
+
+    def _base_loss_is_the_trainers(self) -> bool:
+        """Whether the base's ``compute_loss`` is ``transformers.Trainer``'s own (not TRL's, not a subclass's)."""
+        from transformers import Trainer
+
         mro = type(self).__mro__
         owner = next(c for c in mro[mro.index(_ContextParallelMixin) + 1:] if "compute_loss" in vars(c))
         return owner is Trainer

@@ -136,3 +136,30 @@ def test_megatron_benchmark_smoke():
     assert sorted(rows) == ["baseline", "cp2/contiguous", "cp2/interleaved", "cp2/zigzag"], proc.stdout
     for impl, cols in rows.items():  # fwd ms, fwd x, fwd+bwd ms, fwd+bwd x, peak MiB
         assert all(float(c) > 0 for c in cols[2:6]), (impl, cols)
+
+
+def test_trainer_example_passes_its_options_through_torchrun(capsys):
+    """finetune_trainer.py restarts itself under torchrun: every option but --nproc reaches the ranks, and
+    torchrun's parser takes the command (``--nproc`` after the script's name, forwarded, made torchrun
+    refuse it as an ambiguous abbreviation of its --nproc-per-node / --nproc_per_node)."""
+    from torch.distributed.run import get_args_parser
+
+    from examples.finetune_trainer import parser, torchrun_command
+
+    options = [a for a in parser("").parse_args([]).__dict__]
+    argv = ["--nproc", "1", "--cp-size", "1", "--steps", "2", "--nproc=3", "--activation-checkpointing", "offload",
+            "--mlp-chunks", "2", "--loss-chunk-tokens", "0", "--sft", "--packing", "--seq-len", "64"]
+    command = torchrun_command(argv, 1)
+    parsed = get_args_parser().parse_args(command[3:])
+    assert parsed.nproc_per_node == "1" and parsed.training_script.endswith("examples/finetune_trainer.py")
+    assert parsed.training_script_args == argv[2:6] + argv[7:], parsed.training_script_args
+    mine = parser("").parse_args(parsed.training_script_args)
+    assert (mine.cp_size, mine.steps, mine.activation_checkpointing, mine.mlp_chunks, mine.loss_chunk_tokens) == (
+        1, 2, "offload", 2, 0)
+    for option in options:  # none of the script's options is an abbreviation torchrun's parser trips on
+        flag = "--" + option.replace("_", "-")
+        if flag != "--nproc":
+            get_args_parser().parse_args(command[3:6] + [flag])
+    with pytest.raises(SystemExit):  # what the script did before: the option forwarded as given
+        get_args_parser().parse_args(command[3:6] + ["--nproc", "1"])
+    assert "ambiguous option: --nproc could match" in capsys.readouterr().err

@@ -267,3 +267,35 @@ def test_memory_arguments_that_cannot_be_honoured_are_refused(tmp_path, kwargs, 
     arguments = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **args)
     with pytest.raises(ValueError, match=words):
         cphf.context_parallel_trainer(tf.Trainer)(model=build("llama"), args=arguments, cp_size=2, **kwargs)
+
+
+def test_a_head_the_chunked_loss_cannot_apply_is_refused_when_built(tmp_path):
+    """A causal LM whose forward lm_loss has not read: refused when the Trainer is built (not at the first
+    step), naming the way out; with cp_loss_chunk_tokens=None, or a base computing its own loss, no refusal
+    comes from it (the world-size check speaks next: no process group here)."""
+    import transformers as tf
+
+    from cp_attention.integrations import huggingface as cphf
+
+    from tests.support.hf_cases import build
+
+    class Custom(tf.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model = build("llama")
+    model.__class__ = Custom
+    args = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    CPTrainer = cphf.context_parallel_trainer(tf.Trainer)
+    with pytest.raises(NotImplementedError, match="cp_loss_chunk_tokens=1024: lm_loss cannot apply the LM head of "
+                                                  "Custom .*; or pass cp_loss_chunk_tokens=None"):
+        CPTrainer(model=model, args=args, cp_size=2)
+    with pytest.raises(ValueError, match="cp_size=2 must divide the world size 1"):
+        CPTrainer(model=model, args=args, cp_size=2, cp_loss_chunk_tokens=None)
+
+    class OwnLoss(tf.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    with pytest.raises(ValueError, match="cp_size=2 must divide the world size 1"):
+        cphf.context_parallel_trainer(OwnLoss)(model=model, args=args, cp_size=2)
