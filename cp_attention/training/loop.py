@@ -142,7 +142,8 @@ def train(cfg: dict, run_dir: str, resume: "str | Path | None" = None, device: s
     random.seed(t["seed"])
     model = build_model(cfg["model"]).to(device)
     model.config.use_cache = False  # training never reads the KV cache HF would build each step
-    fsdp, checkpointing, mlp_chunks = t.get("fsdp", False), t.get("activation_checkpointing", False), t.get("mlp_chunks")
+    fsdp, mlp_chunks = t.get("fsdp", False), t.get("mlp_chunks")
+    checkpointing = t.get("activation_checkpointing", False)
     chunk_tokens = t.get("loss_chunk_tokens", 1024)  # None: the loss on the full logits
     if chunk_tokens is not None:  # every rank builds the same model: refused alike, before the first step
         from cp_attention.integrations.huggingface.lm_loss import head_kind

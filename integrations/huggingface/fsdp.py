@@ -137,7 +137,7 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     :func:`.savers.save_memory`); ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy``: the sharded
     parameters, gradients and optimizer state live in CPU memory (pinned when CUDA is available),
     parameters are copied to the device for each all-gather, and the optimizer steps on the CPU: build
-    the optimizer after this call. ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16
+    the optimizer after this call (meta weights initialised after it: ``to_empty(device="cpu")``). ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16
     compute, fp32 gradient reduction). ``kernel`` as in ``ring_attention``. ``reshard_after_forward``
     as in ``fully_shard`` for the decoder layers. ``cp_comm_type`` as in ``apply_context_parallel``, but
     ``"a2a+p2p"``, which needs a CP dim of two levels (a (dp, cp) mesh's is one).

@@ -155,8 +155,8 @@ class _ContextParallelMixin:
             raise NotImplementedError("the CP Trainer's CP group is one level (a (dp, cp) mesh's cp dim); "
                                       "cp_comm_type='a2a+p2p' needs two: use 'a2a', 'all_gather' or 'p2p'")
         check_savers(cp_activation_checkpointing, cp_mlp_chunks, ("cp_activation_checkpointing", "cp_mlp_chunks"))
-        if cp_loss_chunk_tokens is not None and (isinstance(cp_loss_chunk_tokens, bool)
-                                                 or not isinstance(cp_loss_chunk_tokens, int) or cp_loss_chunk_tokens < 1):
+        chunk = cp_loss_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"cp_loss_chunk_tokens={cp_loss_chunk_tokens!r}: expected an int >= 1 (the tokens the LM "
                              "head and loss take at a time) or None (the full logits at once)")
         self.cp_loss_chunk_tokens, self.cp_activation_checkpointing = cp_loss_chunk_tokens, cp_activation_checkpointing
@@ -302,8 +302,8 @@ class _ContextParallelMixin:
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None):
         """The step's loss over every dp group's real examples (the same on every rank: one process's
         loss on the same global batch), from ``compute_loss`` given the step's label tokens (in chunks
-        when only the loss is asked for); and the logits gathered and unpacked to the batch's ``[batch, seq, vocab]`` (zeros at padding)
-        with the batch's labels."""
+        when only the loss is asked for); and the logits gathered and unpacked to the batch's
+        ``[batch, seq, vocab]`` (zeros at padding) with the batch's labels."""
         if self._cp_group is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         real = self._cp_eval.advance() if self._cp_eval is not None else None

@@ -32,8 +32,9 @@ CASES = [
 def _id(case) -> str:
     dp, cp, layout, family, packed, ac, optim, comm, chunk, mlp, offload = case
     ac = {False: "noac", True: "ac", "offload": "acoffload"}[ac]
-    return (f"{dp or 'cp'}x{cp}-{layout}-{family}-{'packed' if packed else 'plain'}-{ac}-{optim}-{comm}"
-            f"-{'logits' if chunk is None else f'chunk{chunk}'}{f'-mlp{mlp}' if mlp else ''}{'-offopt' if offload else ''}")
+    loss = "logits" if chunk is None else f"chunk{chunk}"
+    return (f"{dp or 'cp'}x{cp}-{layout}-{family}-{'packed' if packed else 'plain'}-{ac}-{optim}-{comm}-{loss}"
+            f"{f'-mlp{mlp}' if mlp else ''}{'-offopt' if offload else ''}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
