@@ -1,23 +1,26 @@
 """The causal-LM loss of a (CP-patched) HuggingFace model without its full logits: :func:`lm_loss`.
 
 ``causal_lm_loss(model(**model_inputs(local)).logits, ...)`` holds ``[tokens, vocab]`` logits, their fp32
-copy and their gradient at once: at 128k vocab and 32k tokens per GPU that is tens of GiB, more than the
+copy and their gradients at once: at 128k vocab and 32k tokens per GPU that is tens of GiB, more than the
 whole decoder's activations. :func:`lm_loss` runs the model with ``logits_to_keep=1`` (the head computes
 one row per sequence), takes the decoder's last hidden state from a forward hook, and runs the head and
 the cross-entropy over chunks of ``chunk_tokens`` tokens in a custom autograd function whose forward keeps
-no logits and whose backward recomputes each chunk's. The value and the gradients are those of
-``causal_lm_loss`` (up to the order of the sums).
+no logits and whose backward recomputes each chunk's and turns it into its gradient in place. At any
+time at most one chunk's logits exist: ``chunk_tokens x vocab`` of them in the head's dtype plus one
+fp32 copy (the softmax, then the gradient), and the cross-entropy's own ``[chunk, vocab]`` workspace in
+forward. The value and the gradients are those of ``causal_lm_loss`` (up to the order of the sums).
 
 The head is applied exactly as the model's own forward applies it: its output embedding (an
 ``nn.Linear``, tied or not, with its bias if any), then the family's transform (:data:`HEAD_TRANSFORMS`:
 Gemma2/3's final logit softcapping, Granite's ``logits_scaling``, Cohere's ``logit_scale``). A class
 whose forward lm_loss has not read is refused by name; the rows the model computed itself are compared
-with lm_loss's head on every call, and a difference is raised on every rank alike.
+with lm_loss's head on every call (their mismatch count travels in the loss's one all-reduce, and the
+verdict is the call's one host sync), and a difference is raised on every rank alike.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -79,57 +82,94 @@ def head_kind(inner: torch.nn.Module) -> str:
     return _KIND[known.__name__]
 
 
-def _head_fn(inner: torch.nn.Module, kind: str) -> Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]:
-    """``f(hidden [..., H], (weight, [bias])) -> logits [..., V]``: the model's head, op for op as its forward."""
-    if kind == "final_logit_softcapping":
-        cap = inner.config.final_logit_softcapping
-    elif kind == "divide_by_logits_scaling":
-        scaling = inner.config.logits_scaling
-    elif kind == "times_logit_scale":
-        scale = inner.logit_scale
+class _Transform:
+    """What the model's forward does to ``logits = self.lm_head(hidden_states)``, op for op (``__call__``),
+    and its backward as autograd computes it (:meth:`backward`)."""
 
-    def head(h: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        logits = F.linear(h, params[0], params[1] if len(params) > 1 else None)
-        if kind == "final_logit_softcapping" and cap is not None:
-            logits = logits / cap
-            logits = torch.tanh(logits)
-            logits = logits * cap
+    def __init__(self, inner: torch.nn.Module, kind: str) -> None:
+        self.kind, self.const = kind, None
+        if kind == "final_logit_softcapping":
+            self.const = inner.config.final_logit_softcapping
+            self.kind = "none" if self.const is None else kind
         elif kind == "divide_by_logits_scaling":
-            logits = logits / scaling
+            self.const = inner.config.logits_scaling
         elif kind == "times_logit_scale":
-            logits = logits * scale
-        return logits
+            self.const = inner.logit_scale
 
-    return head
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        if self.kind == "final_logit_softcapping":
+            z = z / self.const
+            z = torch.tanh(z)
+            return z * self.const
+        if self.kind == "divide_by_logits_scaling":
+            return z / self.const
+        if self.kind == "times_logit_scale":
+            return z * self.const
+        return z
+
+    def backward(self, z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient at the head's output ``z`` from ``grad`` at the transform's (in place)."""
+        if self.kind == "final_logit_softcapping":  # MulBackward, TanhBackward (1 - tanh**2), DivBackward
+            slope = (z / self.const).tanh_()
+            slope = slope.mul_(slope).neg_().add_(1)
+            return grad.mul_(self.const).mul_(slope).div_(self.const)
+        if self.kind == "divide_by_logits_scaling":
+            return grad.div_(self.const)
+        if self.kind == "times_logit_scale":
+            return grad.mul_(self.const)
+        return grad
 
 
-def _chunk_sum(head: Callable, h: torch.Tensor, labels: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The cross-entropy SUM of one chunk ``h [c, H]``, ``labels [c]``, as :func:`.attention.causal_lm_loss`
-    computes it: at least fp32 (bf16/fp16 logits upcast, fp64 kept), ``IGNORE_INDEX`` ignored."""
-    logits = head(h, params)
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+def _linear(h: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The output embedding's ``nn.Linear.forward`` on ``h``: ``params`` are (weight, [bias])."""
+    return F.linear(h, params[0], params[1] if len(params) > 1 else None)
+
+
+def _wide(logits: torch.Tensor) -> torch.Tensor:
+    """At least fp32, as :func:`.attention.causal_lm_loss` (bf16/fp16 upcast, fp32/fp64 kept)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _chunk_sum(z: torch.Tensor, transform: _Transform, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy SUM of one chunk, ``z [c, V]`` the head's output, ``labels [c]``, as
+    :func:`.attention.causal_lm_loss` computes it (``IGNORE_INDEX`` ignored)."""
+    return F.cross_entropy(_wide(transform(z)), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _chunk_grad(z: torch.Tensor, transform: _Transform, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale * d(chunk sum)/dz`` in ``z``'s dtype: ``softmax - onehot`` on labelled rows, 0 on the others,
+    computed in place on one wide copy (no second ``[c, V]`` gradient as autograd's log_softmax/nll make)."""
+    p = _wide(transform(z))  # z itself for fp32/fp64 without a transform: only the softcap backward reads z
+    p.sub_(p.amax(-1, keepdim=True)).exp_()
+    p.div_(p.sum(-1, keepdim=True))
+    valid = labels != IGNORE_INDEX
+    p.scatter_add_(1, labels.clamp_min(0)[:, None], p.new_full((p.shape[0], 1), -1.0))
+    p.mul_((valid.to(p.dtype) * scale.to(p.dtype))[:, None])
+    return transform.backward(z, p.to(z.dtype))
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """``sum_t CE(head(hidden[t]), labels[t])`` over chunks of ``chunk`` rows, no chunk's logits kept.
+    """``sum_t CE(transform(linear(hidden[t])), labels[t])`` over chunks of ``chunk`` rows, keeping no logits.
 
-    Inputs: ``hidden [T, H]``, ``labels [T]``, ``chunk``, ``head``, ``kept`` (the model's own logits, which
-    get a zero gradient so that hooks on the model's output, FSDP2's among them, run in backward) and the
-    head's parameters (inputs, so autograd, DDP and FSDP2 see their gradients)."""
+    Inputs: ``hidden [T, H]``, ``labels [T]``, ``chunk``, ``transform``, ``kept`` (the model's own
+    logits: their gradient is None, but their backward hooks run, FSDP2's and DDP's among them) and the
+    head's parameters (inputs, so autograd, DDP and FSDP2 see their gradients).
+
+    Backward, per chunk: the head's output ``z`` again, its gradient ``dz`` (:func:`_chunk_grad`), then
+    what ``nn.Linear``'s backward computes: ``dz @ W`` for the chunk's hidden rows, ``dz.T @ h`` (summed
+    into one tensor of the weight's dtype with ``addmm_``, no ``[V, H]`` temporary per chunk) and ``dz.sum(0)``."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, labels: torch.Tensor, chunk: int, head: Callable,
+    def forward(ctx, hidden: torch.Tensor, labels: torch.Tensor, chunk: int, transform: _Transform,
                 kept: Optional[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:
         device = hidden.device.type
         # The backward recomputes under the forward's autocast state, so its logits are the forward's.
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.chunk, ctx.head = chunk, head
-        ctx.kept = None if kept is None else (kept.shape, kept.dtype, kept.device)
+        ctx.chunk, ctx.transform = chunk, transform
         ctx.save_for_backward(hidden, labels, *params)
         total = None
         for start in range(0, hidden.shape[0], chunk):
-            part = _chunk_sum(head, hidden[start:start + chunk], labels[start:start + chunk], params)
+            part = _chunk_sum(_linear(hidden[start:start + chunk], params), transform, labels[start:start + chunk])
             total = part if total is None else total + part
         return total
 
@@ -138,36 +178,36 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         hidden, labels, *params = ctx.saved_tensors
         want_h = ctx.needs_input_grad[0]
         want = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
-        # Fresh leaves (sharing storage) so each chunk's graph ends here and autograd.grad returns their grads.
-        leaves = [p.detach().requires_grad_(w) for p, w in zip(params, want)]
         grad_hidden = torch.empty_like(hidden) if want_h else None
-        # bf16/fp16 parameter gradients are summed over the chunks in fp32, rounded once at the end
         acc: list[Optional[torch.Tensor]] = [None] * len(params)
         device, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+        weight = None  # the weight the linear multiplied by (autocast casts it), made once
+        if want_h or any(want):
             for start in range(0, hidden.shape[0], ctx.chunk):
-                h = hidden[start:start + ctx.chunk].detach().requires_grad_(want_h)
-                loss = _chunk_sum(ctx.head, h, labels[start:start + ctx.chunk], leaves)
-                inputs = ([h] if want_h else []) + [w for w in leaves if w.requires_grad]
-                if not inputs:
-                    break
-                grads = list(torch.autograd.grad(loss, inputs, grad_outputs=grad_total))
-                del loss
+                h = hidden[start:start + ctx.chunk]
+                with torch.autocast(device, dtype=dtype, enabled=enabled):
+                    dz = _chunk_grad(_linear(h, params), ctx.transform, labels[start:start + ctx.chunk], grad_total)
                 if want_h:
-                    grad_hidden[start:start + ctx.chunk] = grads.pop(0)
-                for i, w in enumerate(leaves):
-                    if w.requires_grad:
-                        g = grads.pop(0)
-                        if acc[i] is None:
-                            acc[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-                        else:
-                            acc[i].add_(g)
+                    weight = params[0].to(dz.dtype) if weight is None else weight
+                    grad_hidden[start:start + ctx.chunk] = torch.mm(dz, weight)
+                _accumulate(acc, want, dz, h.to(dz.dtype), params)  # h as the linear took it (autocast casts)
         grad_params = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
-        grad_kept = None
-        if ctx.kept is not None and ctx.needs_input_grad[4]:
-            shape, kdtype, kdevice = ctx.kept
-            grad_kept = torch.zeros(shape, dtype=kdtype, device=kdevice)
-        return (grad_hidden, None, None, None, grad_kept, *grad_params)
+        return (grad_hidden, None, None, None, None, *grad_params)
+
+
+def _accumulate(acc: list, want: list, dz: torch.Tensor, h: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """Add one chunk's weight (``dz.T @ h``) and bias (``dz.sum(0)``) gradients into ``acc``, in the
+    parameters' dtypes."""
+    if want[0]:
+        if acc[0] is None:
+            acc[0] = torch.mm(dz.t(), h).to(params[0].dtype)
+        elif dz.dtype == acc[0].dtype:
+            acc[0].addmm_(dz.t(), h)
+        else:  # autocast: computed in its dtype, summed in the weight's
+            acc[0].add_(torch.mm(dz.t(), h))
+    if len(params) > 1 and want[1]:
+        part = dz.sum(0)
+        acc[1] = part.to(params[1].dtype) if acc[1] is None else acc[1].add_(part)
 
 
 def _check_arguments(local: Any, chunk_tokens: Any, num_items_in_batch: Any) -> None:
@@ -252,15 +292,16 @@ def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tok
             f"{type(inner).__name__}'s output embedding is still sharded after the forward (fully_shard applied "
             "to it with reshard_after_forward=True?); lm_loss needs its full weight: leave it to the root "
             "module, as parallelize does")
-    head = _head_fn(inner, kind)
+    transform = _Transform(inner, kind)
     with torch.no_grad():  # the same rows, the same shapes: the model's own logits, bit for bit
-        mine = head(hidden[:, -1:], params)
+        mine = transform(_linear(hidden[:, -1:], params))
         if mine.shape != kept.shape:
             raise RuntimeError(f"{type(inner).__name__} returned logits of shape {tuple(kept.shape)} for "
                                f"logits_to_keep=1, expected {tuple(mine.shape)}")
         differ = ((mine != kept) & ~(mine.isnan() & kept.isnan())).any()
     labels = local["shift_labels"].to(hidden.device)
-    local_sum = _ChunkedHeadLoss.apply(hidden.flatten(0, 1), labels.flatten(), chunk_tokens, head, kept, *params)
+    local_sum = _ChunkedHeadLoss.apply(hidden.flatten(0, 1), labels.flatten(), chunk_tokens, transform, kept,
+                                      *params)
     count = (labels != IGNORE_INDEX).sum().double()
     stats = torch.stack([local_sum.detach().double(), count, differ.double()])
     transport_for(mesh_group(group)).all_reduce_sum_(stats)  # one collective: [sum, count, mismatches]

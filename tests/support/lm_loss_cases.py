@@ -19,18 +19,24 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidde
 
 
 def model(family: str, **overrides):
-    """A tiny fp64 causal LM: :func:`.hf_cases.build`'s families, plus ``granite`` (``logits_scaling`` 3)
-    and ``cohere`` (``logit_scale`` 0.3), which hf_cases does not build."""
+    """A tiny fp64 causal LM: :func:`.hf_cases.build`'s families, plus ``granite`` (``logits_scaling`` 3),
+    ``cohere`` (``logit_scale`` 0.3) and ``phimoe`` (a bias on the LM head), which hf_cases does not build."""
     import transformers as tf
 
-    if family not in ("granite", "cohere"):
+    if family not in ("granite", "cohere", "phimoe"):
         return build(family, **overrides)
     torch.manual_seed(0)
-    cfg = (tf.GraniteConfig(**_COMMON, logits_scaling=3.0) if family == "granite" else
-           tf.CohereConfig(**_COMMON, logit_scale=0.3))
+    if family == "granite":
+        cfg = tf.GraniteConfig(**_COMMON, logits_scaling=3.0)
+    elif family == "cohere":
+        cfg = tf.CohereConfig(**_COMMON, logit_scale=0.3, eos_token_id=None)
+    else:  # eager experts: grouped_mm has no fp64
+        cfg = tf.PhimoeConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2, lm_head_bias=True,
+                              experts_implementation="eager")
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    return tf.AutoModelForCausalLM.from_config(cfg).double()
+    m = tf.AutoModelForCausalLM.from_config(cfg).double()
+    return m.eval() if family == "phimoe" else m  # PhiMoE's router samples in training mode
 
 
 def full_batch(mode: str, seq: int = SEQ) -> dict:
@@ -112,6 +118,25 @@ def compare(world_size: int, *, family: str = "llama", mode: str = "plain", layo
     return {"loss": max(abs(r["want"] - r["got"]) for r in results), "grads": max(g for g, _ in grads),
             "grad_scale": min(s for _, s in grads), "losses": [r["got"] for r in results],
             "tokens": [r["tokens"] for r in results]}
+
+
+def autocast_compare(family: str, **overrides: Any) -> dict:
+    """An fp32 model under CPU bf16 autocast, one process: ``lm_loss`` against ``causal_lm_loss`` on the
+    full logits; the loss difference, the largest gradient difference relative to that parameter's
+    largest gradient, and the losses' and gradients' dtypes."""
+    from cp_attention.integrations import huggingface as cphf
+
+    base = model(family, **overrides).float()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    local = cphf.shard_batch(full_batch("labels", 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = cphf.causal_lm_loss(ref(**cphf.model_inputs(local), use_cache=False).logits, local["shift_labels"])
+        got = cphf.lm_loss(mine, local, chunk_tokens=5)
+    want.backward()
+    got.backward()
+    rel = max(((p.grad - q.grad).abs().max() / p.grad.abs().max()).item()
+              for p, q in zip(ref.parameters(), mine.parameters()))
+    return {"loss": abs(want.item() - got.item()), "grads_rel": rel, "dtypes": (got.dtype, mine.lm_head.weight.grad.dtype)}
 
 
 class VocabRows(TorchDispatchMode):

@@ -25,13 +25,13 @@ def _check(r: dict, what: str) -> None:
 
 
 # Every family hf_cases builds (gemma2/gemma3 with a final softcap small enough to change the loss, and
-# without one), Granite's logits_scaling and Cohere's logit_scale, tied and untied embeddings.
+# without one), Granite's logits_scaling, Cohere's logit_scale, PhiMoE's head bias, tied and untied embeddings.
 FAMILIES = [
     ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("llama_bidirectional", {}), ("qwen2", {}),
     ("mistral_window", {}), ("gemma2_softcap", {"final_logit_softcapping": 0.5}),
     ("gemma2", {"final_logit_softcapping": None}), ("gemma3_window", {"final_logit_softcapping": 0.7}),
     ("gpt_oss_window", {}), ("qwen3_window", {}), ("qwen2_moe_window", {"tie_word_embeddings": True}),
-    ("granite", {}), ("cohere", {}), ("cohere", {"tie_word_embeddings": False}),
+    ("granite", {}), ("cohere", {}), ("cohere", {"tie_word_embeddings": False}), ("phimoe", {}),
 ]
 
 
@@ -78,6 +78,15 @@ def test_num_items_in_batch_divides_the_groups_sum(world, mode):
 
 def test_an_unpatched_model_without_a_group():
     _check(lm_loss_cases.compare(1, mode="labels", chunk_tokens=5), "world 1, group=None")
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma2_softcap", {"final_logit_softcapping": 0.5})])
+def test_under_bf16_autocast_close_to_the_full_logits_loss(family, overrides):
+    """An fp32 model under bf16 autocast: the head recomputed in backward under the forward's autocast
+    (the model's own rows still match bit for bit, or lm_loss would raise); values at bf16 precision."""
+    r = lm_loss_cases.autocast_compare(family, **overrides)
+    assert r["dtypes"] == (torch.float32, torch.float32), r
+    assert r["loss"] < 1e-5 and r["grads_rel"] < 2e-2, r
 
 
 @pytest.mark.parametrize("chunk", [5, 32])
