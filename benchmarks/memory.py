@@ -1,27 +1,28 @@
-"""Per-rank memory of FSDP2 x context parallelism on a HuggingFace Llama.
+"""The longest context per GPU: the true peak memory of one training step, per term and per memory saver,
+the longest sequence under a cap, and a projection to Llama-3-8B and -70B on 80 GB GPUs.
 
-For each ``dp x cp`` configuration (``cphf.parallelize`` over a ``(dp, cp)`` mesh; 1x1 is the plain
-model in one process) one training step of a random-weight fp32 Llama with AdamW is measured on every
-rank, and the maximum over ranks is reported:
+One training step (forward and backward, no optimizer step) of a random-weight bf16 Llama shaped like
+Llama-3-8B but 1/8 as wide (hidden 512, intermediate 1792, 8/2 heads of 64, vocab 128,256, 4 layers), CP over
+``--cp`` gloo ranks (zigzag), per rank, for each saver:
 
-  model states   bytes this rank holds of the parameters, their gradients (right after backward) and
-                 AdamW's state (after its step): ``to_local()`` of DTensors, plain tensors as they are.
-  activations    bytes of the tensors saved for backward during the forward and the loss, counted by
-                 ``torch.autograd.graph.saved_tensors_hooks``: each storage once, at its full size,
-                 parameters and FSDP's unsharded parameters (a storage shared with a parameter) left
-                 out. Nothing saved is freed before backward, so the sum is the forward's peak. With
-                 activation checkpointing, each decoder layer's input (kept for the recompute) counts
-                 too. Not counted: transient buffers (FSDP's all-gathered layer, communication buffers,
-                 the logits before the loss reads them) and the allocator's overhead.
-  tokens/s       global tokens per step (dp x S) over the slowest rank's step time, median of the
-                 timed steps (after two measured steps).
-  longest seq    the longest global sequence (a multiple of the layout's divisor) whose model states
-                 plus activations fit ``--cap-mib``, from a line a + b * local_tokens fitted to the
-                 activations at S and S/2, then verified by one step at that length.
+  baseline      ``causal_lm_loss(model(**model_inputs(local)).logits, ...)``: the full logits, no saver
+  lm_loss       ``cphf.lm_loss(model, local, group=..., chunk_tokens=C)``: the chunked head and loss
+  checkpoint    lm_loss + ``cphf.save_memory(model, checkpoint=True)``
+  offload       lm_loss + ``save_memory(model, checkpoint="offload")``
+  mlp_chunks    lm_loss + ``save_memory(model, checkpoint=False, mlp_chunks=M)``
+  all           lm_loss + ``save_memory(model, checkpoint="offload", mlp_chunks=M)``
+
+The peak is the peak of live tensor bytes through the allocator (``benchmarks/peak.py``: the profiler's
+allocation events replayed in order on CPU; ``torch.cuda.max_memory_allocated`` on a GPU), the parameters
+included, the maximum over ranks; the bytes live at the peak are attributed to terms by the op that
+allocated them. On CPU the offloaded checkpoints are host memory on a GPU: they are counted apart, not in the
+device peak. Everything is linear in the local tokens T: each saver is measured at several T; a line through
+the first two predicts the others (the formula's check), and feeds the projection (``benchmarks/projection.py``).
 
 Usage (from the repo root):
-  python benchmarks/memory.py [--configs 1x1 2x1 1x2 2x2 1x4] [--seq-len 1024] [--cap-mib MIB]
-                                     [--activation-checkpointing] [--quick] [--json out.json]
+  python benchmarks/memory.py [--tokens 2048 4096 8192] [--baseline-tokens 1024 2048 4096]
+                              [--savers baseline lm_loss checkpoint offload mlp_chunks all] [--chunk-tokens 256]
+                              [--cap-gib 1.0 --cap-saver all] [--vocab-check 1024] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,311 +38,282 @@ import contextlib
 import gc
 import json
 import os
-import statistics
 import time
-from typing import Any, Iterator, Optional
+from dataclasses import asdict
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
+from benchmarks import projection
+from benchmarks.peak import MIB, OFFLOAD_SCOPE, OFFLOADED, TERMS, measure_step, rss_peak_delta
 from cp_attention.launch import run_on_ranks
 
-__all__ = ["add_arguments", "build_model", "SavedActivations", "model_state_bytes", "longest_seq", "measure_config",
-           "worker", "run"]
+__all__ = ["SAVERS", "add_arguments", "build_model", "measure_one", "worker", "run"]
 
-MIB = 1024 * 1024
-# The quick smoke run: a tiny model and sequence (finishes in well under a minute on 2 cores).
-QUICK = {"hidden": 64, "layers": 2, "vocab": 512, "intermediate": 176, "heads": 4, "kv_heads": 2, "seq_len": 256,
-         "steps": 1}
+GIB = 1024 ** 3
+SAVERS = ("baseline", "lm_loss", "checkpoint", "offload", "mlp_chunks", "all")
+# The quick smoke run: the same shape 1/8 as wide again, and a small vocab.
+QUICK = {"hidden": 64, "intermediate": 224, "heads": 8, "kv_heads": 2, "vocab": 4096, "layers": 2,
+         "tokens": [256, 512, 1024], "baseline_tokens": [256, 512, 1024], "chunk_tokens": 128, "vocab_check": 256,
+         "cap_gib": 14 / 1024, "cap_saver": "lm_loss"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", nargs="+", default=["1x1 2x1 1x2 2x2 1x4"],
-                   help="dp x cp shapes, e.g. 1x1 2x2 (1x1, the baseline, is always measured)")
-    p.add_argument("--seq-len", type=int, default=1024, help="global sequence length S per dp rank")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1408)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after two measured ones)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192],
+                   help="local tokens per rank for the savers; the first two fit the line, the rest check it")
+    p.add_argument("--baseline-tokens", type=int, nargs="+", default=[1024, 2048, 4096],
+                   help="local tokens for the baseline (full logits: ~1.5 GB per rank per 1K tokens)")
+    p.add_argument("--savers", nargs="+", default=list(SAVERS), choices=SAVERS)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="lm_loss's chunk_tokens")
+    p.add_argument("--mlp-chunks", type=int, default=4)
+    p.add_argument("--cp", type=int, default=2, help="CP ranks (gloo, spawned here)")
     p.add_argument("--layout", default="zigzag")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--cap-mib", type=float, default=None,
-                   help="per-rank memory cap; default: 1x1's model states + its activations at 3S/4")
-    p.add_argument("--quick", action="store_true", help="tiny model and sequence: a smoke test")
-    p.add_argument("--json", default=None, help="write every row (and the setup) to this file")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: one GPU per rank (NCCL), the peak from torch.cuda.max_memory_allocated")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1792)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--vocab-check", type=int, default=1024, metavar="T",
+                   help="measure baseline and lm_loss at twice the vocab at T and T/2 local tokens (0: skip)")
+    p.add_argument("--cap-gib", type=float, default=None, help="find the longest T whose measured peak fits this")
+    p.add_argument("--cap-saver", default="all", choices=SAVERS)
+    p.add_argument("--rss-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="cross-check the meter against the process's peak RSS once (lm_loss at the first T)")
+    projection.add_arguments(p)
+    p.add_argument("--quick", action="store_true", help="a tiny model and short lengths: a smoke test")
+    p.add_argument("--json", default=None, help="write every measurement (and the setup) to this file")
 
 
-def build_model(args: argparse.Namespace, max_len: int) -> torch.nn.Module:
-    """The benchmark's Llama: random weights, seeded alike on every rank, fp32."""
+def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
+    """The benchmark's Llama: random weights, seeded alike on every rank, bf16, untied head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=max_len, use_cache=False)
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=1 << 22, use_cache=False,
+                         tie_word_embeddings=False)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().train()
+    return LlamaForCausalLM(config).to(torch.bfloat16).train()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _nbytes(tensors) -> int:
-    return sum(_local(t).numel() * t.element_size() for t in tensors if t is not None)
+def _saver_kwargs(saver: str, args: argparse.Namespace) -> Optional[dict]:
+    return {"checkpoint": dict(checkpoint=True, mlp_chunks=None), "offload": dict(checkpoint="offload", mlp_chunks=None),
+            "mlp_chunks": dict(checkpoint=False, mlp_chunks=args.mlp_chunks),
+            "all": dict(checkpoint="offload", mlp_chunks=args.mlp_chunks)}.get(saver)
 
 
-def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
-    """Bytes this rank holds of the parameters and of the optimizer's state (every tensor in it)."""
-    opt_tensors = [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
-    return _nbytes(model.parameters()), _nbytes(opt_tensors)
+@contextlib.contextmanager
+def _offload_marked() -> Iterator[None]:
+    """Mark the offload's copies to the host (``memory.offload.HostStash``) with the profiler range the meter
+    counts as host memory (``peak.OFFLOAD_SCOPE``); what the copy does is unchanged."""
+    from cp_attention.memory import offload
+
+    init = offload.HostStash.__init__
+
+    def marked(self, tensor: torch.Tensor) -> None:
+        with record_function(OFFLOAD_SCOPE):
+            init(self, tensor)
+
+    offload.HostStash.__init__ = marked
+    try:
+        yield
+    finally:
+        offload.HostStash.__init__ = init
 
 
-class SavedActivations:
-    """Counts the bytes of the tensors autograd saves while active (see the module docstring).
-
-    Parameters are recognised by their storage, looked up at each save: FSDP2 swaps its unsharded
-    parameters (plain ``nn.Parameter``s, views of the all-gather output) into the modules only while a
-    layer runs, and an op saves views of them (``weight.t()``), not the parameters themselves.
-    """
-
-    def __init__(self, model: torch.nn.Module, layers: "list[torch.nn.Module]" = ()) -> None:
-        self.model, self.layers, self.storages = model, list(layers), {}
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def count(self, t: Any) -> None:
-        """Count ``t``'s storage once, unless it is a parameter's."""
-        if not torch.is_tensor(t) or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
-            return
-        storage = _local(t).untyped_storage()
-        ptr = storage.data_ptr()
-        if storage.nbytes() == 0 or ptr in self.storages:
-            return
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters() if type(p) is torch.nn.Parameter}
-        if ptr not in params:
-            self.storages[ptr] = storage.nbytes()
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.count(t)
-        return t  # saved as it is: the measurement must not change what is held
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator["SavedActivations"]:
-        # A checkpointed layer saves through its own hooks; what it keeps is its input (the recompute's).
-        handles = [m.register_forward_pre_hook(lambda m, a, kw: self.count(a[0] if a else kw.get("hidden_states")),
-                                               with_kwargs=True) for m in self.layers]
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-                yield self
-        finally:
-            for h in handles:
-                h.remove()
-
-
-def _step(model, opt, mesh, ids: torch.Tensor, layout: str, meter: Optional[SavedActivations]) -> dict:
-    """One training step; this rank's activation bytes and model-state bytes (params, grads, optimizer)."""
+def measure_one(args: argparse.Namespace, saver: str, tokens: int, vocab: int, rss: bool = False) -> dict:
+    """One rank: one training step of ``saver`` at ``tokens`` local tokens; its :class:`peak.Peak` as a dict,
+    the maximum over ranks (the whole dict of the rank with the larger peak)."""
     from cp_attention.integrations import huggingface as cphf
 
-    local = cphf.shard_batch({"input_ids": ids}, group=mesh, layout=layout)
-    with meter() if meter is not None else contextlib.nullcontext():
-        out = model(**cphf.model_inputs(local))
-        loss = cphf.causal_lm_loss(out.logits, local["shift_labels"], group=mesh)
-    del out
-    loss.backward()
-    grads = _nbytes(p.grad for p in model.parameters())
-    opt.step()
-    params, optim = model_state_bytes(model, opt)
-    opt.zero_grad(set_to_none=True)
-    return {"act": meter.bytes if meter is not None else 0, "params": params, "grads": grads, "optim": optim}
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    model = cphf.apply_context_parallel(build_model(args, vocab).to(device), layout=args.layout)
+    if _saver_kwargs(saver, args) is not None:
+        model = cphf.save_memory(model, **_saver_kwargs(saver, args))
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, vocab, (1, tokens * dist.get_world_size()), generator=g)
+    local = {k: v.to(device) if torch.is_tensor(v) else v for k, v in cphf.shard_batch({"input_ids": ids}, layout=args.layout).items()}
+
+    def forward_loss() -> torch.Tensor:
+        if saver == "baseline":
+            return cphf.causal_lm_loss(model(**cphf.model_inputs(local)).logits, local["shift_labels"])
+        return cphf.lm_loss(model, local, chunk_tokens=args.chunk_tokens)
+
+    t0 = time.perf_counter()
+    with _offload_marked():
+        peak = measure_step(model, forward_loss, vocab)
+    row = {"saver": saver, "tokens": tokens, "vocab": vocab, "step_s": time.perf_counter() - t0,
+           **asdict(peak), "rank": dist.get_rank()}
+    if rss:  # the same step again, without the profiler: the process's peak RSS above its RSS before
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        row["rss_delta"] = rss_peak_delta(lambda: forward_loss().backward())
+    del model, local
+    gc.collect()
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return max(rows, key=lambda r: r["peak"])
 
 
-def longest_seq(cap: float, states: float, a: float, b: float, cp: int, divisor: int) -> int:
-    """The longest global sequence (a multiple of ``divisor``) with ``states + a + b * S / cp <= cap``; 0 if none."""
-    if b <= 0:
-        return 0
-    return max(0, int((cap - states - a) / b * cp) // divisor * divisor)
+def _line(points: "list[tuple[int, int]]") -> "tuple[float, float]":
+    (t1, p1), (t2, p2) = points[:2]
+    b = (p2 - p1) / (t2 - t1)
+    return p1 - b * t1, b
 
 
-def measure_config(args: argparse.Namespace, dp: int, cp: int, cap: Optional[float]) -> dict:
-    """One rank of a ``dp x cp`` configuration (1x1: one process, no process group needed): every
-    measurement, the maximum over ranks. ``cap=None`` derives the cap: the model states plus the
-    activations at 3S/4.
-    """
-    import cp_attention as cpa
-    from cp_attention.integrations import huggingface as cphf
+def longest_under_cap(args: argparse.Namespace, saver: str, cap: float, fit: "tuple[float, float]",
+                      step: int) -> dict:
+    """The longest local T (a multiple of ``step``) whose MEASURED peak is at most ``cap``: from the line's
+    guess, steps of 1/16 until the cap is bracketed, then bisection down to 1% (every probe a measured step)."""
+    a, b = fit
+    if b <= 0 or cap <= a:
+        raise SystemExit(f"--cap-gib {cap / GIB:g}: the {saver} line (fixed {a / MIB:.1f} MiB + {b:.0f} B per token) "
+                         "never reaches it or starts above it; pick a cap above the fixed part")
+    guess = max(step, int((cap - a) / b) // step * step)
+    probes: list = []
+    lo, hi, t = 0, None, guess
 
-    world = dp * cp
-    mesh, dp_rank = None, 0
-    divisor = cpa.get_layout(args.layout).divisor(cp)
-    half = args.seq_len // 2 // divisor * divisor
-    model = build_model(args, max_len=1 << 20)
-    n_params = sum(p.numel() for p in model.parameters())
-    layers = list(model.model.layers) if args.activation_checkpointing else []
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
-        dp_rank = mesh["dp"].get_local_rank()
-        model = cphf.parallelize(model, mesh, layout=args.layout,
-                                 activation_checkpointing=args.activation_checkpointing)
-    elif args.activation_checkpointing:  # as parallelize does: non-reentrant, every decoder layer
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (the old name warns)
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def batch(seq: int, step: int) -> torch.Tensor:
-        # Each dp rank its own batch (one row of seq tokens); the cp ranks of a dp group the same one.
-        g = torch.Generator().manual_seed(1000 * step + dp_rank)
-        return torch.randint(0, args.vocab, (1, seq), generator=g)
-
-    full = _step(model, opt, mesh, batch(args.seq_len, 0), args.layout, SavedActivations(model, layers))
-    act_half = _step(model, opt, mesh, batch(half, 1), args.layout, SavedActivations(model, layers))["act"]
-    times = []
-    for i in range(args.steps):
-        if world > 1:
-            dist.barrier()  # ranks start together, so the slowest rank's time is the step's
-        t0 = time.perf_counter()
-        _step(model, opt, mesh, batch(args.seq_len, 2 + i), args.layout, None)
-        times.append(time.perf_counter() - t0)
-    stats = torch.tensor([full["params"], full["grads"], full["optim"], full["act"], act_half, *times],
-                         dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # per-rank figures: the largest rank's
-    params, grads, optim, act, act_half = stats[:5].tolist()
-    times = stats[5:].tolist()
-    states = params + grads + optim
-    # Activations against local tokens: a straight line through the two measured lengths.
-    b = (act - act_half) / ((args.seq_len - half) / cp)
-    a = act - b * args.seq_len / cp
-    if cap is None:
-        cap = states + a + b * (3 * args.seq_len // 4) / cp
-        cap = float(-(-cap // MIB) * MIB)  # a whole MiB
-    longest = longest_seq(cap, states, a, b, cp, divisor)
-    verify = {"act": 0, "params": 0, "grads": 0, "optim": 0}
-    if longest > 0:
-        verify = _step(model, opt, mesh, batch(longest, 99), args.layout, SavedActivations(model, layers))
-    vstats = torch.tensor([verify["params"] + verify["grads"] + verify["optim"], verify["act"],
-                           verify["params"] + verify["grads"] + verify["optim"] + verify["act"]], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(vstats, op=dist.ReduceOp.MAX)
-    v_states, v_act, v_total = vstats.tolist()
-    step_s = statistics.median(times) if times else float("nan")
-    return {"config": f"{dp}x{cp}", "dp": dp, "cp": cp, "world": world, "params_count": n_params,
-            "threads_per_rank": torch.get_num_threads(), "seq_len": args.seq_len, "half_seq_len": half,
-            "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim, "state_bytes": states,
-            "act_bytes": act, "act_bytes_half": act_half, "act_fit_a": a, "act_fit_b_per_local_token": b,
-            "step_s": step_s, "step_s_all": times, "tokens_per_s": dp * args.seq_len / step_s,
-            "cap_bytes": cap, "longest_seq": longest, "verify_state_bytes": v_states, "verify_act_bytes": v_act,
-            "verify_total_bytes": v_total, "verified": longest > 0 and v_total <= cap}
-
-
-def worker(args: argparse.Namespace, shapes: "list[tuple[int, int]]", cap: float, t0: float) -> "list[dict]":
-    """One rank of a spawned job: :func:`measure_config` for each ``(dp, cp)`` of this world size in turn."""
-    rows = []
-    for dp, cp in shapes:
-        rows.append(measure_config(args, dp, cp, cap))
-        gc.collect()  # the last configuration's model, optimizer and FSDP state
+    def fits(t: int) -> bool:
+        r = measure_one(args, saver, t, args.vocab)
+        probes.append((t, r["peak"]))
         if dist.get_rank() == 0:
-            print(f"  {dp}x{cp} done after {time.time() - t0:.0f} s", flush=True)
-    return rows
+            print(f"    cap {cap / GIB:.3f} GiB: T={t} peak {r['peak'] / MIB:.1f} MiB", flush=True)
+        return r["peak"] <= cap  # the same on every rank: the peak is the maximum over ranks
+
+    while hi is None or lo == 0:  # bracket
+        if fits(t):
+            lo, t = t, (t + max(step, t // 16)) // step * step
+        else:
+            hi, t = t, max(step, (t - max(step, t // 16)) // step * step)
+            if t == hi or (lo == 0 and t == step and hi == step):
+                break
+        if len(probes) >= 8:
+            break
+    while hi is not None and lo and hi - lo > max(step, lo // 100) and len(probes) < 12:  # bisect
+        mid = (lo + hi) // 2 // step * step
+        if mid in (lo, hi):
+            break
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"saver": saver, "cap_bytes": cap, "longest_tokens": lo, "first_over": hi, "guess": guess,
+            "probes": probes}
 
 
-def _parse_configs(specs: "list[str]") -> "list[tuple[int, int]]":
-    shapes = []
-    for spec in " ".join(specs).replace(",", " ").split():
-        dp, _, cp = spec.lower().partition("x")
-        if not (dp.isdigit() and cp.isdigit()) or int(dp) < 1 or int(cp) < 1:
-            raise SystemExit(f"--configs: expected shapes like 2x2 (dp x cp), got {spec!r}")
-        shapes.append((int(dp), int(cp)))
-    return [(1, 1)] + [s for s in dict.fromkeys(shapes) if s != (1, 1)]  # 1x1 first: the baseline and the cap
+def worker(args: argparse.Namespace, t0: float) -> dict:
+    """One rank of the spawned job: every measurement, one at a time (the previous model freed first)."""
+    out: dict = {"rows": [], "cap": None}
+    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
+    for saver in args.savers:
+        for i, tokens in enumerate(args.baseline_tokens if saver == "baseline" else args.tokens):
+            rss = args.rss_check and saver == args.savers[min(1, len(args.savers) - 1)] and i == 0
+            out["rows"].append(measure_one(args, saver, tokens, args.vocab, rss=rss))
+            say(f"  {saver} T={tokens}: peak {out['rows'][-1]['peak'] / MIB:.1f} MiB "
+                f"({time.time() - t0:.0f} s)", flush=True)
+    if args.vocab_check:
+        for saver in ("baseline", "lm_loss"):
+            for tokens in (args.vocab_check // 2, args.vocab_check):
+                for vocab in (args.vocab, 2 * args.vocab):
+                    out["rows"].append(dict(measure_one(args, saver, tokens, vocab), vocab_check=True))
+            say(f"  vocab check {saver} done ({time.time() - t0:.0f} s)", flush=True)
+    if args.cap_gib:
+        pts = [(r["tokens"], r["peak"]) for r in out["rows"]
+               if r["saver"] == args.cap_saver and r["vocab"] == args.vocab and not r.get("vocab_check")]
+        if len(pts) < 2:
+            pts = [(t, measure_one(args, args.cap_saver, t, args.vocab)["peak"]) for t in args.tokens[:2]]
+        out["cap"] = longest_under_cap(args, args.cap_saver, args.cap_gib * GIB, _line(pts),
+                                       step=2 * args.cp)
+    return out
 
 
-def _x(value: float, base: float) -> str:
-    return f"({value / base:.2f}x)" if base else "(-)"
-
-
-def _print_table(rows: "list[dict]", args: argparse.Namespace, cap: float) -> None:
-    print(f"\nper rank (the largest rank's); cap {cap / MIB:.0f} MiB per rank"
-          + (" (default: 1x1's model states + its activations at 3S/4)" if args.cap_mib is None else ""))
-    head = (f"{'dp x cp':>7} | {'model states MiB':>22} | {f'activations MiB at S={args.seq_len}':>28} | "
-            f"{'tokens/s':>8} | {'longest seq under cap':>23} | verified")
+def _table(rows: "list[dict]", title: str) -> None:
+    terms = list(TERMS) + [OFFLOADED]
+    print(f"\n{title}\n(MiB per rank, the rank with the larger peak; the terms are the bytes live at the peak)")
+    head = (f"{'saver':<11}{'T':>6}{'peak':>9}" + "".join(f"{t[:12]:>13}" for t in terms)
+            + f"{'host peak':>11}  where the peak is")
     print(head + "\n" + "-" * len(head))
-    base = rows[0]
     for r in rows:
-        longest_x = f"({r['longest_x']:.2f}x)" if r["longest_x"] is not None else "(-)"
-        print(f"{r['config']:>7} | {r['state_bytes'] / MIB:>12.1f} {_x(r['state_bytes'], base['state_bytes']):>9} | "
-              f"{r['act_bytes'] / MIB:>18.1f} {_x(r['act_bytes'], base['act_bytes']):>9} | "
-              f"{r['tokens_per_s']:>8.0f} | {r['longest_seq']:>13} {longest_x:>9} | "
-              f"{'yes' if r['verified'] else 'no'} ({r['verify_total_bytes'] / MIB:.1f} MiB)")
-    threads = ", ".join(f"{r['config']} {r['threads_per_rank']}" for r in rows)
-    print(f"\ntokens/s: global tokens per step (dp x S) / the slowest rank's step time, median of {args.steps} "
-          f"step(s). The ranks share this machine's {os.cpu_count()} cores (threads per rank: {threads}), so "
-          "tokens/s is not a scaling measure here.")
-    print("activations: bytes saved for backward in the forward and the loss (each storage once, parameters left "
-          "out); model states: parameters + gradients + AdamW state held by the rank. verified: one step at the "
-          "longest length measured <= cap (its measured states + activations in brackets).")
+        snap = r["at_peak"]["terms"]
+        print(f"{r['saver']:<11}{r['tokens']:>6}{r['peak'] / MIB:>9.1f}"
+              + "".join(f"{snap.get(t, 0) / MIB:>13.1f}" for t in terms)
+              + f"{r['host_peak'] / MIB:>11.1f}  {_where(r)}")
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    """Measure every configuration (1x1 first), print the table; returns the rows."""
-    import cp_attention as cpa
+def _where(r: dict) -> str:
+    regions = r["regions"]
+    return max(regions, key=lambda k: regions[k]["total"]) if regions else "-"
 
-    if args.quick:
+
+def _phases(rows: "list[dict]") -> None:
+    print("\npeak of each phase (MiB; backward split by where the allocating op belongs)")
+    for r in rows:
+        fwd = max((s["total"] for k, s in r["regions"].items() if k.startswith("forward")), default=0)
+        loss = max((s["total"] for k, s in r["regions"].items() if k == "backward head+loss"), default=0)
+        lay = max((s["total"] for k, s in r["regions"].items() if k.startswith("backward layer")), default=0)
+        print(f"  {r['saver']:<11} T={r['tokens']:<6} forward {fwd / MIB:9.1f}   backward of the head+loss "
+              f"{loss / MIB:9.1f}   backward of the layers {lay / MIB:9.1f}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure every saver (spawned ranks), print the tables, the checks and the projection."""
+    from benchmarks.measure import limit_malloc_caching
+
+    if args.quick:  # the quick sizes, except where the command line gave its own
+        defaults = argparse.ArgumentParser()
+        add_arguments(defaults)
         for key, value in QUICK.items():
-            setattr(args, key, value)
-    configs = _parse_configs(args.configs)
-    if "RANK" in os.environ:  # each configuration needs its own world size: the ranks are spawned here
+            if getattr(args, key) == defaults.get_default(key):
+                setattr(args, key, value)
+    if "RANK" in os.environ:
         raise SystemExit("run this benchmark as a plain python script, not under torchrun: it starts its own ranks")
-    if args.steps < 1:
-        raise SystemExit(f"--steps must be at least 1, got {args.steps}")
-    lay = cpa.get_layout(args.layout)
-    for _, cp in configs:
-        if args.seq_len % (2 * lay.divisor(cp)):  # S and S/2 must both split
-            raise SystemExit(f"--seq-len {args.seq_len}: must be a multiple of {2 * lay.divisor(cp)} "
-                             f"(twice the {args.layout} divisor at cp={cp})")
+    for name in ("tokens", "baseline_tokens"):
+        if len(getattr(args, name)) < 2 or any(t % (2 * args.cp) for t in getattr(args, name)):
+            raise SystemExit(f"--{name.replace('_', '-')}: at least two lengths, each a multiple of {2 * args.cp} "
+                             f"(the zigzag split at cp={args.cp}), got {getattr(args, name)}")
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
-    n_params = sum(p.numel() for p in build_model(args, max_len=1 << 20).parameters())
-    print(f"model: Llama, {n_params:,} parameters ({n_params / 1e6:.1f} M), hidden {args.hidden}, {args.layers} "
-          f"layers, vocab {args.vocab}, intermediate {args.intermediate}, heads {args.heads}/{args.kv_heads} kv; "
-          f"fp32, AdamW; layout {args.layout}; activation checkpointing "
-          f"{'on' if args.activation_checkpointing else 'off'}")
-    print(f"S={args.seq_len}: each dp rank trains on its own batch of one S-token sequence; {args.steps} timed "
-          "step(s) per configuration", flush=True)
-    t0 = time.time()  # wall clock: the spawned ranks report against it too
-    rows: list[dict] = []
-    cap = None if args.cap_mib is None else args.cap_mib * MIB
-    # 1x1 here (no process group); then one spawned job per world size, its shapes one after the other
-    # (starting ranks, each importing torch and transformers, costs more than a small configuration).
-    rows.append(measure_config(args, 1, 1, cap))
-    cap = rows[0]["cap_bytes"]
-    print(f"  1x1 done after {time.time() - t0:.0f} s", flush=True)
-    worlds: dict[int, list] = {}
-    for dp, cp in configs[1:]:
-        worlds.setdefault(dp * cp, []).append((dp, cp))
-    for world, shapes in worlds.items():
-        rows += run_on_ranks(worker, world, args, shapes, cap, t0, timeout_s=900)
-    rows.sort(key=lambda r: configs.index((r["dp"], r["cp"])))
-    base = rows[0]
-    for r in rows:
-        r["state_x"] = r["state_bytes"] / base["state_bytes"]
-        r["act_x"] = r["act_bytes"] / base["act_bytes"]
-        r["longest_x"] = r["longest_seq"] / base["longest_seq"] if base["longest_seq"] else None
-    _print_table(rows, args, cap)
+    n_params = sum(p.numel() for p in build_model(args, args.vocab).parameters())
+    print(f"model: Llama, {n_params:,} parameters, hidden {args.hidden}, intermediate {args.intermediate}, heads "
+          f"{args.heads}/{args.kv_heads}, {args.layers} layers, vocab {args.vocab:,}, bf16, untied head; CP={args.cp} "
+          f"{args.layout} (gloo, {torch.get_num_threads()} threads here), one training step (fwd+bwd) per row; "
+          f"lm_loss chunk_tokens={args.chunk_tokens}, mlp_chunks={args.mlp_chunks}", flush=True)
+    limit_malloc_caching()  # the RSS cross-check: freed blocks go back to the OS at once
+    t0 = time.time()
+    out = run_on_ranks(worker, args.cp, args, t0, timeout_s=3600, backend="nccl" if args.device == "cuda" else "gloo")
+    main = [r for r in out["rows"] if not r.get("vocab_check")]
+    _table(main, "peak memory per saver and local tokens T")
+    _phases(main)
+    rss = [r for r in main if r.get("rss_delta") is not None]
+    for r in rss:
+        print(f"\ncross-check ({r['saver']}, T={r['tokens']}): meter's peak of bytes allocated in the step "
+              f"{r['window_peak'] / MIB:.1f} MiB vs peak RSS above the step's start {r['rss_delta'] / MIB:.1f} MiB "
+              f"({(r['rss_delta'] / r['window_peak'] - 1) * 100:+.2f}%)")
+    for r in main:
+        if r.get("allocator_peak") is not None:  # CUDA: the allocator's own peak against the replay's
+            print(f"  {r['saver']} T={r['tokens']}: max_memory_allocated {r['allocator_peak'] / MIB:.1f} MiB, "
+                  f"replayed events {r['peak'] / MIB:.1f} MiB")
+    fits = projection.report(args, main, n_params)
+    checks = [r for r in out["rows"] if r.get("vocab_check")]
+    if checks:
+        projection.vocab_report(args, checks)
+    if out["cap"]:
+        c = out["cap"]
+        print(f"\nlongest local T under {c['cap_bytes'] / GIB:.3f} GiB ({c['saver']}), by the measured peak: "
+              f"{c['longest_tokens']} (global {c['longest_tokens'] * args.cp}); first over: {c['first_over']}; "
+              f"the line's guess {c['guess']}; probes (T, MiB): "
+              + ", ".join(f"({t}, {p / MIB:.1f})" for t, p in c["probes"]))
     print(f"total {time.time() - t0:.0f} s")
+    result = {"setup": {**{k: v for k, v in vars(args).items() if k != "json"}, "params_count": n_params},
+              "rows": out["rows"], "cap": out["cap"], "fits": fits}
     if args.json:
-        setup = {k: v for k, v in vars(args).items() if k != "json"}
         with open(args.json, "w") as f:
-            json.dump({"setup": {**setup, "params_count": n_params, "cap_bytes": cap}, "rows": rows}, f, indent=1)
-    return rows
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":
