@@ -98,7 +98,7 @@ def _check_memory(t: dict) -> None:
     """The memory savers' keys: ``activation_checkpointing`` true, false or offload, ``mlp_chunks`` null or
     an int >= 1, ``loss_chunk_tokens`` null (full logits) or an int >= 1, ``offload_optimizer`` with
     ``fsdp`` only. Raises ``ValueError`` naming the key."""
-    from cp_attention.integrations.huggingface.fsdp import check_savers
+    from cp_attention.integrations.huggingface.savers import check_savers
 
     check_savers(t.get("activation_checkpointing", False), t.get("mlp_chunks"),
                  ("trainer.activation_checkpointing", "trainer.mlp_chunks"))

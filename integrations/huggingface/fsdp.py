@@ -28,9 +28,9 @@ from cp_attention.transport import CP_DIM, is_device_mesh
 
 from ..agree import agree
 from .attention import apply_context_parallel
-from .savers import save_memory
+from .savers import check_savers, save_memory
 
-__all__ = ["parallelize", "fsdp_mesh", "checkpoint_activations", "check_savers"]
+__all__ = ["parallelize", "fsdp_mesh"]
 
 _KINDS = (ValueError, NotImplementedError)
 
@@ -84,31 +84,6 @@ def _fingerprint(model: torch.nn.Module) -> list[int]:
     return [len(params), sum(p.numel() for p in params), *bits]
 
 
-def checkpoint_activations(model: torch.nn.Module) -> None:
-    """Turn on transformers' activation checkpointing (non-reentrant) on ``model``: each decoder layer
-    runs again in backward, reusing its forward's attention plan (see ``.checks.ForwardChecks``)."""
-    model.config.use_cache = False  # training reads no KV cache; transformers warns on every forward else
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def check_savers(checkpoint: Union[bool, str], mlp_chunks: Optional[int],
-                 names: "tuple[str, str]" = ("activation_checkpointing", "mlp_chunks")) -> None:
-    """Refuse memory-saver values :func:`.savers.save_memory` cannot take: ``checkpoint`` must be True,
-    False or ``"offload"``, ``mlp_chunks`` None or an int >= 1. ``names``: how the caller calls the two
-    (an argument, a config key). Raises ``ValueError`` naming the argument (pure: alike on every rank)."""
-    if not (isinstance(checkpoint, bool) or checkpoint == "offload"):
-        raise ValueError(f"{names[0]}={checkpoint!r}: expected True (recompute each decoder layer in backward), "
-                         "'offload' (and hold its saved inputs in CPU memory) or False")
-    if mlp_chunks is not None and (isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int)
-                                   or mlp_chunks < 1):
-        raise ValueError(f"{names[1]}={mlp_chunks!r}: expected None (the MLP over the whole sequence at once) or an "
-                         "int >= 1, the sequence chunks each decoder layer's MLP runs over")
-
-
 def fsdp_mesh(mesh):
     """The 1-D mesh FSDP shards over: every rank of ``mesh`` (its dims flattened, cached by the mesh)."""
     if mesh.ndim == 1:
@@ -153,7 +128,7 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
-    check_savers(activation_checkpointing, mlp_chunks)
+    check_savers(activation_checkpointing, mlp_chunks, ("activation_checkpointing", "mlp_chunks"))
     if not isinstance(offload_optimizer, bool):
         raise ValueError(f"offload_optimizer={offload_optimizer!r}: expected True (FSDP2's CPUOffloadPolicy: "
                          "parameters, gradients and optimizer state in CPU memory) or False")

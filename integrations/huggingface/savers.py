@@ -20,15 +20,15 @@ import torch
 
 from cp_attention.memory import offload_checkpoint, tiled_apply
 
-__all__ = ["save_memory"]
+__all__ = ["save_memory", "checkpoint_activations", "check_savers"]
 
 _CHUNKS = "_cp_mlp_chunks"  # on a tiled MLP: its chunk count
 _INNER = "_cp_mlp_inner_forward"  # on a tiled MLP: the instance-level forward it had before (or None)
 
 
-def _enable_checkpointing(model: torch.nn.Module) -> None:
-    """transformers' activation checkpointing, non-reentrant, on every decoder layer (what
-    ``.fsdp.checkpoint_activations`` does; not imported from there: ``fsdp`` imports this module). Sets
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Turn on transformers' activation checkpointing (non-reentrant) on ``model``: each decoder layer
+    runs again in backward, reusing its forward's attention plan (see ``.checks.ForwardChecks``). Sets
     every layer's checkpoint function anew, so it also undoes an earlier offload."""
     model.config.use_cache = False  # training reads no KV cache; transformers warns on every forward else
     kwargs = {"use_reentrant": False}
@@ -105,12 +105,17 @@ def _set_mlp_chunks(mlp: torch.nn.Module, chunks: Optional[int]) -> None:
     mlp.__dict__[_CHUNKS] = chunks
 
 
-def _check_arguments(checkpoint, mlp_chunks) -> None:
+def check_savers(checkpoint: Union[bool, str], mlp_chunks: Optional[int],
+                 names: "tuple[str, str]" = ("checkpoint", "mlp_chunks")) -> None:
+    """Refuse memory-saver values :func:`save_memory` cannot take: ``checkpoint`` must be True, False or
+    ``"offload"``, ``mlp_chunks`` None or an int >= 1. ``names``: how the caller calls the two (an
+    argument, a config key). Raises ``ValueError`` naming the argument (pure: alike on every rank)."""
     if not (checkpoint is True or checkpoint is False or (isinstance(checkpoint, str) and checkpoint == "offload")):
-        raise ValueError(f"save_memory: checkpoint must be True, False or 'offload', got {checkpoint!r}")
+        raise ValueError(f"{names[0]}={checkpoint!r}: expected True (recompute each decoder layer in backward), "
+                         "'offload' (and hold its saved input in CPU memory) or False")
     if mlp_chunks is not None and (isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1):
-        raise ValueError(f"save_memory: mlp_chunks must be None (no tiling) or a positive int (the number of "
-                         f"sequence chunks each MLP runs over, e.g. 4), got {mlp_chunks!r}")
+        raise ValueError(f"{names[1]}={mlp_chunks!r}: expected None (the MLP over the whole sequence at once) or an "
+                         "int >= 1, the sequence chunks each decoder layer's MLP runs over (e.g. 4)")
 
 
 def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
@@ -135,7 +140,7 @@ def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
     call and routing may be capacity-limited), an MLP with dropout, or one missing. At the first forward:
     ``TypeError``/``ValueError`` if a tiled MLP returns anything but one tensor of its input's shape.
     """
-    _check_arguments(checkpoint, mlp_chunks)
+    check_savers(checkpoint, mlp_chunks)
     layers = _decoder_layers(model)
     if checkpoint is not False and not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"save_memory(checkpoint={checkpoint!r}): {type(model).__name__} does not support "
@@ -153,7 +158,7 @@ def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
         if getattr(model, "supports_gradient_checkpointing", False):
             _disable_checkpointing(model)
     else:
-        _enable_checkpointing(model)
+        checkpoint_activations(model)
         if checkpoint == "offload":
             for layer in layers:
                 layer._gradient_checkpointing_func = offload_checkpoint
