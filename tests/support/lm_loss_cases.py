@@ -196,3 +196,28 @@ def fsdp_equivalence(rank: int, world_size: int, *, chunk_tokens: int, mode: str
         a, b = p.grad.full_tensor(), q.grad.full_tensor()
         diff, scale = max(diff, (a - b).abs().max().item()), min(scale, a.abs().max().item())
     return {"loss": abs(want.item() - got.item()), "grads": diff, "grad_scale": scale, "value": got.item()}
+
+
+def fsdp_root_only(rank: int, world_size: int, *, chunk_tokens: int) -> dict:
+    """In a gloo worker: plain data parallelism with ``fully_shard`` on the root module alone (no CP, each
+    rank its own row, the loss's mean over the world, ``group=None``). Its gradients reach the shards only through the hooks on the model's
+    output (FSDP2's root post-backward), which lm_loss must run though it never uses those logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from cp_attention.integrations import huggingface as cphf
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    base = model("llama")
+    ref, mine = fully_shard(copy.deepcopy(base), mesh=mesh), fully_shard(copy.deepcopy(base), mesh=mesh)
+    ids = batch(size=world_size)[rank:rank + 1]  # this rank's row, whole (no CP); the loss's mean spans the world
+    local = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None],
+             "shift_labels": torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)}
+    want = cphf.causal_lm_loss(ref(**cphf.model_inputs(local)).logits, local["shift_labels"])
+    want.backward()
+    got = cphf.lm_loss(mine, local, chunk_tokens=chunk_tokens)
+    got.backward()
+    sharded = all(type(q.grad).__name__ == "DTensor" for q in mine.parameters())
+    diff = max((p.grad.full_tensor() - q.grad.full_tensor()).abs().max().item() if sharded else float("inf")
+               for p, q in zip(ref.parameters(), mine.parameters()))
+    return {"loss": abs(want.item() - got.item()), "grads": diff, "sharded": sharded}

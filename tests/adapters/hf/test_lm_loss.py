@@ -108,6 +108,14 @@ def test_with_fsdp2_over_a_mesh_equals_the_full_logits_loss(pools):
         assert r["grad_scale"] > 0 and r["value"] == results[0]["value"], f"rank {rank}: {r}"
 
 
+def test_with_fsdp2_on_the_root_alone_the_gradients_are_reduced(pools):
+    """fully_shard on the root only: its gradients reach the shards through the hooks on the model's output
+    logits, which lm_loss runs (with no gradient) though it computes the loss from the hidden states."""
+    for rank, r in enumerate(pools(2).run(lm_loss_cases.fsdp_root_only, chunk_tokens=3, timeout=180)):
+        assert r["sharded"], f"rank {rank}: the gradients never reached FSDP2's reduce-scatter: {r}"
+        assert r["loss"] < EXACT and r["grads"] < EXACT, f"rank {rank}: {r}"
+
+
 # What each kind of HEAD_TRANSFORMS does after ``logits = self.lm_head(hidden_states)``: the source lines of
 # every listed class's forward, from the decoder call to ``loss = None``, must be these.
 _PREFIX = ("hidden_states = outputs.last_hidden_state", "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
