@@ -82,7 +82,7 @@ def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> "tuple[float, float]":
 
 def compare(world_size: int, *, family: str = "llama", mode: str = "plain", layout: str = "zigzag",
             cp_comm_type: str = "p2p", mesh_shape: "tuple[int, int] | None" = None, chunk_tokens: int = 5,
-            num_items_in_batch: "int | None" = None, seq: int = SEQ, **overrides: Any) -> dict:
+            num_items_in_batch: "int | float | torch.Tensor | None" = None, seq: int = SEQ, **overrides: Any) -> dict:
     """``lm_loss`` against ``causal_lm_loss(model(**model_inputs(local)).logits, ...)`` on identical
     replicas patched over ``world_size`` loopback ranks (1: the unpatched model, ``group=None``).
 

@@ -47,7 +47,7 @@ def test_every_family_equals_the_full_logits_loss(family, overrides):
 # rank's tokens, that equal them, and that exceed them.
 BATCHES = [
     (2, "plain", "p2p", None, "zigzag", 3),
-    (2, "labels", "all_gather", None, "contiguous", 16),
+    (2, "labels", "all_gather", None, "contiguous", 32),
     (2, "padded", "a2a", None, "zigzag", 5),
     (2, "packed", "p2p", None, "interleaved", 1000),
     (4, "plain", "a2a+p2p", (2, 2), "zigzag", 7),
@@ -66,11 +66,12 @@ def test_batches_strategies_and_chunks_equal_the_full_logits_loss(world, mode, c
     _check(r, f"{world} ranks, {mode}, {comm}, chunks of {chunk}")
 
 
-@pytest.mark.parametrize("world,mode", [(1, "plain"), (1, "packed"), (2, "labels"), (4, "padded")])
-def test_num_items_in_batch_divides_the_groups_sum(world, mode):
-    """The value is the group's cross-entropy sum over n, the gradient this rank's sum over n; world 1:
-    the unpatched model with group=None."""
-    r = lm_loss_cases.compare(world, mode=mode, chunk_tokens=4, num_items_in_batch=37, seq=32)
+@pytest.mark.parametrize("world,mode,n", [(1, "plain", 37), (1, "packed", 37), (2, "labels", torch.tensor(37)),
+                                          (4, "padded", 37.5)])
+def test_num_items_in_batch_divides_the_groups_sum(world, mode, n):
+    """The value is the group's cross-entropy sum over n (an int, a tensor as the Trainer passes, a float),
+    the gradient this rank's sum over n; world 1: the unpatched model with group=None."""
+    r = lm_loss_cases.compare(world, mode=mode, chunk_tokens=4, num_items_in_batch=n, seq=32)
     _check(r, f"num_items_in_batch on {world} ranks, {mode}")
     plain = lm_loss_cases.compare(world, mode=mode, chunk_tokens=4, seq=32)
     assert abs(r["losses"][0] - plain["losses"][0]) > 1e-3, "num_items_in_batch changed nothing"
