@@ -136,7 +136,8 @@ def autocast_compare(family: str, **overrides: Any) -> dict:
     got.backward()
     rel = max(((p.grad - q.grad).abs().max() / p.grad.abs().max()).item()
               for p, q in zip(ref.parameters(), mine.parameters()))
-    return {"loss": abs(want.item() - got.item()), "grads_rel": rel, "dtypes": (got.dtype, mine.lm_head.weight.grad.dtype)}
+    return {"loss": abs(want.item() - got.item()), "grads_rel": rel,
+            "dtypes": (got.dtype, mine.lm_head.weight.grad.dtype)}
 
 
 class VocabRows(TorchDispatchMode):
@@ -200,8 +201,9 @@ def fsdp_equivalence(rank: int, world_size: int, *, chunk_tokens: int, mode: str
 
 def fsdp_root_only(rank: int, world_size: int, *, chunk_tokens: int) -> dict:
     """In a gloo worker: plain data parallelism with ``fully_shard`` on the root module alone (no CP, each
-    rank its own row, the loss's mean over the world, ``group=None``). Its gradients reach the shards only through the hooks on the model's
-    output (FSDP2's root post-backward), which lm_loss must run though it never uses those logits."""
+    rank its own row, the loss's mean over the world, ``group=None``). Its gradients reach the shards only
+    through the hooks on the model's output (FSDP2's root post-backward), which lm_loss must run though it
+    never uses those logits."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -83,8 +83,8 @@ def test_an_unpatched_model_without_a_group():
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma2_softcap", {"final_logit_softcapping": 0.5})])
 def test_under_bf16_autocast_close_to_the_full_logits_loss(family, overrides):
-    """An fp32 model under bf16 autocast: the head recomputed in backward under the forward's autocast
-    (the model's own rows still match bit for bit, or lm_loss would raise); values at bf16 precision."""
+    """An fp32 model under bf16 autocast: lm_loss's head matches the model's own rows bit for bit (or it
+    would raise), its backward sums bf16 chunk gradients into fp32 ones, and values agree at bf16 precision."""
     r = lm_loss_cases.autocast_compare(family, **overrides)
     assert r["dtypes"] == (torch.float32, torch.float32), r
     assert r["loss"] < 1e-5 and r["grads_rel"] < 2e-2, r
@@ -119,7 +119,8 @@ def test_with_fsdp2_on_the_root_alone_the_gradients_are_reduced(pools):
 
 # What each kind of HEAD_TRANSFORMS does after ``logits = self.lm_head(hidden_states)``: the source lines of
 # every listed class's forward, from the decoder call to ``loss = None``, must be these.
-_PREFIX = ("hidden_states = outputs.last_hidden_state", "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
+_PREFIX = ("hidden_states = outputs.last_hidden_state",
+           "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
            "logits = self.lm_head(hidden_states)")
 _AFTER = {
     "none": (),
