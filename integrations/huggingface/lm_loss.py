@@ -61,11 +61,13 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def head_kind(inner: torch.nn.Module) -> str:
-    """The key of :data:`HEAD_TRANSFORMS` for ``inner``'s class (an FSDP2 subclass counts as its base).
+def head_kind(model: torch.nn.Module) -> str:
+    """The key of :data:`HEAD_TRANSFORMS` for the class of ``model`` (unwrapped from DDP or torch.compile;
+    an FSDP2 subclass counts as its base), decided from the class alone: every rank decides alike.
 
     Raises ``NotImplementedError`` naming the class if its forward is not one lm_loss knows (an unlisted
     class, or a subclass that overrides ``forward``), or its output embedding is not a plain ``nn.Linear``."""
+    inner = _unwrap(model)
     cls = type(inner)
     known = next((c for c in cls.__mro__ if c.__name__ in _KIND and c.__module__.startswith("transformers.")), None)
     if known is None or cls.forward is not known.forward:
