@@ -109,8 +109,9 @@ class _Transform:
             return z * self.const
         return z
 
-    def backward(self, z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient at the head's output ``z`` from ``grad`` at the transform's (in place)."""
+    def backward(self, z: Optional[torch.Tensor], grad: torch.Tensor) -> torch.Tensor:
+        """The gradient at the head's output ``z`` (read by the softcap only) from ``grad`` at the
+        transform's (in place)."""
         if self.kind == "final_logit_softcapping":  # MulBackward, TanhBackward (1 - tanh**2), DivBackward
             slope = (z / self.const).tanh_()
             slope = slope.mul_(slope).neg_().add_(1)
@@ -132,22 +133,41 @@ def _wide(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def _chunk_sum(z: torch.Tensor, transform: _Transform, labels: torch.Tensor) -> torch.Tensor:
-    """The cross-entropy SUM of one chunk, ``z [c, V]`` the head's output, ``labels [c]``, as
-    :func:`.attention.causal_lm_loss` computes it (``IGNORE_INDEX`` ignored)."""
-    return F.cross_entropy(_wide(transform(z)), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+def _wide_logits(h: torch.Tensor, params: Sequence[torch.Tensor], transform: _Transform, keep: bool = False
+                 ) -> "tuple[Optional[torch.Tensor], torch.Tensor, torch.dtype]":
+    """One chunk's logits as :func:`.attention.causal_lm_loss` reads them, at least fp32 (bf16/fp16 upcast,
+    fp32/fp64 kept), in a tensor of their own to work on in place; with the head's output ``z`` if ``keep``
+    and the transform's backward reads it (else None, freed), and ``z``'s dtype."""
+    z = _linear(h, params)
+    wide = _wide(transform(z))  # z itself for fp32/fp64 without a transform
+    return (z if keep and transform.kind == "final_logit_softcapping" else None), wide, z.dtype
 
 
-def _chunk_grad(z: torch.Tensor, transform: _Transform, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``scale * d(chunk sum)/dz`` in ``z``'s dtype: ``softmax - onehot`` on labelled rows, 0 on the others,
-    computed in place on one wide copy (no second ``[c, V]`` gradient as autograd's log_softmax/nll make)."""
-    p = _wide(transform(z))  # z itself for fp32/fp64 without a transform: only the softcap backward reads z
+def _chunk_sum(h: torch.Tensor, params: Sequence[torch.Tensor], transform: _Transform,
+               labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy SUM of one chunk ``h [c, H]``, ``labels [c]`` (``IGNORE_INDEX`` rows count 0):
+    ``logsumexp - target`` with the logits' one wide copy turned into ``exp(x - max)`` in place (F.cross_entropy
+    would hold a second ``[c, V]`` fp32 tensor, its log-softmax)."""
+    _, p, _ = _wide_logits(h, params, transform)
+    valid = labels != IGNORE_INDEX
+    target = p.gather(1, labels.masked_fill(~valid, 0)[:, None])  # other negative labels: out of range
+    top = p.amax(-1, keepdim=True)
+    lse = p.sub_(top).exp_().sum(-1, keepdim=True).log_().add_(top)
+    return torch.where(valid, (lse - target).squeeze(1), 0).sum()
+
+
+def _chunk_grad(h: torch.Tensor, params: Sequence[torch.Tensor], transform: _Transform, labels: torch.Tensor,
+                scale: torch.Tensor) -> torch.Tensor:
+    """``scale * d(chunk sum)/dz`` for the head's output ``z`` of one chunk, in ``z``'s dtype: ``softmax -
+    onehot`` on labelled rows, 0 on the others, made in place in the logits' one wide copy (autograd's
+    log-softmax and nll backward would hold two more ``[c, V]`` fp32 tensors)."""
+    z, p, dtype = _wide_logits(h, params, transform, keep=True)
+    ignored = labels == IGNORE_INDEX
     p.sub_(p.amax(-1, keepdim=True)).exp_()
     p.div_(p.sum(-1, keepdim=True))
-    valid = labels != IGNORE_INDEX
-    p.scatter_add_(1, labels.clamp_min(0)[:, None], p.new_full((p.shape[0], 1), -1.0))
-    p.mul_((valid.to(p.dtype) * scale.to(p.dtype))[:, None])
-    return transform.backward(z, p.to(z.dtype))
+    p.scatter_add_(1, labels.masked_fill(ignored, 0)[:, None], p.new_full((p.shape[0], 1), -1.0))
+    p.mul_(scale.to(p.dtype)).masked_fill_(ignored[:, None], 0)
+    return transform.backward(z, p.to(dtype))
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -171,7 +191,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden, labels, *params)
         total = None
         for start in range(0, hidden.shape[0], chunk):
-            part = _chunk_sum(_linear(hidden[start:start + chunk], params), transform, labels[start:start + chunk])
+            part = _chunk_sum(hidden[start:start + chunk], params, transform, labels[start:start + chunk])
             total = part if total is None else total + part
         return total
 
@@ -188,7 +208,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[start:start + ctx.chunk]
                 with torch.autocast(device, dtype=dtype, enabled=enabled):
-                    dz = _chunk_grad(_linear(h, params), ctx.transform, labels[start:start + ctx.chunk], grad_total)
+                    dz = _chunk_grad(h, params, ctx.transform, labels[start:start + ctx.chunk], grad_total)
                 if want_h:
                     weight = params[0].to(dz.dtype) if weight is None else weight
                     grad_hidden[start:start + ctx.chunk] = torch.mm(dz, weight)
