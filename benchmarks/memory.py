@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     projection.add_arguments(p)
     p.add_argument("--quick", action="store_true", help="a tiny model and short lengths: a smoke test")
     p.add_argument("--json", default=None, help="write every measurement (and the setup) to this file")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="measure nothing: report the rows of these --json files (a later file's row replaces an "
+                        "earlier one's), with this command's projection settings")
 
 
 def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
@@ -261,7 +264,8 @@ def _phases(rows: "list[dict]") -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Measure every saver (spawned ranks), print the tables, the checks and the projection."""
+    """Measure every saver (spawned ranks), or read earlier measurements (``--from-json``); print the tables,
+    the checks, the goals and the projection. Returns what ``--json`` writes."""
     from benchmarks.measure import limit_malloc_caching
 
     if args.quick:  # the quick sizes, except where the command line gave its own
@@ -270,46 +274,80 @@ def run(args: argparse.Namespace) -> dict:
         for key, value in QUICK.items():
             if getattr(args, key) == defaults.get_default(key):
                 setattr(args, key, value)
+    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    if args.from_json:
+        return report(args, *_read(args))
     if "RANK" in os.environ:
         raise SystemExit("run this benchmark as a plain python script, not under torchrun: it starts its own ranks")
     for name in ("tokens", "baseline_tokens"):
         if len(getattr(args, name)) < 2 or any(t % (2 * args.cp) for t in getattr(args, name)):
             raise SystemExit(f"--{name.replace('_', '-')}: at least two lengths, each a multiple of {2 * args.cp} "
                              f"(the zigzag split at cp={args.cp}), got {getattr(args, name)}")
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
-    n_params = sum(p.numel() for p in build_model(args, args.vocab).parameters())
-    print(f"model: Llama, {n_params:,} parameters, hidden {args.hidden}, intermediate {args.intermediate}, heads "
-          f"{args.heads}/{args.kv_heads}, {args.layers} layers, vocab {args.vocab:,}, bf16, untied head; CP={args.cp} "
-          f"{args.layout} (gloo, {torch.get_num_threads()} threads here), one training step (fwd+bwd) per row; "
-          f"lm_loss chunk_tokens={args.chunk_tokens}, mlp_chunks={args.mlp_chunks}", flush=True)
     limit_malloc_caching()  # the RSS cross-check: freed blocks go back to the OS at once
     t0 = time.time()
+    _print_setup(args, "gloo" if args.device == "cpu" else "nccl")
     out = run_on_ranks(worker, args.cp, args, t0, timeout_s=3600, backend="nccl" if args.device == "cuda" else "gloo")
-    main = [r for r in out["rows"] if not r.get("vocab_check")]
+    result = report(args, out["rows"], out["cap"])
+    print(f"total {time.time() - t0:.0f} s")
+    return result
+
+
+_SHAPE = ("hidden", "intermediate", "heads", "kv_heads", "layers", "vocab", "cp", "layout", "chunk_tokens",
+          "mlp_chunks", "tokens", "device")
+
+
+def _read(args: argparse.Namespace) -> "tuple[list, Optional[dict]]":
+    """The rows of ``--from-json`` files (a later file's row replaces an earlier one's for the same saver, T,
+    vocab); the shape is the first file's."""
+    rows: dict = {}
+    cap = None
+    for i, path in enumerate(args.from_json):
+        with open(path) as f:
+            data = json.load(f)
+        if i == 0:
+            for key in _SHAPE:
+                setattr(args, key, data["setup"].get(key, getattr(args, key)))
+        for r in data["rows"]:
+            rows[(r["saver"], r["tokens"], r["vocab"], bool(r.get("vocab_check")))] = r
+        cap = data.get("cap") or cap
+    print(f"measurements read from {', '.join(args.from_json)}")
+    _print_setup(args, "gloo" if args.device == "cpu" else "nccl")
+    return list(rows.values()), cap
+
+
+def _print_setup(args: argparse.Namespace, backend: str) -> None:
+    n_params = sum(p.numel() for p in build_model(args, args.vocab).parameters())
+    args.params_count = n_params
+    print(f"model: Llama, {n_params:,} parameters, hidden {args.hidden}, intermediate {args.intermediate}, heads "
+          f"{args.heads}/{args.kv_heads}, {args.layers} layers, vocab {args.vocab:,}, bf16, untied head; CP={args.cp} "
+          f"{args.layout} ({backend}), one training step (fwd+bwd) per row; lm_loss chunk_tokens={args.chunk_tokens}, "
+          f"mlp_chunks={args.mlp_chunks}", flush=True)
+
+
+def report(args: argparse.Namespace, rows: "list[dict]", cap: Optional[dict]) -> dict:
+    """Print every table and check from measured rows; returns what ``--json`` writes."""
+    main = [r for r in rows if not r.get("vocab_check")]
     _table(main, "peak memory per saver and local tokens T")
     _phases(main)
-    rss = [r for r in main if r.get("rss_delta") is not None]
-    for r in rss:
-        print(f"\ncross-check ({r['saver']}, T={r['tokens']}): meter's peak of bytes allocated in the step "
-              f"{r['window_peak'] / MIB:.1f} MiB vs peak RSS above the step's start {r['rss_delta'] / MIB:.1f} MiB "
-              f"({(r['rss_delta'] / r['window_peak'] - 1) * 100:+.2f}%)")
     for r in main:
+        if r.get("rss_delta") is not None:
+            print(f"\ncross-check ({r['saver']}, T={r['tokens']}): the meter's peak of the bytes allocated in the step "
+                  f"{r['window_peak'] / MIB:.1f} MiB; the process's peak RSS above its RSS at the step's start "
+                  f"{r['rss_delta'] / MIB:.1f} MiB ({(r['rss_delta'] / r['window_peak'] - 1) * 100:+.2f}%)")
         if r.get("allocator_peak") is not None:  # CUDA: the allocator's own peak against the replay's
             print(f"  {r['saver']} T={r['tokens']}: max_memory_allocated {r['allocator_peak'] / MIB:.1f} MiB, "
                   f"replayed events {r['peak'] / MIB:.1f} MiB")
-    fits = projection.report(args, main, n_params)
-    checks = [r for r in out["rows"] if r.get("vocab_check")]
-    if checks:
-        projection.vocab_report(args, checks)
-    if out["cap"]:
-        c = out["cap"]
-        print(f"\nlongest local T under {c['cap_bytes'] / GIB:.3f} GiB ({c['saver']}), by the measured peak: "
-              f"{c['longest_tokens']} (global {c['longest_tokens'] * args.cp}); first over: {c['first_over']}; "
-              f"the line's guess {c['guess']}; probes (T, MiB): "
-              + ", ".join(f"({t}, {p / MIB:.1f})" for t, p in c["probes"]))
-    print(f"total {time.time() - t0:.0f} s")
-    result = {"setup": {**{k: v for k, v in vars(args).items() if k != "json"}, "params_count": n_params},
-              "rows": out["rows"], "cap": out["cap"], "fits": fits}
+    fits = projection.report(args, main, args.params_count)
+    checks = [r for r in rows if r.get("vocab_check")]
+    vocab = projection.vocab_report(args, checks) if checks else None
+    if cap:
+        print(f"\nlongest local T under {cap['cap_bytes'] / GIB:.3f} GiB ({cap['saver']}), by the measured peak: "
+              f"{cap['longest_tokens']} (global {cap['longest_tokens'] * args.cp}); first over: {cap['first_over']}; "
+              f"the line's guess {cap['guess']}; probes (T, MiB): "
+              + ", ".join(f"({t}, {p / MIB:.1f})" for t, p in cap["probes"]))
+    projection.goals(args, main, fits, vocab)
+    result = {"setup": {k: v for k, v in vars(args).items() if k not in ("json", "from_json")},
+              "rows": rows, "cap": cap, "fits": fits}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -131,18 +131,13 @@ def _ancestors(e):
         p = p.parent
 
 
-def replay(events_root: list, before: int, grad_ptrs: set, vocab: int, device: str,
-           offload_scope: str = OFFLOAD_SCOPE) -> Peak:
-    """Replay the profiler's allocation events in time order; see the module docstring.
-
-    ``events_root``: ``prof.profiler.kineto_results.experimental_event_tree()``; ``before``: bytes live when
-    profiling began (counted in every total, as ``params+grads``); ``grad_ptrs``: the data pointers of the
-    gradients after backward; ``device``: ``"cpu"`` or ``"cuda"`` (the allocations that count).
-    """
+def _forward_modules(events: list) -> "tuple[list, dict]":
+    """Every allocation event, and each op sequence number's module path (``None``: no module; ``("via",
+    n)``: an op run inside the backward of node ``n``, e.g. a custom Function's recompute)."""
     from torch._C._profiler import _EventType
 
-    allocs, seq_term, stack = [], {}, list(events_root)
-    while stack:  # every event: allocations, and the module of each forward op with a sequence number
+    allocs, seq_path, stack = [], {}, list(events)
+    while stack:
         e = stack.pop()
         stack.extend(e.children)
         if e.tag == _EventType.Allocation:
@@ -152,49 +147,60 @@ def replay(events_root: list, before: int, grad_ptrs: set, vocab: int, device: s
             seq = e.extra_fields.sequence_number
             for a in _ancestors(e):  # the nearest module range or backward node
                 if a.name.startswith(_MODULE):
-                    seq_term.setdefault(seq, a.name[len(_MODULE):])
+                    seq_path.setdefault(seq, a.name[len(_MODULE):])
                     break
                 if a.name.startswith(_BACKWARD_NODE):
-                    # an op run inside a node's backward (a custom Function's recompute): the node's module;
-                    # but not the node's own op, which carries the node's number
-                    if a.extra_fields.sequence_number != seq:
-                        seq_term.setdefault(seq, ("via", a.extra_fields.sequence_number))
+                    if a.extra_fields.sequence_number != seq:  # not the node's own op (it has the node's number)
+                        seq_path.setdefault(seq, ("via", a.extra_fields.sequence_number))
                     break
             else:
-                seq_term.setdefault(seq, None)
+                seq_path.setdefault(seq, None)
     allocs.sort(key=lambda e: (e.start_time_ns, e.id))
+    return allocs, seq_path
 
-    info = []  # (event, phase, path, term): path None for no module; term None for "decide at the end"
-    for e in allocs:
-        phase, path, term, decided, offloaded = "other", None, None, False, False
-        for a in _ancestors(e):  # innermost first: the nearest module range or backward node decides
-            if a.name.startswith(_PHASE):
-                phase = a.name[len(_PHASE):]
-            elif a.name == offload_scope:
-                offloaded = True
-            elif decided:
-                continue
-            elif a.name.startswith(_MODULE):
-                path, decided = a.name[len(_MODULE):], True
-            elif a.name.startswith(_BACKWARD_NODE):
-                decided = True
-                seq = a.extra_fields.sequence_number
-                if "AccumulateGrad" in a.name:
-                    term = "params+grads"
-                elif seq in seq_term:
-                    path = seq_term[seq]
-                    for _ in range(16):  # follow ops run inside other nodes' backward to a forward op
-                        if not isinstance(path, tuple):
-                            break
-                        path = seq_term.get(path[1])
-                    path = None if isinstance(path, tuple) else path
-                else:
-                    term = "other"  # a node whose forward op ran before the measured step
-        if offloaded or e.extra_fields.device.type != device:  # a host block of a GPU step: the host's
-            term = OFFLOADED
-        if term is None:
-            term = term_of(path) if decided or phase == "forward" else "other"
-        info.append((e, phase, path, term))
+
+def _classify(e, seq_path: dict, device: str, offload_scope: str) -> "tuple[str, Optional[str], str]":
+    """(phase, module path, term) of one allocation: the nearest module range or backward node decides."""
+    phase, path, term, decided, offloaded = "other", None, None, False, False
+    for a in _ancestors(e):  # innermost first
+        if a.name.startswith(_PHASE):
+            phase = a.name[len(_PHASE):]
+        elif a.name == offload_scope:
+            offloaded = True
+        elif decided:
+            continue
+        elif a.name.startswith(_MODULE):
+            path, decided = a.name[len(_MODULE):], True
+        elif a.name.startswith(_BACKWARD_NODE):
+            decided, seq = True, a.extra_fields.sequence_number
+            if "AccumulateGrad" in a.name:
+                term = "params+grads"
+            elif seq not in seq_path:
+                term = "other"  # a node whose forward op ran before the measured step
+            else:
+                path = seq_path[seq]
+                for _ in range(16):  # through ops run inside other nodes' backward, to a forward op
+                    if not isinstance(path, tuple):
+                        break
+                    path = seq_path.get(path[1])
+                path = None if isinstance(path, tuple) else path
+    if offloaded or e.extra_fields.device.type != device:  # a saver's copy to the host; a GPU step's host block
+        term = OFFLOADED
+    if term is None:  # no module and no node: the loss outside the model (forward), the gradient's seed (backward)
+        term = term_of(path) if decided or phase == "forward" else "other"
+    return phase, path, term
+
+
+def replay(events_root: list, before: int, grad_ptrs: set, vocab: int, device: str,
+           offload_scope: str = OFFLOAD_SCOPE) -> Peak:
+    """Replay the profiler's allocation events in time order; see the module docstring.
+
+    ``events_root``: ``prof.profiler.kineto_results.experimental_event_tree()``; ``before``: bytes live when
+    profiling began (counted in every total, as ``params+grads``); ``grad_ptrs``: the data pointers of the
+    gradients after backward; ``device``: ``"cpu"`` or ``"cuda"`` (the allocations that count).
+    """
+    allocs, seq_path = _forward_modules(events_root)
+    info = [(e, *_classify(e, seq_path, device, offload_scope)) for e in allocs]
 
     # Blocks still live at the end whose pointer is a gradient's are params+grads, wherever they came from.
     live_at_end: dict[int, int] = {}

@@ -50,7 +50,7 @@ def _tiny_llama(checkpointing: bool):
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -108,7 +108,7 @@ def _lines(alpha_vocab: float, beta_width: float, beta_ckpt: float) -> dict:
 
 
 def test_the_projection_fills_the_budget_exactly():
-    args = argparse.Namespace(gpu_gb=80.0, reserve_gib=3.0, fragmentation=0.05)
+    args = argparse.Namespace(gpu_gb=80.0, reserve_gib=3.0, fragmentation=0.05, host_gb_per_node=1e9)
     small = dict(hidden=512, layers=4)
     lines = _lines(alpha_vocab=3e8, beta_width=2000.0, beta_ckpt=4096.0)
     for saver, ckpt_scale in (("checkpoint", 8 * 32 / 4), ("all", 8)):
@@ -122,3 +122,14 @@ def test_the_projection_fills_the_budget_exactly():
     assert projection.project(lines, "all", "Llama-3-8B", 8, small, args)["states"] == 0
     assert projection.project(lines, "checkpoint", "Llama-3-8B", 8, small, args)["states"] == \
         pytest.approx(16 * 8_030_261_248 / 8)
+
+
+def test_the_host_binds_when_the_offloaded_checkpoints_do_not_fit_it():
+    args = argparse.Namespace(gpu_gb=80.0, reserve_gib=3.0, fragmentation=0.05, host_gb_per_node=800.0)
+    lines = _lines(alpha_vocab=3e8, beta_width=2000.0, beta_ckpt=4096.0)
+    lines["backward head+loss"]["offloaded (host)"] = (0.0, 4096.0)  # 4 layers x 512 x 2 bytes per token
+    p = projection.project(lines, "all", "Llama-3-8B", 8, dict(hidden=512, layers=4), args)
+    host_per_token = 4096.0 * 8 * 32 / 4  # 32 layers x 4096 x 2 bytes
+    assert p["region"] == "host memory"
+    assert p["host_per_gpu"] == pytest.approx(800e9 / 8)
+    assert p["tokens_per_gpu"] == pytest.approx((800e9 / 8 - 16 * 8_030_261_248 / 8) / host_per_token)
