@@ -167,7 +167,9 @@ def _chunk_grad(h: torch.Tensor, params: Sequence[torch.Tensor], transform: _Tra
     p.div_(p.sum(-1, keepdim=True))
     p.scatter_add_(1, labels.masked_fill(ignored, 0)[:, None], p.new_full((p.shape[0], 1), -1.0))
     p.mul_(scale.to(p.dtype)).masked_fill_(ignored[:, None], 0)
-    return transform.backward(z, p.to(dtype))
+    grad = p.to(dtype)
+    del p  # (unless it is grad itself) before the softcap's backward makes its [c, V] slope
+    return transform.backward(z, grad)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
