@@ -326,7 +326,7 @@ def _print_setup(args: argparse.Namespace, backend: str) -> None:
 
 def report(args: argparse.Namespace, rows: "list[dict]", cap: Optional[dict]) -> dict:
     """Print every table and check from measured rows; returns what ``--json`` writes."""
-    main = [r for r in rows if not r.get("vocab_check")]
+    main = sorted((r for r in rows if not r.get("vocab_check")), key=lambda r: (SAVERS.index(r["saver"]), r["tokens"]))
     _table(main, "peak memory per saver and local tokens T")
     _phases(main)
     for r in main:

@@ -86,9 +86,12 @@ def _ab(v1: float, v2: float, t1: int, t2: int) -> "tuple[float, float]":
     return v1 - b * t1, b
 
 
-def fit(rows: "list[dict]") -> dict:
-    """Per region, per term lines through the first two rows (by T) of one saver."""
-    r1, r2 = sorted(rows, key=lambda r: r["tokens"])[:2]
+def fit(rows: "list[dict]", longest: bool = False) -> dict:
+    """Per region, per term lines through two rows of one saver: the two shortest (the check: they predict
+    the longer ones), or with ``longest`` the two longest (the projection: what is live at a region's peak
+    settles as T grows, e.g. the loss's fixed chunk stops mattering)."""
+    ordered = sorted(rows, key=lambda r: r["tokens"])
+    r1, r2 = ordered[-2:] if longest else ordered[:2]
     return {reg: _term_lines(r1, r2, reg) for reg in r1["regions"] if reg in r2["regions"]}
 
 
@@ -164,14 +167,19 @@ def report(args: argparse.Namespace, rows: "list[dict]", n_params: int) -> dict:
         own = sorted((r for r in rows if r["saver"] == saver), key=lambda r: r["tokens"])
         if len(own) < 2:
             continue
-        fits[saver] = lines = fit(own)
+        lines = fit(own)
+        fits[saver] = fit(own, longest=True)
         _, region, a, b = predict(lines, saver, own[0]["tokens"])
-        print(f"  {saver:<11} per token {b:,.0f} B (at its peak region, {region}), fixed {a / MIB:,.1f} MiB")
+        print(f"  {saver:<11} T={own[0]['tokens']} and {own[1]['tokens']}: per token {b:,.0f} B (at its peak region, "
+              f"{region}), fixed {a / MIB:,.1f} MiB")
         for r in own[2:]:
             p = predict(lines, saver, r["tokens"])[0]
             print(f"    T={r['tokens']}: predicted {p / MIB:,.1f} MiB, measured {r['peak'] / MIB:,.1f} MiB "
                   f"({(p / r['peak'] - 1) * 100:+.2f}%)")
-    print(f"\nprojection: GPU {args.gpu_gb:g} GB; reserve {args.reserve_gib:g} GiB (CUDA context, NCCL buffers) + "
+    print("\nprojection: from the lines through each saver's two longest lengths (" + ", ".join(
+        f"{s} {sorted(r['tokens'] for r in rows if r['saver'] == s)[-2]}/"
+        f"{max(r['tokens'] for r in rows if r['saver'] == s)}" for s in fits) + ")")
+    print(f"  GPU {args.gpu_gb:g} GB; reserve {args.reserve_gib:g} GiB (CUDA context, NCCL buffers) + "
           f"{args.fragmentation:.0%} of the GPU (fragmentation); CP and FSDP2 over every GPU, bf16 compute, AdamW; "
           f"the optimizer offloaded (FSDP2 CPUOffloadPolicy) for {', '.join(OFFLOADING)}")
     print("  T_max per GPU = (budget - states - buffers - alpha) / beta, the smallest over the regions of the step;"
@@ -190,17 +198,19 @@ def report(args: argparse.Namespace, rows: "list[dict]", n_params: int) -> dict:
                       f"{p['states'] / GB:>10.1f}{p['buffers'] / GB:>11.1f}{p['alpha'] / GB:>9.2f}"
                       f"{p['beta'] / 1e3:>12.1f}{p['host_per_node'] / GB:>13.0f}  {p['region']} / "
                       f"{ALST[(model, gpus)]}")
-    print("  the per-token bytes of the binding region on 8 GPUs, by term (KB per token, scaled to the target):")
+    print("  what is live at the binding region's peak on 8 GPUs, at each saver's longest T, by term (KB per token "
+          "of T, scaled to the target; params+grads left out):")
     for model in MODELS:
         for saver in fits:
-            if saver == "projection":
-                continue
-            p = next(q for q in table if q["model"] == model and q["saver"] == saver)
-            terms = fits[saver].get(p["region"])
-            if terms:
+            p = next(q for q in table if q["model"] == model and q["saver"] == saver and q["gpus"] == args.gpus[0])
+            longest = max((r for r in rows if r["saver"] == saver), key=lambda r: r["tokens"])
+            snap = longest["regions"].get(p["region"])
+            if snap:
                 sc = _scales(saver, p["r"], p["lam"])
-                parts = sorted(((t, ab[1] * sc.get(t, 1.0)) for t, ab in terms.items()
-                                if t not in (OFFLOADED, "params+grads") and abs(ab[1]) > 0.5), key=lambda x: -x[1])
+                terms = dict(snap["terms"], vocab=snap["vocab_bytes"])
+                terms["logits/loss"] = terms.get("logits/loss", 0) - snap["vocab_bytes"]
+                parts = sorted(((t, b * sc.get(t, 1.0) / longest["tokens"]) for t, b in terms.items()
+                                if t not in (OFFLOADED, "params+grads") and b > 0), key=lambda x: -x[1])
                 print(f"    {model:<12}{saver:<11}{p['region']:<20}" + ", ".join(f"{t} {b / 1e3:.1f}" for t, b in parts))
     fits["projection"] = table
     return fits
