@@ -122,6 +122,7 @@ class Peak:
     allocator_peak: Optional[int] = None  # CUDA: max_memory_allocated (the replay is checked against it)
     events: int = 0
     top: list = field(default_factory=list)  # the largest (term, op, bytes, blocks) groups live at the peak
+    top_layers: list = field(default_factory=list)  # the same at the peak of the layers' backward
 
 
 def _ancestors(e):
@@ -247,6 +248,9 @@ def replay(events_root: list, before: int, grad_ptrs: set, vocab: int, device: s
             best.regions[region] = Snapshot(device_now, dict(totals), vocab_live)
     best.events = len(info)
     best.top = _top_at(info, best.peak, before)
+    layers = [k for k in best.regions if k.startswith("backward layer")]
+    if layers:  # the layers' backward: what binds at a wider model once the loss is chunked
+        best.top_layers = _top_at(info, max(best.regions[k].total for k in layers), before)
     return best
 
 
