@@ -337,6 +337,11 @@ def report(args: argparse.Namespace, rows: "list[dict]", cap: Optional[dict]) ->
         if r.get("allocator_peak") is not None:  # CUDA: the allocator's own peak against the replay's
             print(f"  {r['saver']} T={r['tokens']}: max_memory_allocated {r['allocator_peak'] / MIB:.1f} MiB, "
                   f"replayed events {r['peak'] / MIB:.1f} MiB")
+    for saver in dict.fromkeys(r["saver"] for r in main):  # what binds a wider model: the layers' backward
+        longest = max((r for r in main if r["saver"] == saver), key=lambda r: r["tokens"])
+        if longest.get("top_layers"):
+            print(f"\n{saver}, T={longest['tokens']}: the largest groups live at the layers' backward peak (MiB):\n  "
+                  + "; ".join(f"{t} {b / MIB:.1f} ({op})" for t, op, b, _n in longest["top_layers"][:6]))
     fits = projection.report(args, main, args.params_count)
     checks = [r for r in rows if r.get("vocab_check")]
     vocab = projection.vocab_report(args, checks) if checks else None
