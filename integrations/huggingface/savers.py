@@ -7,8 +7,10 @@ Three savers, for the activations that grow with the sequence (see ``cp_attentio
   layer keeps only its input (``S x hidden``) and runs again in backward;
 - ``checkpoint="offload"``: the same, and that input waits in (pinned) host memory between the forward
   and the backward, copied out on a side stream with no host sync (``memory.offload_checkpoint``);
-- ``mlp_chunks=n``: ALST's TiledMLP: each decoder layer's MLP runs over ``n`` chunks of the sequence, and
-  only its input is kept for the backward, which recomputes it chunk by chunk (``memory.tiled_apply``).
+- ``mlp_chunks=n``: ALST's TiledMLP: each decoder layer's MLP, and its RMSNorms, run over ``n`` chunks of the
+  sequence, and only their input is kept for the backward, which recomputes them chunk by chunk
+  (``memory.tiled_apply``). HF's RMSNorms upcast to fp32 and save that; their backward makes several more
+  fp32 copies of the whole local sequence: with the other savers on, the largest block of a layer's backward.
 """
 
 from __future__ import annotations
@@ -83,14 +85,14 @@ def _mlp_problem(layer: torch.nn.Module, recorded: dict[type, str]) -> Optional[
 
 
 def _tiled_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A tiled MLP's forward: its former forward over ``self._cp_mlp_chunks`` sequence chunks."""
+    """A tiled MLP's (or RMSNorm's) forward: its former forward over ``self._cp_mlp_chunks`` sequence chunks."""
     inner = getattr(self, _INNER) or types.MethodType(type(self).forward, self)
     # the parameters now (FSDP2: the unsharded ones, the same objects its backward unshards again)
     return tiled_apply(inner, hidden_states, tuple(self.parameters()), getattr(self, _CHUNKS), dim=-2,
                        name=f"{type(self).__name__}.forward")
 
 
-def _set_mlp_chunks(mlp: torch.nn.Module, chunks: Optional[int]) -> None:
+def _set_chunks(mlp: torch.nn.Module, chunks: Optional[int]) -> None:
     tiled = _CHUNKS in mlp.__dict__
     if chunks is None:
         if tiled:
@@ -127,7 +129,7 @@ def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
     ``checkpoint``: ``True`` recomputes each decoder layer in backward (transformers' activation
     checkpointing, non-reentrant); ``"offload"`` also keeps each layer's saved input in pinned host memory
     until its recompute (CUDA: copies on a side stream, no host sync; on the CPU a plain copy);
-    ``False`` turns checkpointing off. ``mlp_chunks``: run each decoder layer's MLP over that many chunks
+    ``False`` turns checkpointing off. ``mlp_chunks``: run each decoder layer's MLP and RMSNorms over that many chunks
     of the sequence, keeping only its input for the backward (ALST's TiledMLP); ``None``: untiled.
 
     Each call states the whole set: ``save_memory(model, checkpoint=False)`` leaves no saver on (nor a
@@ -163,7 +165,30 @@ def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
             for layer in layers:
                 layer._gradient_checkpointing_func = offload_checkpoint
     for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        if isinstance(mlp, torch.nn.Module):
-            _set_mlp_chunks(mlp, mlp_chunks)
+        for module in _per_token_parts(layer):
+            _set_chunks(module, mlp_chunks)
     return model
+
+
+def _fp32_weight(cls: type) -> bool:
+    """Whether a norm class casts its weight to fp32 in forward (Gemma's ``1 + self.weight.float()``): its
+    weight's gradient is then an fp32 sum over the tokens, which chunks would round differently (1e-7
+    relative even in an fp64 model), so such a norm stays whole."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True  # unknown: keep it whole
+    return re.search(r"self\.weight\.(float\(|to\(torch\.float32)", source) is not None
+
+
+def _per_token_parts(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The parts of a decoder layer ``mlp_chunks`` runs over sequence chunks: its ``mlp`` and its own
+    RMSNorms (direct children; HF's upcast their input to fp32 and save it, and their backward makes
+    several more fp32 copies: at Llama-3-8B's width the largest block of a layer's backward once the
+    other savers are on). Both treat each token alone, so their chunks are exact."""
+    parts = [m for m in layer.children() if type(m).__name__.endswith("RMSNorm") and not _fp32_weight(type(m))]
+    mlp = getattr(layer, "mlp", None)
+    return parts + [mlp] if isinstance(mlp, torch.nn.Module) else parts

@@ -108,7 +108,7 @@ def test_re_calling_switches_and_undoes():
     cphf.save_memory(saved, mlp_chunks=4)
     twin = copy.deepcopy(saved)
     assert all(m.forward.__self__ is m for m in twin.modules() if "forward" in m.__dict__)
-    assert sum("forward" in m.__dict__ for m in twin.modules()) == 2  # the two layers' MLPs
+    assert sum("forward" in m.__dict__ for m in twin.modules()) == 6  # the two layers' MLPs and 2 RMSNorms each
 
 
 def test_refusals_change_nothing():
@@ -151,3 +151,37 @@ def test_an_mlp_that_returns_more_than_one_tensor_is_refused_at_its_first_call()
     cphf.save_memory(model, checkpoint=False, mlp_chunks=2)
     with pytest.raises(TypeError, match="PairMLP.forward returned tuple, not one tensor"):
         model(input_ids=make_batch("plain", "llama")["input_ids"])
+
+
+def test_mlp_chunks_tile_the_norms_so_no_fp32_copy_of_the_sequence_is_saved():
+    """HF's RMSNorm upcasts its input to fp32 and saves it (and more fp32 copies in backward); tiled with
+    the MLP, a bf16 layer saves no fp32 tensor of the whole local sequence. Gemma's norms, which sum their
+    weight's gradient in fp32, stay whole (chunks would round that sum differently)."""
+    from cp_attention.integrations import huggingface as cphf
+    from cp_attention.integrations.huggingface.savers import _per_token_parts
+
+    def saved_fp32_rows(model, ids):
+        """The sequence length of every fp32 [..., seq, hidden] tensor a decoder layer saves."""
+        rows, inside = [], []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *a: inside.append(1))
+            layer.register_forward_hook(lambda *a: inside.pop() and None)
+
+        def pack(t):
+            if inside and t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] == model.config.hidden_size:
+                rows.append(t.shape[-2])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
+        return rows
+
+    torch.manual_seed(0)
+    model = build("llama").to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 32))
+    assert 32 in saved_fp32_rows(model, ids)  # whole-sequence fp32 saves without the saver
+    cphf.save_memory(model, checkpoint=False, mlp_chunks=4)
+    assert 32 not in saved_fp32_rows(model, ids)
+    gemma = build("gemma2")
+    names = [type(m).__name__ for layer in gemma.model.layers for m in _per_token_parts(layer)]
+    assert names and all(not n.endswith("RMSNorm") for n in names), names
