@@ -73,6 +73,10 @@ NOT_RUN: dict[str, str] = {
     "python examples/pretrain_megatron.py": _EXAMPLE,
     "python examples/pretrain_megatron.py --world-size 4 --tp-size 2 --layout interleaved": _EXAMPLE,
     "torchrun --nproc-per-node=2 examples/pretrain_megatron.py": f"{_TORCHRUN}; {_EXAMPLE}",
+    # docs/guides/memory.md (and training.md, trainer.md)
+    "python scripts/train.py trainer.activation_checkpointing=offload trainer.mlp_chunks=4": _TRAIN,
+    "python scripts/train.py trainer.fsdp=true trainer.offload_optimizer=true": _TRAIN,
+    "python examples/finetune_trainer.py --activation-checkpointing offload --mlp-chunks 4": f"{_TORCHRUN}; {_EXAMPLE}",
     # docs/guides/layouts.md
     "python benchmarks/layout_comparison/run.py": "the full layout comparison: minutes on 2 cores",
     "python benchmarks/layout_comparison/run.py experiment=smoke measure.world_sizes=[1,2,4] out_dir=results/layouts":
