@@ -48,9 +48,8 @@ from cp_attention.transport import transport_for
 
 from .attention import apply_context_parallel, gather_sequence
 from .batch import model_inputs, shard_batch
-from .savers import check_savers
 from .lm_loss import head_kind, lm_loss
-from .savers import save_memory
+from .savers import check_savers, save_memory
 from .trainer_eval import EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, world_gathers
 
 __all__ = ["context_parallel_trainer"]
