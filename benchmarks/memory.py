@@ -10,6 +10,7 @@ Llama-3-8B but 1/8 as wide (hidden 512, intermediate 1792, 8/2 heads of 64, voca
   checkpoint    lm_loss + ``cphf.save_memory(model, checkpoint=True)``
   offload       lm_loss + ``save_memory(model, checkpoint="offload")``
   mlp_chunks    lm_loss + ``save_memory(model, checkpoint=False, mlp_chunks=M)``
+  on_device     lm_loss + ``save_memory(model, checkpoint=True, mlp_chunks=M)``: every saver but the offloads
   all           lm_loss + ``save_memory(model, checkpoint="offload", mlp_chunks=M)``
 
 The peak is the peak of live tensor bytes through the allocator (``benchmarks/peak.py``: the profiler's
@@ -53,7 +54,7 @@ from cp_attention.launch import run_on_ranks
 __all__ = ["SAVERS", "add_arguments", "build_model", "measure_one", "worker", "run"]
 
 GIB = 1024 ** 3
-SAVERS = ("baseline", "lm_loss", "checkpoint", "offload", "mlp_chunks", "all")
+SAVERS = ("baseline", "lm_loss", "checkpoint", "offload", "mlp_chunks", "on_device", "all")
 # The quick smoke run: the same shape 1/8 as wide again, and a small vocab.
 QUICK = {"hidden": 64, "intermediate": 224, "heads": 8, "kv_heads": 2, "vocab": 4096, "layers": 2,
          "tokens": [256, 512, 1024], "baseline_tokens": [256, 512, 1024], "chunk_tokens": 128, "vocab_check": 256,
@@ -107,6 +108,7 @@ def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
 def _saver_kwargs(saver: str, args: argparse.Namespace) -> Optional[dict]:
     return {"checkpoint": dict(checkpoint=True, mlp_chunks=None), "offload": dict(checkpoint="offload", mlp_chunks=None),
             "mlp_chunks": dict(checkpoint=False, mlp_chunks=args.mlp_chunks),
+            "on_device": dict(checkpoint=True, mlp_chunks=args.mlp_chunks),
             "all": dict(checkpoint="offload", mlp_chunks=args.mlp_chunks)}.get(saver)
 
 
