@@ -6,7 +6,7 @@ Build one :func:`plan` per batch and pass it to every layer's call.
 
 ``cp_comm_type`` picks how K/V travel (the ring, all-gather, Ulysses all-to-all, or both on a 2-D mesh).
 
-The rooms, from the bottom up: ``kernels`` and ``transport``, ``layouts``, ``schedules``, ``checks``,
+The rooms, from the bottom up: ``kernels``, ``transport`` and ``memory``, ``layouts``, ``schedules``, ``checks``,
 ``engine``, ``strategies``; then this API, the adapters (``integrations``) and ``training``. The
 benchmarks and examples live outside the package, in ``benchmarks/`` and ``examples/`` of a checkout.
 """
