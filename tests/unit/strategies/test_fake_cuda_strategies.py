@@ -15,7 +15,7 @@ from cp_attention.engine.function import AttentionFunction
 
 from tests.support.fake_cuda_support import ManualRingFunction, phase, tape
 from tests.support.strides import restride
-from tests.unit.kernels.test_fake_cuda import check_clean, env  # noqa: F401 - env is the module's fixture
+from tests.support.fake_cuda_cases import check_clean, env  # noqa: F401 - env: the fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
