@@ -16,8 +16,8 @@ from __future__ import annotations
 from .api import plan, ring_attention
 from .engine.plan import AttentionPlan
 from .kernels import KERNEL_NAMES, get_kernel
-from .layouts import (LAYOUT_NAMES, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout, document_position_ids,
-                      get_layout, pad_cu_seqlens, register_layout)
+from .layouts import (LAYOUT_NAMES, BalancedLayout, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout,
+                      document_position_ids, get_layout, pad_cu_seqlens, register_layout)
 from .schedules import BlockTask, get_schedule, rank_plan, register_schedule, ring_length, work_model
 from .strategies import CP_COMM_TYPES, check_comm_type_name
 
@@ -33,6 +33,7 @@ __all__ = [
     "ContiguousLayout",
     "ZigzagLayout",
     "InterleavedLayout",
+    "BalancedLayout",
     "LAYOUT_NAMES",
     "KERNEL_NAMES",
     "CP_COMM_TYPES",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from .balanced import BalancedLayout
 from .base import Layout
 from .builtin import ContiguousLayout, InterleavedLayout, ZigzagLayout
 
@@ -76,6 +77,6 @@ def layout_schedule(layout: "str | Layout") -> Optional[Callable]:
     return _SCHEDULES.get(get_layout(layout).name)
 
 
-for _builtin in (ContiguousLayout(), ZigzagLayout(), InterleavedLayout()):
+for _builtin in (ContiguousLayout(), ZigzagLayout(), InterleavedLayout(), BalancedLayout()):
     register_layout(_builtin)
 LAYOUT_NAMES: tuple[str, ...] = layout_names()  # the built-in layouts

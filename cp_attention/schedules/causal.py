@@ -95,5 +95,5 @@ def rank_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, 
 
 
 for _name, _fn in (("contiguous", contiguous_schedule), ("zigzag", zigzag_schedule),
-                   ("interleaved", interleaved_schedule)):
+                   ("interleaved", interleaved_schedule), ("balanced", zigzag_schedule)):
     register_layout(get_layout(_name), schedule=_fn)

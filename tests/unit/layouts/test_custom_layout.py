@@ -33,7 +33,7 @@ def test_it_resolves_by_name_and_alias_and_holds_the_reversed_zigzag_chunks():
             assert torch.equal(lay.positions(8 * n, r, n), zig.positions(8 * n, n - 1 - r, n))
     with pytest.raises(ValueError, match=r"reversed_zigzag layout needs seq_len divisible by 2\*world_size=6"):
         lay.check(9, 3)
-    assert cpa.LAYOUT_NAMES == ("contiguous", "zigzag", "interleaved")  # the built-ins are unchanged
+    assert cpa.LAYOUT_NAMES == ("contiguous", "zigzag", "interleaved", "balanced")  # the built-ins are unchanged
 
 
 def test_registration_is_idempotent_and_refuses_a_taken_name():

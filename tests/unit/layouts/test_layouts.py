@@ -13,7 +13,7 @@ def owner(layout: str, t: int, seq_len: int, n: int) -> int:
     """Which rank holds global token t, written from docs/design.md's table, not from the library."""
     if layout == "contiguous":
         return t // (seq_len // n)
-    if layout == "zigzag":
+    if layout in ("zigzag", "balanced"):  # balanced is zigzag without packed documents
         chunk = t // (seq_len // (2 * n))
         return chunk if chunk < n else 2 * n - 1 - chunk
     return t % n
