@@ -1,0 +1,117 @@
+"""Needs-only traffic: which K/V rows each rank needs from each other rank, derived from positions.
+
+At ring step ``s`` rank ``r`` computes against the K/V shard of rank ``j = (r - s) mod N``. It needs
+only the rows of that shard some query of its own can see: same document, inside the window, not in
+the future when causal. Both sides know the rows from the layout's positions and the mask alone, so
+the sender sends exactly them (rank ``j`` to rank ``j + s``, ``hop = s``) and the receiver knows how
+many arrive: no size handshake, no host sync, and a step where nothing is needed sends nothing. A
+document wholly on one rank never travels. dK/dV partials go home the same way, row for row.
+
+Everything here is vectorised index math on positions (no blocks are needed), the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..layouts.base import Layout
+from ..layouts.documents import check_cu_seqlens
+from ..layouts.registry import get_layout
+from .blocks import increasing_positions
+from .derived import ring_length
+from .windows import Window, normalize_window
+
+__all__ = ["StepRows", "needed_keys", "rank_traffic", "traffic_model", "ring_steps"]
+
+
+def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal: bool,
+                window: Optional[Window]) -> torch.Tensor:
+    """``[len(kpos)]`` bool: which keys at packed-stream positions ``kpos`` some query at positions
+    ``qpos`` (increasing) sees, for documents ``cu`` (a LongTensor ``[0, ..., T]``), ``causal`` and the
+    normalised ``window`` (None: unbounded; else flash-attn's ``(left, right)``, -1 unbounded).
+
+    Query ``i`` sees key ``k`` iff both lie in one document, ``i - left <= k <= i + right`` and, when
+    causal, ``k <= i``: so key ``k`` is needed iff some query lies in ``[lower, upper]`` below.
+    """
+    if qpos.numel() == 0 or kpos.numel() == 0:
+        return torch.zeros(kpos.numel(), dtype=torch.bool)
+    doc = torch.searchsorted(cu, kpos, right=True) - 1
+    lower, upper = cu[doc], cu[doc + 1] - 1
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        lower = torch.maximum(lower, kpos)
+    elif right >= 0:
+        lower = torch.maximum(lower, kpos - right)
+    if left >= 0:
+        upper = torch.minimum(upper, kpos + left)
+    first = torch.searchsorted(qpos, lower)
+    found = first < qpos.numel()
+    return found & (qpos[first.clamp(max=qpos.numel() - 1)] <= upper)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One rank's traffic at one ring step ``s >= 1``: ``recv`` the rows of the held shard (rank
+    ``r - s``'s) it needs, ``send`` the rows of its own shard rank ``r + s`` needs; both increasing
+    LongTensors of local row indices (host)."""
+
+    recv: torch.Tensor
+    send: torch.Tensor
+
+
+def _all_positions(layout: Layout, world_size: int, total: int, cu: "tuple[int, ...] | None") -> list[torch.Tensor]:
+    what = "needs-only traffic"
+    return [increasing_positions(layout, total, r, world_size, cu, what) for r in range(world_size)]
+
+
+def ring_steps(layout: "str | Layout", causal: bool, total: int, world_size: int, cu_seqlens=None,
+               window_size=None) -> int:
+    """How many ring steps a plan runs (see :func:`~.derived.ring_length`)."""
+    return ring_length(layout, causal, total, world_size, window_size, cu_seqlens)
+
+
+def rank_traffic(layout: "str | Layout", causal: bool, world_size: int, total: int,
+                 cu_seqlens: "tuple[int, ...] | None", window: Optional[Window], rank: int, steps: int
+                 ) -> tuple[Optional[StepRows], ...]:
+    """``rows[s]`` for ``s < steps``: this ``rank``'s :class:`StepRows` at each ring step (None at
+    step 0, where the own shard is used). ``cu_seqlens`` checked (None: one sequence), ``window``
+    normalised. Raises ``NotImplementedError`` for a layout whose positions do not increase."""
+    lay = get_layout(layout)
+    pos = _all_positions(lay, world_size, total, cu_seqlens)
+    cu = torch.tensor(cu_seqlens if cu_seqlens is not None else (0, total))
+    rows: list[Optional[StepRows]] = [None]
+    for s in range(1, steps):
+        src, dst = (rank - s) % world_size, (rank + s) % world_size
+        recv = torch.nonzero(needed_keys(pos[rank], pos[src], cu, causal, window)).flatten()
+        send = torch.nonzero(needed_keys(pos[dst], pos[rank], cu, causal, window)).flatten()
+        rows.append(StepRows(recv, send))
+    return tuple(rows)
+
+
+def traffic_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
+                  window_size=None, needs_only: bool = True) -> list[list[int]]:
+    """K/V rows each rank receives per ring step, ``rows[rank][step]`` (step 0: 0, the own shard), as
+    the engine sends them: only the needed rows (``needs_only``), or whole shards (every step the ring
+    runs). Multiply by the bytes of a K and a V row for the forward's K/V bytes; the backward receives
+    the same rows again but the last step's (kept from the forward) and sends as many dK/dV rows (in
+    the accumulator's dtype) home.
+
+    Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks, for bad
+    ``cu_seqlens`` or ``window_size``.
+    """
+    lay = get_layout(layout)
+    lay.check(seq_len, world_size)
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, total=seq_len)
+    window = normalize_window(window_size, causal, seq_len, cu)
+    steps = ring_steps(lay, causal, seq_len, world_size, cu, window_size)
+    n = seq_len // world_size
+    if not needs_only:
+        return [[0] + [n] * (steps - 1) + [0] * (world_size - steps) for _ in range(world_size)]
+    pos = _all_positions(lay, world_size, seq_len, cu)
+    bounds = torch.tensor(cu if cu is not None else (0, seq_len))
+    return [[0] + [int(needed_keys(pos[r], pos[(r - s) % world_size], bounds, bool(causal), window).sum())
+                   for s in range(1, steps)] + [0] * (world_size - steps) for r in range(world_size)]
+
