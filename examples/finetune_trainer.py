@@ -15,6 +15,7 @@ Run without torchrun, it starts itself under torchrun with --nproc ranks (gloo o
     python examples/finetune_trainer.py                         # 2 ranks: dp=1 x cp=2
     python examples/finetune_trainer.py --nproc 4 --cp-size 2   # dp=2 x cp=2
     python examples/finetune_trainer.py --packing               # DataCollatorWithFlattening
+    python examples/finetune_trainer.py --packing --layout balanced   # documents placed per batch
     python examples/finetune_trainer.py --sft                   # TRL's SFTTrainer with packing
     python examples/finetune_trainer.py --activation-checkpointing offload --mlp-chunks 4
 """
@@ -47,7 +48,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="ranks torchrun starts (when not under torchrun already)")
     p.add_argument("--cp-size", type=int, default=None,
                    help="context-parallel group size (default: every rank); dp = ranks / cp-size")
-    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--layout", default="zigzag",
+                   help="contiguous, zigzag, interleaved or balanced (with --packing or --sft: placed per batch from its documents)")
     p.add_argument("--cp-comm-type", default="p2p", choices=[n for n in CP_COMM_TYPES if n != "a2a+p2p"],
                    help="how K/V travel (the Trainer's CP group is one level: no a2a+p2p)")
     p.add_argument("--seq-len", type=int, default=256)

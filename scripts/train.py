@@ -4,6 +4,7 @@
     python scripts/train.py                                   # 2 gloo ranks spawned here, cp_size=2
     python scripts/train.py layout=interleaved trainer.steps=200
     python scripts/train.py -m layout=contiguous,zigzag,interleaved
+    python scripts/train.py layout=balanced data.packing=true   # packed documents placed per batch
     torchrun --nproc-per-node=4 scripts/train.py cp_size=2    # dp=2 x cp=2 (NCCL on GPU, gloo on CPU)
     torchrun --nproc-per-node=8 scripts/train.py cp_size=4 trainer.device=cuda trainer.precision=bf16
 

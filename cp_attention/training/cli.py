@@ -25,7 +25,8 @@ def example_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="auto: nccl on cuda, gloo on cpu")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="bf16: forward and loss under torch.autocast(bfloat16), fp32 weights (cpu too: slow)")
-    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--layout", default="zigzag",
+                   help="contiguous, zigzag, interleaved or balanced (per batch from packed documents; zigzag without), or a registered layout")
     p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
     p.add_argument("--cp-comm-type", default="p2p",
                    help="how K/V travel: p2p (the ring), all_gather, a2a (Ulysses), a2a+p2p (with --cp-a2a-size), auto")

@@ -43,6 +43,11 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
     A plain batch whose length the layout cannot split (``seq`` not a multiple of its divisor) is
     packed too, each row one document, so no length is refused.
 
+    A packed or padded batch is sharded with its stream's documents (``layout.shard(..., cu_seqlens=cu)``),
+    so a per-batch layout such as ``"balanced"`` places each batch's documents anew; gather its outputs
+    with the same boundaries (``gather_sequence(..., cu_seqlens=local["cu_seq_lens_q"])``). Without
+    documents ``"balanced"`` is zigzag.
+
     Raises ``ValueError`` for ``input_ids`` that are not
     ``[batch, seq]``, ``labels``, ``attention_mask`` (0/1 values) or ``position_ids`` that do not fit
     them, for non-contiguous padding, for packed ``position_ids`` that do not count 0, 1, 2, ... within

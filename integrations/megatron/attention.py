@@ -1,7 +1,8 @@
 """Megatron-core glue: ring attention in the ``core_attention`` slot of a GPT layer, for every layout.
 
 megatron-core's local ``DotProductAttention`` refuses context parallelism and TransformerEngine's
-offers the zigzag layout only. This adapter gives Megatron models all three layouts, with or
+offers the zigzag layout only. This adapter gives Megatron models every layout (contiguous, zigzag,
+interleaved, and the per-batch ``"balanced"``, placed from each packed batch's documents), with or
 without TransformerEngine:
 
 1. build the model from a spec whose ``core_attention`` is :class:`RingDotProductAttention`
