@@ -7,12 +7,20 @@ workload's pair counts are cached; nothing loops over tokens).
 - compute: attention's matmul FLOPs (:func:`matmul_flops`: ``2(D + Dv)`` per (query, key) pair and
   query head forward, ``2(3D + 2Dv)`` backward, as benchmarks/layout_comparison/analysis.py projects
   the ring) at ``Hardware.flops``, plus ``Hardware.kernel_call_s`` per kernel call. The ring and
-  all-gather are bound by the busiest rank: exact in closed form for ``contiguous`` (any mask, packed
-  documents, windows) and for the causal ``zigzag``/``interleaved`` rules without documents or a
-  window; with documents or a window those two spread every document over every rank, so they count
-  as balanced. All-to-all splits heads, so it is balanced.
+  all-gather are bound by the busiest rank: with packed documents exact for every layout whose
+  positions increase (each rank's pairs from its positions, :mod:`.batch_model`); else exact in
+  closed form for ``contiguous`` (any mask, windows) and for the causal ``zigzag``/``interleaved``
+  rules; zigzag and interleaved under a window count as balanced. All-to-all splits heads, so it is
+  balanced.
 - communication: the bytes each strategy's execution sends (see :mod:`.composite`, :mod:`.alltoall`):
-  the ring overlaps its hops with its steps' compute; all-gather and all-to-all do not. A window
+  the ring overlaps its hops with its steps' compute; all-gather and all-to-all do not. The ring and
+  the all-gather send only the K/V rows a rank needs, and their dK/dV partials home
+  (:mod:`cp_attention.schedules.needs`, counted from the batch's positions by :mod:`.batch_model`): a
+  ring step costs the most rows any rank receives at it, and a step nobody needs anything at costs
+  nothing; ``comm_bytes`` is the most one rank sends (``extra["rank_bytes"]``: every rank's).
+  A single sequence saves bytes (causal zigzag: a quarter) but not ring time (some rank needs a whole
+  shard at every step); packed documents and windows save both. The ring of ``"a2a+p2p"`` carries
+  whole shards. A window
   shortens the ring (:func:`ring_steps`, the closed form of
   :func:`cp_attention.schedules.derived.ring_length` for the built-in layouts). A group inside one
   node (``ranks_per_node``) moves bytes at ``intra_bw``; across nodes the ring is bound by
@@ -41,6 +49,9 @@ from ..layouts.registry import get_layout
 from ..schedules.causal import get_schedule
 from ..schedules.lowering import BAND_TILE
 from ..schedules.work import work_model
+from . import batch_model
+# the ring's whole-shard bytes, shared with the benchmarks' projections (benchmarks/layout_comparison)
+from .batch_model import accumulator_bytes, kv_bytes_per_hop, ring_bytes_per_rank  # noqa: F401
 from .names import STRATEGIES
 
 __all__ = ["Hardware", "HARDWARE", "Workload", "Estimate", "default_hardware", "set_hardware", "current_hardware",
@@ -233,6 +244,12 @@ def _busiest_share(w: Workload, world: int) -> float:
         return 1.0
     if layout is None:
         return 1.0 / world
+    if w.cu_seqlens is not None and world == w.world_size:  # packed: each rank's pairs from its positions
+        try:
+            work = batch_model.rank_pair_totals(layout.name, w.causal, tuple(w.window), w.seq_len, world, w.cu_seqlens)
+            return max(work) / max(1, sum(work))
+        except (ValueError, NotImplementedError):  # a layout that cannot split T, or whose positions do not increase
+            pass
     if layout.name == "contiguous" and w.seq_len % world == 0:
         work = rank_pairs(w.seq_len, world, w.causal, tuple(w.window), w.cu_seqlens)
         return max(work) / max(1, sum(work))
@@ -293,6 +310,21 @@ def _calls(w: Workload, rows: float, steps: int) -> float:
     return 3 * math.ceil(rows / max(BAND_TILE, band // 4)) + steps - 1
 
 
+def _needs_only(w: Workload, steps: int, kv_row: float, acc_row: float, gather: bool
+                ) -> Optional[tuple[float, tuple[float, ...], int]]:
+    """For rows of ``kv_row`` (K and V, the batch's) and ``acc_row`` (dK/dV partials) bytes, the ring's or all-gather's needs-only bytes (:func:`.batch_model.needs_only_bytes`), or None
+    where whole shards travel: one rank, a layout no registry knows, one that cannot split T or whose
+    positions do not increase."""
+    layout = _layout(w.layout)
+    if layout is None or w.world_size == 1:
+        return None
+    try:
+        rows = batch_model.step_rows(layout.name, w.causal, tuple(w.window), w.seq_len, w.world_size, w.cu_seqlens)
+    except (ValueError, NotImplementedError):
+        return None
+    return batch_model.needs_only_bytes(rows, steps, kv_row, acc_row, w.backward, gather)
+
+
 def _link(hw: Hardware, span: int) -> float:
     return hw.intra_bw if span <= hw.ranks_per_node else hw.inter_bw
 
@@ -340,18 +372,24 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware) -> Estimate:
     own = shard(n, w.kv_heads)
     if cp_comm_type in ("p2p", "all_gather"):
         compute = work * _busiest_share(w, world) + _calls(w, n, steps) * passes * hw.kernel_call_s
-        # forward: L-1 K/V hops; backward: L-2 K/V hops and L-1 dK/dV accumulator hops
-        fwd_bytes = (steps - 1) * own
-        dkv_bytes = (steps - 1) * shard(n, w.kv_heads, acc) if bwd else 0.0
-        hops = (steps - 1) * (3 if bwd else 1)
+        needs = _needs_only(w, steps, shard(1, w.kv_heads), shard(1, w.kv_heads, acc), cp_comm_type == "all_gather")
+        if needs is not None:  # only the needed rows travel (the engine's default)
+            critical, per_rank, hops = needs
+            sent, extra = max(per_rank), {"needs_only": True, "rank_bytes": per_rank, "critical_bytes": critical}
+        else:  # whole shards: forward L-1 K/V hops; backward L-2 K/V hops and L-1 dK/dV accumulator hops
+            fwd_bytes = (steps - 1) * own
+            dkv_bytes = (steps - 1) * shard(n, w.kv_heads, acc) if bwd else 0.0
+            hops = (steps - 1) * (3 if bwd else 1)
+            # all-gather: backward gathers the shards again
+            sent = fwd_bytes * (passes if cp_comm_type == "all_gather" else 1) + dkv_bytes + \
+                (max(steps - 2, 0) * own if bwd and cp_comm_type == "p2p" else 0.0)
+            critical, extra = sent, {"needs_only": False}
         if cp_comm_type == "p2p":
-            sent = fwd_bytes + (max(steps - 2, 0) * own if bwd else 0.0) + dkv_bytes
-            comm = sent / _link(hw, world) + hops * hw.latency_s
+            comm = critical / _link(hw, world) + hops * hw.latency_s
             exposed = max(0.0, comm - compute * (steps - 1) / steps)
-            return Estimate(compute, comm, exposed, compute + exposed, sent, 3 * own if steps > 1 else own)
-        sent = fwd_bytes * passes + dkv_bytes  # backward gathers the shards again
-        comm = _spread(hw, world, sent) + hops * hw.latency_s
-        return Estimate(compute, comm, comm, compute + comm, sent, steps * own)
+            return Estimate(compute, comm, exposed, compute + exposed, sent, 3 * own if steps > 1 else own, extra)
+        comm = _spread(hw, world, critical) + hops * hw.latency_s
+        return Estimate(compute, comm, comm, compute + comm, sent, steps * own, extra)
     inner = world if cp_comm_type == "a2a" else w.inner
     outer = world // inner
     kv_heads = math.lcm(w.kv_heads, inner)  # repeated so the all-to-all can split them
@@ -376,29 +414,3 @@ def choose(w: Workload, hw: Hardware) -> str:
     """The feasible strategy with the least modelled time (ties: the order of ``STRATEGIES``)."""
     best = min((estimate(w, s, hw).total_s, i, s) for i, s in enumerate(STRATEGIES) if infeasible(w, s) is None)
     return best[2]
-
-
-# The ring's bytes, shared with the benchmarks' projections (benchmarks/layout_comparison/analysis.py)
-# so that the library holds the one performance model.
-
-def accumulator_bytes(elem_bytes: int) -> int:
-    """Bytes of one dK/dV accumulator element: the engine accumulates in fp32, or fp64 for fp64 inputs."""
-    return 8 if elem_bytes == 8 else 4
-
-
-def kv_bytes_per_hop(batch: int, tokens: int, kv_heads: int, head_dim: int, v_head_dim: int,
-                     elem_bytes: int) -> int:
-    """Bytes of one K/V shard of ``tokens`` tokens, what one ring hop sends: ``B * tokens * Hkv * (D + Dv) * elem``."""
-    return batch * tokens * kv_heads * (head_dim + v_head_dim) * elem_bytes
-
-
-def ring_bytes_per_rank(kv_bytes: int, dkv_bytes: int, steps: int) -> tuple[int, int]:
-    """Bytes each rank of a ring of ``steps`` steps sends, ``(forward, backward)``, the same for every layout.
-
-    Forward sends its K/V shard (``kv_bytes``) ``steps - 1`` times. Backward runs the steps in reverse
-    from the shard the forward held last, so it sends K/V ``steps - 2`` times, plus the dK/dV
-    accumulators (``dkv_bytes``) ``steps - 1`` times: a rank's own contribution stays home, and the
-    others' accumulator travels with the K/V back to the owner."""
-    if steps <= 1:
-        return 0, 0
-    return (steps - 1) * kv_bytes, (steps - 2) * kv_bytes + (steps - 1) * dkv_bytes
