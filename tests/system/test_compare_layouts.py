@@ -242,7 +242,7 @@ def test_smoke_end_to_end(tmp_path):
     for r in wall:  # torch's ring may vanish in a future torch; then its row says why
         assert float(r["fwdbwd_ms"] or 0) > 0 or (r["impl"].startswith("torch_ring") and r["error"]), r
     steps = _csv(tmp_path / "measured_step_times.csv")
-    assert len(steps) == 3 * 2 * 2 * 2  # layouts x passes x ranks x steps at N=2
+    assert len(steps) == len(cpa.LAYOUT_NAMES) * 2 * 2 * 2  # layouts x passes x ranks x steps at N=2
 
     # The packed workload: modelled, set against TE-style padding, measured at N = 2.
     for name in PACKED_TABLES:
