@@ -351,9 +351,10 @@ def infeasible(w: Workload, cp_comm_type: str) -> Optional[str]:
     return None
 
 
-def estimate(w: Workload, cp_comm_type: str, hw: Hardware) -> Estimate:
-    """The modelled cost of running ``w`` with ``cp_comm_type`` on ``hw``. Raises ``ValueError`` if
-    :func:`infeasible`."""
+def estimate(w: Workload, cp_comm_type: str, hw: Hardware, needs_only: bool = True) -> Estimate:
+    """The modelled cost of running ``w`` with ``cp_comm_type`` on ``hw``; ``needs_only=False``: the
+    ring and all-gather move whole shards (the plan's ``needs_only`` off, as before needs-only
+    traffic). Raises ``ValueError`` if :func:`infeasible`."""
     problem = infeasible(w, cp_comm_type)
     if problem is not None:
         raise ValueError(problem)
@@ -372,7 +373,8 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware) -> Estimate:
     own = shard(n, w.kv_heads)
     if cp_comm_type in ("p2p", "all_gather"):
         compute = work * _busiest_share(w, world) + _calls(w, n, steps) * passes * hw.kernel_call_s
-        needs = _needs_only(w, steps, shard(1, w.kv_heads), shard(1, w.kv_heads, acc), cp_comm_type == "all_gather")
+        needs = _needs_only(w, steps, shard(1, w.kv_heads), shard(1, w.kv_heads, acc), cp_comm_type == "all_gather") \
+            if needs_only else None
         if needs is not None:  # only the needed rows travel (the engine's default)
             critical, per_rank, hops = needs
             sent, extra = max(per_rank), {"needs_only": True, "rank_bytes": per_rank, "critical_bytes": critical}
