@@ -190,6 +190,6 @@ def ring_attention(
         return (out, lse) if return_lse else out
     steps = plan.steps(n, kern, q.device, q.shape[-1], v.shape[-1])
     ring = RingSchedule(transport, steps, KernelSettings.of(kern, scale, softcap, packed=plan.packed),
-                        first_step_tiles=plan.first_step_tiles(n))
+                        first_step_tiles=plan.first_step_tiles(n), traffic=plan.traffic(n, q.device, len(steps)))
     out, lse = AttentionFunction.apply(q, k, v, ring, sinks)
     return (out, lse) if return_lse else out

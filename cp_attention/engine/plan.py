@@ -25,10 +25,12 @@ from ..schedules.blocks import BlockTask
 from ..schedules.causal import get_schedule, rank_plan
 from ..schedules.derived import block_schedules
 from ..schedules.lowering import BatchSpec, VarlenSpec, lower_steps
+from ..schedules.needs import rank_traffic
 from ..schedules.windows import Window, normalize_window
 from ..transport.base import Transport
 from ..transport.process_group import transport_for
 from .doc_batch import DocBatch
+from .traffic import StepIndex, step_indices
 from .varlen_batch import VarlenBatch
 
 __all__ = ["AttentionPlan", "build_plan", "host_cu_seqlens"]
@@ -76,6 +78,10 @@ class AttentionPlan:
         self._windows: dict[int, Optional[Window]] = {}
         self._steps: dict[tuple, Steps] = {}
         self._kernels: dict[tuple, AttentionKernel] = {}
+        self._traffic: dict[tuple, tuple] = {}
+        # Send only the K/V rows another rank needs (see schedules.needs). False sends whole shards, as
+        # the ring did before: a benchmark's baseline. Set it alike on every rank, or the sizes disagree.
+        self.needs_only = True
         # Plans derived from this one: per (causal, window) (:meth:`variant`), and per seat, a group
         # rank or "alone", for the strategies' virtual ranks (strategies.dispatch).
         self._variants: dict[tuple, "AttentionPlan"] = {}
@@ -166,6 +172,20 @@ class AttentionPlan:
         lowered = lower_steps(blocks, batched=mode == "batched", tiled=window is None, local_len=n,
                               varlen=mode == "varlen")
         return tuple(tuple(_ready(t, device) for t in step) for step in lowered)
+
+    def traffic(self, local_len: int, device: torch.device, steps: int) -> "tuple[Optional[StepIndex], ...]":
+        """Per ring step (``steps`` of them), the rows this rank sends and receives, on ``device``
+        (None at step 0); ``()`` when whole shards travel (:attr:`needs_only` False). Built once per
+        (length, device)."""
+        if not self.needs_only or self.world_size == 1:
+            return ()
+        key = (local_len, device, steps)
+        found = self._traffic.get(key)
+        if found is None:
+            rows = rank_traffic(self.layout, bool(self.causal), self.world_size, local_len * self.world_size,
+                                self.cu_seqlens, self.window(local_len), self.rank, steps)
+            found = self._traffic[key] = step_indices(rows, local_len, device)
+        return found
 
     def first_step_tiles(self, local_len: int) -> bool:
         """Whether step 0's tasks cover every query and key row exactly once (packed documents without a

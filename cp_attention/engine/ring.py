@@ -1,13 +1,19 @@
-"""The ring: K/V shards travelling round the group, as the source of the engine's autograd Function
-(:class:`~cp_attention.engine.function.AttentionFunction`), for any layout's schedule and any kernel.
+"""The ring: K/V shards travelling between the ranks of the group, as the source of the engine's
+autograd Function (:class:`~cp_attention.engine.function.AttentionFunction`), for any layout's schedule
+and any kernel.
 
-Forward: at step s this rank holds the K/V shard of rank (r - s) mod N. It posts the exchange of
-that shard to the next rank (double buffer), runs the step's block tasks, and folds each block into
-fp32 out/LSE accumulators. Backward replays the same steps in reverse, starting with the shard the
-forward held last (kept for it): K/V ride the ring backwards, and a fp32 dK/dV accumulator travels
-with each shard, collecting every other rank's contribution, back to its owner, where the owner's
-own part waited. So backward sends K/V one hop fewer than forward (none at N=2), and no hop follows
-its last compute.
+Forward: at step s this rank computes against the K/V shard of rank (r - s) mod N. While it runs step
+s's block tasks it receives step s + 1's shard; each block is folded into fp32 out/LSE accumulators.
+Only the rows a rank needs travel (the plan's :meth:`~cp_attention.engine.plan.AttentionPlan.traffic`,
+from :mod:`cp_attention.schedules.needs`): at step s each rank sends rank r + s exactly the rows of its
+own shard that rank needs, and nothing when it needs none. The held shard is a full-length buffer in
+which those rows are filled, so the tasks index it as they index a whole shard. Without a traffic plan
+whole shards travel the same way.
+
+Backward replays the steps in reverse, starting with the shard the forward held last (kept for it). At
+step s the dK/dV partial of the held shard's needed rows goes straight home to rank r - s, which adds
+it to its own; K/V for the step before are received while the step runs, as in forward (one exchange
+fewer than forward: the last step's shard was kept).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from ..transport.base import Transport
 from .fault import RingFault
 from .tasks import KernelSettings, add_rows, merge_rows, set_rows, task_backward, task_forward
+from .traffic import StepIndex, add_rows_into, direct_view, place_rows, select_rows
 
 __all__ = ["RingSchedule"]
 
@@ -27,7 +34,7 @@ __all__ = ["RingSchedule"]
 class RingSchedule:
     """The ring as a call's K/V source (:class:`~cp_attention.engine.function.KVSource`): the
     transport, this rank's tasks per ring step (from the batch's
-    :class:`~cp_attention.engine.plan.AttentionPlan`), the kernel settings."""
+    :class:`~cp_attention.engine.plan.AttentionPlan`), the kernel settings, and the rows that travel."""
 
     comm: Transport
     # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents batches of
@@ -40,10 +47,16 @@ class RingSchedule:
     # merged into zeros. (A DocBatch says for itself whether it writes first: folded documents'
     # rows are first written at a later step.)
     first_step_tiles: bool = False
+    # traffic[s]: the rows sent and received at step s (engine.traffic.StepIndex; None at step 0), from
+    # the plan; () sends whole shards
+    traffic: tuple = ()
 
     @property
     def fault_comm(self) -> Transport:
         return self.comm
+
+    def _index(self, s: int, n: int) -> StepIndex:
+        return self.traffic[s] if self.traffic else StepIndex(None, None, n, n)
 
     def _step_forward(self, s: int, q, kc, vc, k, v):
         """Step ``s``'s tasks' ``(first, results)`` against the held shard ``kc``/``vc``, one task at a
@@ -63,13 +76,14 @@ class RingSchedule:
         n = q.shape[1]
         out = lse = None
         last = len(self.steps) - 1
-        ring = _KVRing(self.comm, (k, v), last, head_major=self.settings.head_major)
+        shards = _Shards(self.comm, (k, v), self.settings.head_major)
+        held = shards.own_views
         for s in range(last + 1):
             if s < last:
-                ring.start()
+                shards.post(self._index(s + 1, n), s + 1)
             if fault.ok:
                 with fault.contained():
-                    for first, results in self._step_forward(s, q, *ring.views(), k, v):
+                    for first, results in self._step_forward(s, q, *held, k, v):
                         for rows, o_blk, lse_blk in results:
                             if first:  # the rows' first result: written, not merged
                                 out = set_rows(out, rows, o_blk, n, acc)
@@ -78,8 +92,10 @@ class RingSchedule:
                             else:
                                 out, lse = merge_rows(out, lse, rows, o_blk, lse_blk, n, acc)
             if s < last:
-                ring.finish()
-        return out, lse, (ring.views() if last > 0 else ())
+                if s > 0:
+                    shards.release(held)
+                held = shards.finish()
+        return out, lse, (held if last > 0 else ())
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, fault: RingFault,
@@ -87,115 +103,151 @@ class RingSchedule:
         """The ring's backward: this rank's ``dq``, ``dk``, ``dv`` (in ``acc``) given the final ``out``/``lse``.
 
         The steps run in reverse, starting with ``held``, the shard the forward held last (``()`` with a
-        single step). At step s this rank holds rank (r - s)'s shard; the shard for step s - 1 comes from
-        rank r + 1, and so does the dK/dV accumulator of the shard held, carrying the contributions of
-        steps last..s+1 of the ranks after this one. This rank adds its own and passes it on to rank r - 1.
-        At step 0 the accumulator for this rank's own shard arrives complete, so no hop follows the last
-        compute, and K/V make one hop fewer than in forward order (none at N=2).
+        single step; saved for backward, so never received into: a second backward reads it again).
+        While step s runs, step s - 1's shard arrives; after it, the partial dK/dV of the held shard's
+        needed rows goes home to rank r - s, and this rank's own rows' partial arrives from rank r + s.
         """
         n = q.shape[1]
         last = len(self.steps) - 1
-        comm = self.comm
-        head_major = self.settings.head_major
-        # ``held`` is saved for backward, so never received into: a second backward (retain_graph) reads it again.
-        kv = _KVRing(comm, held, last - 1, head_major=head_major) if last else None
+        shards = _Shards(self.comm, (k, v), self.settings.head_major)
+        current = held
         dq = None
-        own = (None, None)  # this rank's contributions to its own shard's gradients (step 0, folded documents)
-        dkv = None  # the travelling accumulator of the shard held now
+        own = (None, None)  # this rank's gradients of its own shard: its own tasks', then the others' partials
+        home = _Home(self.comm, acc)
         for s in range(last, -1, -1):
             if s > 1:
-                kv.start(-1)
+                shards.post(self._index(s - 1, n), s - 1)
             grads = []
             if fault.ok:
                 with fault.contained():
-                    if s > 0:
-                        kc, vc = kv.views()
-                    else:  # our own shard; head-major copies where the kernel runs faster on them
-                        kc, vc = _KVRing(comm, (k, v), 0, head_major=head_major).views()
+                    kc, vc = current if s > 0 else shards.own_views
                     grads = self._step_backward(s, dout, q, kc, vc, k, v, out, lse)
-            if s < last:
-                dkv.finish()
-            travelling = dkv.current if s < last else (None, None)
+            partial = (None, None)  # the held shard's gradients at this step
             for first, results in grads:
                 for q_rows, dq_blk, keys in results:
                     # Reverse order: dq rows may already hold a later step's part, so always add.
                     dq = add_rows(dq, q_rows, dq_blk, n, acc)
-                    for home, kv_rows, dk_blk, dv_blk in keys:
-                        if home or s == 0:
+                    for is_home, kv_rows, dk_blk, dv_blk in keys:
+                        if is_home or s == 0:
                             # This rank's own rows: step 0's tasks and folded documents each cover
                             # different rows, so a first result writes them, whichever comes first.
                             update = set_rows if first else add_rows
                             own = (update(own[0], kv_rows, dk_blk, n, acc), update(own[1], kv_rows, dv_blk, n, acc))
                         else:
-                            travelling = (add_rows(travelling[0], kv_rows, dk_blk, n, acc),
-                                          add_rows(travelling[1], kv_rows, dv_blk, n, acc))
+                            partial = (add_rows(partial[0], kv_rows, dk_blk, n, acc),
+                                       add_rows(partial[1], kv_rows, dv_blk, n, acc))
             if s > 0:
-                if dkv is None:  # the step that starts the accumulator
-                    travelling = tuple(torch.zeros_like(t, dtype=acc) if a is None else a
-                                       for t, a in zip((k, v), travelling))
-                    dkv = _KVRing(comm, travelling, last, owned=True)
-                dkv.start(-1)
-            if 1 < s:
-                kv.finish()
+                home.arrived()
+                home.send(partial, self._index(s, n), s, k, v)
+            if s > 1:
+                if s < last:
+                    shards.release(current)
+                current = shards.finish()
+        home.arrived()
         if not fault.ok:  # the frame raises; nothing to add up
             return None, None, None
-        dk, dv = own
-        if dkv is not None:  # the other ranks' contributions to this rank's shard
-            dk = dkv.current[0] if dk is None else dk.add_(dkv.current[0])
-            dv = dkv.current[1] if dv is None else dv.add_(dkv.current[1])
+        dk, dv = (mine if theirs is None else theirs if mine is None else mine.add_(theirs)
+                  for mine, theirs in zip(own, home.total))
         dk = torch.zeros_like(k, dtype=acc) if dk is None else dk
         dv = torch.zeros_like(v, dtype=acc) if dv is None else dv
         dq = torch.zeros_like(q, dtype=acc) if dq is None else dq
         return dq, dk, dv
 
 
-class _KVRing:
-    """Shards travelling round the ring: the one held now, and at most one spare buffer to receive
-    the next into.
+def _kernel_views(tensors: tuple[torch.Tensor, ...], head_major: bool) -> tuple[torch.Tensor, ...]:
+    """``[B, n, H, D]``-shaped views of ``tensors`` in the memory the kernel prefers (a copy once per
+    call when it wants head-major memory and they are not)."""
+    if not head_major:
+        return tuple(t.contiguous() for t in tensors)
+    return tuple(t if t.transpose(1, 2).is_contiguous()
+                 else t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).copy_(t.transpose(1, 2)).transpose(1, 2)
+                 for t in tensors)
 
-    ``head_major`` keeps each shard in ``[B, H, n, D]`` memory (copied once per call) for kernels
-    that run faster on it; :meth:`views` always hands out ``[B, n, H, D]``-shaped views. The
-    caller's tensors are only ever sent; tensors the ring ``owned`` from the start are recycled as
-    receive buffers once their send completed. After the last of ``exchanges`` the spare is dropped,
-    so the final step's compute runs without it.
-    """
 
-    def __init__(self, comm: Transport, tensors: tuple[torch.Tensor, ...], exchanges: int,
-                 head_major: bool = False, owned: bool = False) -> None:
-        self.comm = comm
-        self.head_major = head_major
-        if head_major:
-            if all(t.transpose(1, 2).is_contiguous() for t in tensors):  # already head-major memory
-                tensors = tuple(t.transpose(1, 2) for t in tensors)
-            else:
-                tensors = tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
-                                for t in tensors)
-                owned = True
-        else:
-            tensors = tuple(t.contiguous() for t in tensors)
-        self.current = tensors
-        self._callers = None if owned else tensors  # never written into
-        self._remaining = exchanges
-        self._spare: "tuple[torch.Tensor, ...] | None" = None
+class _Shards:
+    """The shards this rank receives: full-length buffers (at most two in use, recycled) in which the
+    needed rows are filled, and its own shard's rows sent to the ranks that need them.
+
+    ``own`` is only ever read. A buffer's rows no step has filled are zeros, so a padded batch that
+    gathers one reads finite values."""
+
+    def __init__(self, comm: Transport, own: tuple[torch.Tensor, ...], head_major: bool) -> None:
+        self.comm, self.own, self.head_major = comm, own, head_major
+        self.own_views = _kernel_views(own, head_major)
+        self._free: list[tuple[torch.Tensor, ...]] = []
         self._pending = None
 
-    def views(self) -> tuple[torch.Tensor, ...]:
-        """The current shard as ``[B, n, H, D]``-shaped tensors (strided views when head-major)."""
-        return tuple(t.transpose(1, 2) for t in self.current) if self.head_major else self.current
+    def _buffer(self, filled: bool) -> tuple[torch.Tensor, ...]:
+        if self._free:
+            return self._free.pop()
+        make = torch.empty if filled else torch.zeros
+        if self.head_major:
+            return tuple(make(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=t.dtype, device=t.device
+                              ).transpose(1, 2) for t in self.own)
+        return tuple(make(t.shape, dtype=t.dtype, device=t.device) for t in self.own)
 
-    def start(self, hop: int = 1) -> None:
-        """Post the exchange: send the current shard ``hop`` ranks on, receive the next one into the
-        spare buffer."""
-        recv = self._spare if self._spare is not None else tuple(torch.empty_like(t) for t in self.current)
-        self._spare = None
-        self._pending = (self.current, recv, self.comm.exchange(self.current, recv, hop))
+    def post(self, index: StepIndex, hop: int) -> None:
+        """Send this rank's ``index.send`` rows ``hop`` ranks on; receive ``index.recv`` rows of the
+        shard ``hop`` ranks back into a free buffer."""
+        buf = self._buffer(filled=index.recv is None)
+        send = tuple(select_rows(t, index.send) for t in self.own) if index.send_count else ()
+        direct = [direct_view(b, index.recv) for b in buf] if index.recv_count else []
+        recv = tuple(d if d is not None else t.new_empty(t.shape[0], index.recv_count, *t.shape[2:])
+                     for d, t in zip(direct, self.own))
+        handle = self.comm.exchange(send, recv, hop) if send or recv else None
+        self._pending = (buf, recv, direct, index, handle, send)
 
-    def finish(self) -> None:
-        """Wait for the exchange and make the received shard current."""
-        sent, recv, handle = self._pending
-        handle.wait()
+    def finish(self) -> tuple[torch.Tensor, ...]:
+        """Wait for the posted exchange; the buffer with the received rows in place."""
+        buf, recv, direct, index, handle, _ = self._pending
         self._pending = None
-        self.current = recv
-        self._remaining -= 1
-        if self._remaining > 0 and sent is not self._callers:
-            self._spare = sent
+        if handle is not None:
+            handle.wait()
+        for b, got, d in zip(buf, recv, direct):
+            if d is None:
+                place_rows(b, index.recv, got)
+        return buf
+
+    def release(self, buf: tuple[torch.Tensor, ...]) -> None:
+        """``buf``'s step is done: receive a later step into it."""
+        self._free.append(buf)
+
+
+class _Home:
+    """dK/dV partials on their way home in backward: the held shard's needed rows to its owner, this
+    rank's own rows from the ranks that held them; at most one exchange in flight."""
+
+    def __init__(self, comm: Transport, acc: torch.dtype) -> None:
+        self.comm, self.acc = comm, acc
+        self._pending = None
+        self.total: tuple = (None, None)  # the partials of this rank's rows that arrived, added up
+
+    def send(self, partial: tuple, index: StepIndex, s: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Post step ``s``'s ``partial`` (dk, dv of the held shard, full length or None) home to rank
+        r - s, and the receive of this rank's ``index.send`` rows' partial from rank r + s."""
+        def rows(p, like, count, which):
+            if p is None:
+                return like.new_zeros(like.shape[0], count, *like.shape[2:], dtype=self.acc)
+            return select_rows(p, which)
+        send = tuple(rows(p, t, index.recv_count, index.recv) for p, t in zip(partial, (k, v))) \
+            if index.recv_count else ()
+        recv = tuple(t.new_empty(t.shape[0], index.send_count, *t.shape[2:], dtype=self.acc) for t in (k, v)) \
+            if index.send_count else ()
+        handle = self.comm.exchange(send, recv, -s) if send or recv else None
+        self._pending = (handle, recv, index, send, (k, v))
+
+    def arrived(self) -> None:
+        """Wait for the exchange in flight, if any, and add the partial that arrived to :attr:`total`."""
+        if self._pending is None:
+            return
+        handle, recv, index, _, like = self._pending
+        self._pending = None
+        if handle is not None:
+            handle.wait()
+        if recv:
+            self.total = tuple(t.new_zeros(t.shape, dtype=self.acc) if o is None else o
+                               for o, t in zip(self.total, like))
+            for o, got in zip(self.total, recv):
+                add_rows_into(o, index.send, got)
+
+

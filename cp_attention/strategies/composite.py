@@ -24,6 +24,7 @@ import torch
 
 from ..engine.fault import RingFault
 from ..engine.tasks import KernelSettings, add_rows, merge_rows, task_backward, task_forward
+from ..engine.traffic import StepIndex, add_rows_into, place_rows, select_rows
 from ..transport.base import Transport
 
 __all__ = ["CompositeSchedule", "pair_steps"]
@@ -57,10 +58,17 @@ class CompositeSchedule:
     pairs: tuple
     inner: int
     gather: bool
+    # gather only: the rows each step sends and receives (engine.traffic.StepIndex, None at step 0) from
+    # the plan, so only the needed rows are gathered and go home; () moves whole shards
+    traffic: tuple = ()
 
     @property
     def steps(self) -> int:
         return len(self.pairs)
+
+    def index(self, s: int, n: int) -> StepIndex:
+        """Step ``s``'s traffic (whole shards of ``n`` rows without a traffic plan)."""
+        return self.traffic[s] if self.traffic else StepIndex(None, None, n, n)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fault: RingFault, acc: torch.dtype):
         """Every block LSE-merged into accumulators that start empty; nothing held for backward."""
@@ -91,10 +99,27 @@ class _Shards:
         self.held = self.own
         self._pending = None
         if plan.gather:
-            self.gathered = [self.own] + [tuple(torch.empty_like(t) for t in self.own) for _ in range(last)]
-            posted = [plan.comm.exchange(self.own, self.gathered[s], s) for s in range(1, last + 1)]
-            for p in posted:
-                p.wait()
+            # Each step's needed rows of another shard, placed in a full-length buffer whose other rows
+            # are zeros (no task reads them).
+            n = self.own[0].shape[1]
+            posted = []
+            for s in range(1, last + 1):
+                index = plan.index(s, n)
+                send = tuple(select_rows(t, index.send) for t in self.own) if index.send_count else ()
+                recv = tuple(t.new_empty(t.shape[0], index.recv_count, *t.shape[2:]) for t in self.own) \
+                    if index.recv_count else ()
+                posted.append((plan.comm.exchange(send, recv, s) if send or recv else None, recv, index, send))
+            self.gathered = [self.own]
+            for handle, recv, index, _ in posted:
+                if handle is not None:
+                    handle.wait()
+                if index.recv is None:  # the whole shard
+                    self.gathered.append(recv)
+                    continue
+                bufs = tuple(torch.zeros_like(t) for t in self.own)
+                for b, got in zip(bufs, recv):
+                    place_rows(b, index.recv, got)
+                self.gathered.append(bufs)
 
     def at(self, s: int) -> tuple[torch.Tensor, ...]:
         """The shard held at step ``s`` (call in order; on a ring the next one is already on its way)."""
@@ -165,18 +190,22 @@ def _backward_pass(plan: CompositeSchedule, dout, q, k, v, out, lse, fault: Ring
                 _backward_blocks(plan, s, dout, q, kc, vc, k, v, out, lse, dq, own, held, n, acc)
         if s == 0:
             continue
-        if plan.gather:  # home now: to the rank s back, whose shard it is
-            home = tuple(torch.empty_like(t) for t in held)
-            posted.append((comm.exchange(held, home, -s), home))
+        if plan.gather:  # home now: the needed rows to the rank s back, whose shard it is
+            index = plan.index(s, n)
+            send = tuple(select_rows(t, index.recv) for t in held) if index.recv_count else ()
+            home = tuple(t.new_empty(t.shape[0], index.send_count, *t.shape[2:]) for t in held) \
+                if index.send_count else ()
+            posted.append((comm.exchange(send, home, -s) if send or home else None, home, index, send))
         else:
             travelling = tuple(torch.empty_like(t) for t in held)
             # on round the ring, or after the last step home: the shard held at step s is rank p - s's
             posted.append(comm.exchange(held, travelling, 1 if s < last else -s))
     if plan.gather:
-        for handle, home in posted:
-            handle.wait()
-            own[0].add_(home[0])
-            own[1].add_(home[1])
+        for handle, home, index, _ in posted:
+            if handle is not None:
+                handle.wait()
+            for o, got in zip(own, home):
+                add_rows_into(o, index.send, got)
     elif posted:
         posted.pop().wait()
         own[0].add_(travelling[0])

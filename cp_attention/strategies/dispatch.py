@@ -112,7 +112,8 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
     if cp_comm_type == "all_gather":
         steps = plan.steps(n, kern, device, q.shape[-1], v.shape[-1])
         source = CompositeSchedule(settings, transport, transport, (steps,),
-                                   pair_steps((len(steps),), plan.world_size, 1), 1, gather=True)
+                                   pair_steps((len(steps),), plan.world_size, 1), 1, gather=True,
+                                   traffic=plan.traffic(n, device, len(steps)))
         return AttentionFunction.apply(q, k, v, source, sinks)
     outer, inner = transport.levels if cp_comm_type == "a2a+p2p" else (None, transport)
     degree = inner.world_size

@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Pending", "Transport", "agree_by_doubling"]
+__all__ = ["Pending", "Transport", "agree_by_doubling", "payload_bytes"]
 
 
 class Pending(Protocol):
@@ -30,7 +30,9 @@ class Transport(Protocol):
     for the group in cache keys without keeping it alive (see :func:`~cp_attention.checks.agreement.group_token`).
     A transport of a two-level group (a 2-D ``DeviceMesh``, ``cp_comm_type="a2a+p2p"``) also has
     ``levels = (outer, inner)``: transports of its two dims that need only :meth:`exchange`; others
-    have no ``levels`` or ``None``.
+    have no ``levels`` or ``None``. Every transport counts in ``sent_bytes`` (an int that only grows)
+    the bytes this rank put on the wire for others: each exchange's send tensors, and a collective's
+    tensor once per other rank (read it before and after a step for that step's traffic).
     """
 
     rank: int
@@ -56,6 +58,11 @@ class Transport(Protocol):
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group in place and return it."""
         ...
+
+
+def payload_bytes(tensors: Sequence[torch.Tensor], copies: int = 1) -> int:
+    """Bytes of ``tensors``, ``copies`` times: what a transport adds to ``sent_bytes`` for them."""
+    return copies * sum(t.numel() * t.element_size() for t in tensors)
 
 
 def agree_by_doubling(transport: Transport, state: torch.Tensor,

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .base import payload_bytes
 from .eager import eager_only
 
 __all__ = ["LoopbackGroup", "LoopbackRank"]
@@ -153,6 +154,7 @@ class LoopbackRank:
     def __init__(self, group: LoopbackGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
         self.levels: "tuple[_LoopbackLevel, _LoopbackLevel] | None" = None
+        self.sent_bytes = 0  # see Transport
 
     @property
     def token(self) -> "LoopbackRank":
@@ -165,6 +167,7 @@ class LoopbackRank:
         """Post ``send`` to the rank ``hop`` places on and receives from the rank ``hop`` places back;
         ``wait()`` on the result fills ``recv``."""
         to, frm = (self.rank + hop) % self.world_size, (self.rank - hop) % self.world_size
+        self.sent_bytes += payload_bytes(send)
         for t in send:
             self.group._post(self.rank, to, t)
         return _Posted(self, recv, [self.group._reserve(frm, self.rank) for _ in recv])
@@ -177,11 +180,13 @@ class LoopbackRank:
     @eager_only
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (a copy of each), in rank order."""
+        self.sent_bytes += payload_bytes((tensor,), self.world_size - 1)
         return [t.clone() for t in self.group._all_gather(self.rank, tensor.detach().clone())]
 
     @eager_only
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (in rank order, so every rank gets the same bits)."""
+        self.sent_bytes += payload_bytes((tensor,), self.world_size - 1)
         parts = self.group._all_gather(self.rank, tensor.detach().clone())
         total = parts[0].clone()
         for p in parts[1:]:
@@ -201,6 +206,7 @@ class _LoopbackLevel:
     def __init__(self, handle: LoopbackRank, members: list[int]) -> None:
         self._handle, self._members = handle, members
         self.rank, self.world_size = members.index(handle.rank), len(members)
+        self.sent_bytes = 0  # see Transport
 
     @property
     def token(self) -> tuple:
@@ -212,6 +218,7 @@ class _LoopbackLevel:
         me, group = self._handle.rank, self._handle.group
         to = self._members[(self.rank + hop) % self.world_size]
         frm = self._members[(self.rank - hop) % self.world_size]
+        self.sent_bytes += payload_bytes(send)
         for t in send:
             group._post(me, to, t)
         return _Posted(self._handle, recv, [group._reserve(frm, me) for _ in recv])

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .base import payload_bytes
 from .eager import eager_only
 from .mesh import cp_group, mesh_levels
 
@@ -114,6 +115,7 @@ class ProcessGroupTransport:
         else:
             self._token = None
         self.levels: "tuple[ProcessGroupTransport, ProcessGroupTransport] | None" = None
+        self.sent_bytes = 0  # see Transport: what this rank sent, for the benchmarks' traffic figures
 
     @property
     def group(self):
@@ -141,6 +143,7 @@ class ProcessGroupTransport:
         ``wait()`` on the returned handle."""
         to, frm = (self.next_rank, self.prev_rank) if hop == 1 else (self.peer(hop), self.peer(-hop))
         group = self.group
+        self.sent_bytes += payload_bytes(send)
         ops = [dist.P2POp(dist.isend, t, to, group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, frm, group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops))
@@ -164,6 +167,7 @@ class ProcessGroupTransport:
         if self.world_size == 1:
             return [tensor]
         tensor = tensor.contiguous()
+        self.sent_bytes += payload_bytes((tensor,), self.world_size - 1)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         with _released_by_gloo([tensor, *parts], self.backend == "gloo"):
             dist.all_gather(parts, tensor, group=self.group)
@@ -178,6 +182,7 @@ class ProcessGroupTransport:
             return tensor
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         on = tensor.to(device)
+        self.sent_bytes += payload_bytes((on,), self.world_size - 1)
         with _released_by_gloo([on], self.backend == "gloo"):
             dist.all_reduce(on, group=self.group)
         return tensor if on is tensor else tensor.copy_(on)

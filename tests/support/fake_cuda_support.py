@@ -312,6 +312,7 @@ class FakeCuda:
         import cp_attention.engine.plan as plan_mod
         import cp_attention.engine.function as function
         import cp_attention.engine.varlen_batch as varlen_batch
+        import cp_attention.engine.traffic as traffic
         from cp_attention.engine.fault import RingFault
         from cp_attention.kernels import cuda_cudnn, cuda_efficient, cuda_flash
 
@@ -322,7 +323,10 @@ class FakeCuda:
         mp.setattr(doc_batch, "_make_bucket", real_tensors(doc_batch._make_bucket))
         # a lowered step's batches build their index tensors on the host; only the uploads are fake
         mp.setattr(plan_mod, "_ready", real_tensors(plan_mod._ready))
-        for mod in (doc_batch, varlen_batch):
+        # the needs-only rows: host index math, then uploads (fake) like the batches'
+        mp.setattr(plan_mod, "rank_traffic", real_tensors(plan_mod.rank_traffic))
+        mp.setattr(plan_mod, "step_indices", real_tensors(plan_mod.step_indices))
+        for mod in (doc_batch, varlen_batch, traffic):
             mp.setattr(mod, "upload", self._faked(mod.upload))
         mp.setattr(RingFault, "_failed_rank", real_tensors(RingFault._failed_rank))
         mp.setattr(validation, "digests_agree", real_tensors(validation.digests_agree))

@@ -1,0 +1,85 @@
+"""Needs-only traffic on the device: per ring step, which own K/V rows this rank sends and which rows
+of the held shard it receives (:mod:`cp_attention.schedules.needs` says which), ready to index with.
+
+A shard held at a step is a full-length buffer (so the lowered tasks index it as they always did) in
+which only the needed rows are filled; the rest keep what an earlier step left there, or zeros, and
+no task reads them. Sizes come from the plan on both sides: no handshake, no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..schedules.needs import StepRows
+from .doc_batch import upload
+
+__all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "add_rows_into"]
+
+# Local rows along the sequence dim: None (all of them), a contiguous range, or an index tensor.
+Rows = Union[None, slice, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepIndex:
+    """One ring step's traffic: ``send`` (own rows for rank r + s, ``send_count`` of them) and
+    ``recv`` (rows of rank r - s's shard, ``recv_count`` of them)."""
+
+    send: Rows
+    recv: Rows
+    send_count: int
+    recv_count: int
+
+
+def _rows(idx: torch.Tensor, n: int, device: torch.device) -> Rows:
+    count = idx.numel()
+    if count == n:
+        return None
+    if count == 0 or int(idx[-1]) - int(idx[0]) + 1 == count:
+        start = int(idx[0]) if count else 0
+        return slice(start, start + count)
+    return upload(idx, device)
+
+
+def step_indices(rows: Sequence[Optional[StepRows]], n: int, device: torch.device) -> tuple[Optional[StepIndex], ...]:
+    """The plan's per-step :class:`~cp_attention.schedules.needs.StepRows` (None at step 0) as
+    :class:`StepIndex` on ``device`` for a shard of ``n`` rows."""
+    return tuple(None if r is None else StepIndex(_rows(r.send, n, device), _rows(r.recv, n, device),
+                                                  r.send.numel(), r.recv.numel()) for r in rows)
+
+
+def select_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """``t [B, n, ...]``'s ``rows`` along dim 1, contiguous (what goes on the wire)."""
+    if rows is None:
+        return t.contiguous()
+    if isinstance(rows, slice):
+        return t[:, rows].contiguous()
+    return t.index_select(1, rows)
+
+
+def place_rows(buf: torch.Tensor, rows: Rows, got: torch.Tensor) -> None:
+    """Write the received compact rows ``got [B, m, ...]`` into rows ``rows`` of ``buf [B, n, ...]``."""
+    if rows is None:
+        buf.copy_(got)
+    elif isinstance(rows, slice):
+        buf[:, rows].copy_(got)
+    else:
+        buf.index_copy_(1, rows, got)
+
+
+def add_rows_into(acc: torch.Tensor, rows: Rows, got: torch.Tensor) -> None:
+    """Add the received compact rows ``got [B, m, ...]`` into rows ``rows`` of ``acc [B, n, ...]``."""
+    if rows is None:
+        acc.add_(got)
+    elif isinstance(rows, slice):
+        acc[:, rows].add_(got)
+    else:
+        acc.index_add_(1, rows, got)
+
+
+def direct_view(buf: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
+    """A contiguous view of ``buf``'s ``rows`` to receive into directly, or None when a copy is needed."""
+    view = buf if rows is None else buf[:, rows] if isinstance(rows, slice) else None
+    return view if view is not None and view.is_contiguous() else None
