@@ -39,7 +39,7 @@ from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.launch import spawn
 from cp_attention.layouts import Layout, get_layout
 from cp_attention import ring_attention
-from benchmarks.measure import Row, measure, memory_method, sweep
+from benchmarks.measure import Row, measure, memory_method, print_bytes, sent_bytes, sweep
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from benchmarks import gpu
 
@@ -162,10 +162,15 @@ def ring_worker(args, seq: int, extra: Optional[Callable] = None) -> dict:
     timed = [get_layout(x) for x in args.layouts]
     needed = {lay.name: lay for lay in [*timed, *(() if torch_error else (get_layout("zigzag"),))]}
     shard = {name: [lay.shard(t, 1, rank, ws) for t in full] for name, lay in needed.items()}
-    impls = {f"ring/{lay.name}": ours(*shard[lay.name], group, lay, args.kernel, args.causal) for lay in timed}
+    from cp_attention.transport.process_group import transport_for
+
+    comm = transport_for(group)  # one transport for our rings, so its sent_bytes counts them
+    mine = {f"ring/{lay.name}": ours(*shard[lay.name], comm, lay, args.kernel, args.causal) for lay in timed}
+    impls = dict(mine)
     if torch_error is None:
         impls["torch_ring/zigzag"] = torch_ring(*shard["zigzag"], group, args.causal)
     rows = measure(impls, seq, args.repeats, group)
+    meta["bytes"] = sent_bytes(mine, {name: comm for name in mine}, group)
     if torch_error is not None:
         rows.append(Row(seq, "torch_ring/zigzag", error=torch_error))
     if extra is not None:
@@ -183,6 +188,18 @@ def measure_seq(args, seq: int, extra: Optional[Callable] = None) -> tuple[dict,
     return base, ring
 
 
+def model_bytes(args, seq: int) -> "dict[str, tuple[float, float]]":
+    """Per ring impl, the model's K/V + dK/dV bytes of one forward+backward call at ``seq`` (all ranks):
+    needs-only (what the engine sends) and whole shards."""
+    from benchmarks.layout_comparison.analysis import AttentionShape
+    from benchmarks.layout_comparison.traffic import model_bytes as bytes_of
+
+    shape = AttentionShape(args.batch, args.heads, args.kv_heads, args.head_dim,
+                           elem_bytes=dtype_from_name(args.dtype).itemsize)
+    return {f"ring/{get_layout(x).name}": bytes_of(x, seq, args.world_size, shape, causal=args.causal)
+            for x in args.layouts}
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     """The whole benchmark for parsed command-line ``args``: prints the table, writes ``args.json``
     if set, and returns the rows."""
@@ -198,6 +215,9 @@ def run(args: argparse.Namespace) -> list[Row]:
 
     rows, base, ring = sweep(header, args.seq_lens, lambda seq: measure_seq(args, seq), "ring", args.world_size,
                              notes)
+    if ring.get("bytes"):
+        print(f"(at S={args.seq_lens[-1]})")
+        print_bytes(ring["bytes"], model_bytes(args, args.seq_lens[-1]))
     if args.json:
         meta = {"argv": sys.argv, "torch": torch.__version__, "args": vars(args),
                 **{k: v for k, v in ring.items() if k != "rows"}, "baseline_threads": base["threads"]}

@@ -87,6 +87,7 @@ class ScheduleRow:
     fwd_efficiency: Optional[float] = None
     fwdbwd_efficiency: Optional[float] = None
     peak_mib_per_rank: Optional[float] = None
+    sent_mib_per_rank: Optional[float] = None  # the busiest sender's bytes in one fwd+bwd (ReplayComm.sent_bytes)
     error: Optional[str] = None
 
 
@@ -98,26 +99,44 @@ class _Done:
 class ReplayComm:
     """A :class:`~cp_attention.transport.base.Transport` for one rank replayed alone: rank ``rank`` of
     ``world_size`` whose exchanges copy what it sends into what it receives, so its schedule runs with
-    the memory traffic of a real receive. Collectives see only this rank (its own values)."""
+    the memory traffic of a real receive. Collectives see only this rank (its own values).
+
+    ``sent_bytes`` counts what the rank would have put on the wire, as every transport does (each
+    exchange's send tensors; a collective's tensor once per other rank). With needs-only traffic a rank
+    sends other rows than it receives, so the sizes differ: each receive buffer is filled with the first
+    elements of the matching send tensor, and zeros past its end (or where nothing is sent). Only the
+    memory traffic matters here, not the values."""
 
     host_agreement = False  # statuses are never exchanged: there is no one to agree with
     token = None
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
+        self.sent_bytes = 0
 
     def exchange(self, send, recv, hop: int = 1) -> _Done:
-        for s, r in zip(send, recv):
-            r.copy_(s)
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in send)
+        for i, r in enumerate(recv):
+            s = send[i] if i < len(send) else None
+            if s is not None and s.shape == r.shape:
+                r.copy_(s)
+                continue
+            flat = r.view(-1)  # the engine's receive buffers are fresh, contiguous tensors
+            m = 0 if s is None else min(s.numel(), flat.numel())
+            if m:
+                flat[:m].copy_(s.reshape(-1)[:m])
+            flat[m:].zero_()
         return _Done()
 
     def all_gather_ints(self, values) -> "list[list[int]]":
         return [list(values)] * self.world_size
 
     def all_gather_tensor(self, tensor: torch.Tensor) -> "list[torch.Tensor]":
+        self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world_size - 1)
         return [tensor] * self.world_size
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world_size - 1)
         return tensor.mul_(self.world_size)
 
 
@@ -205,15 +224,17 @@ def _kernel_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[K
     return rows
 
 
-def _replay(args, layout, rank: int, n: int, kernel) -> tuple[float, float, float]:
-    """(fwd ms, fwd+bwd ms, peak MiB beyond the inputs) of rank ``rank``'s whole schedule."""
+def _replay(args, layout, rank: int, n: int, kernel) -> tuple[float, float, float, float]:
+    """(fwd ms, fwd+bwd ms, peak MiB beyond the inputs, MiB sent in one fwd+bwd) of rank ``rank``'s
+    whole schedule."""
     from cp_attention.engine.function import AttentionFunction  # the engine's internals: CUDA path only
     from cp_attention.engine.ring import RingSchedule
     from cp_attention.engine.tasks import KernelSettings
 
     local = args.tokens_per_rank
     q, k, v, dout = _inputs(args, local, seed=rank)
-    plan = RingSchedule(ReplayComm(rank, n), rank_plan(layout, True, rank, n, local),
+    comm = ReplayComm(rank, n)
+    plan = RingSchedule(comm, rank_plan(layout, True, rank, n, local),
                         KernelSettings.of(kernel, args.head_dim ** -0.5))
     call = lambda a, b, c: AttentionFunction.apply(a, b, c, plan, None)[0]  # noqa: E731
     fwd, fwdbwd = _fwd_and_fwdbwd(call, q, k, v, dout)
@@ -221,9 +242,10 @@ def _replay(args, layout, rank: int, n: int, kernel) -> tuple[float, float, floa
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    sent = comm.sent_bytes
     fwdbwd()
     torch.cuda.synchronize()
-    return t_fwd, t_fb, (torch.cuda.max_memory_allocated() - base) / 2**20
+    return t_fwd, t_fb, (torch.cuda.max_memory_allocated() - base) / 2**20, (comm.sent_bytes - sent) / 2**20
 
 
 def _schedule_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[ScheduleRow]:
@@ -238,6 +260,7 @@ def _schedule_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list
             row.fwd_efficiency = row.ideal_fwd_ms / row.busiest_fwd_ms
             row.fwdbwd_efficiency = row.ideal_fwdbwd_ms / row.busiest_fwdbwd_ms
             row.peak_mib_per_rank = max(p[2] for p in per_rank)
+            row.sent_mib_per_rank = max(p[3] for p in per_rank)
         except Exception as e:  # noqa: BLE001 - reported in the table
             row.error = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
@@ -273,11 +296,12 @@ def run(args: argparse.Namespace) -> dict:
         kernel_rows += rows
         rows = _schedule_rows(args, n, seq, sdpa_ms)
         print(f"{'layout':<12}{'ideal fwd':>10}{'busiest':>9}{'eff':>7}{'ideal f+b':>10}{'busiest':>9}{'eff':>7}"
-              f"{'peak MiB/rank':>15}")
+              f"{'peak MiB/rank':>15}{'sent MiB/rank':>15}")
         for r in rows:
             print(f"{r.layout:<12}{r.ideal_fwd_ms:10.2f}{_fmt(r.busiest_fwd_ms, '9.2f')}"
                   f"{_fmt(r.fwd_efficiency, '7.1%')}{r.ideal_fwdbwd_ms:10.2f}{_fmt(r.busiest_fwdbwd_ms, '9.2f')}"
                   f"{_fmt(r.fwdbwd_efficiency, '7.1%')}{_fmt(r.peak_mib_per_rank, '15.0f')}"
+                  f"{_fmt(r.sent_mib_per_rank, '15.1f')}"
                   + (f"  {r.error}" if r.error else ""))
         schedule_rows += rows
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Row", "memory_method", "measure", "limit_malloc_caching", "print_table", "sweep"]
+__all__ = ["Row", "memory_method", "measure", "limit_malloc_caching", "print_table", "sweep", "sent_bytes", "print_bytes"]
 
 
 @dataclass
@@ -182,3 +182,50 @@ def command_line(doc: str, add_arguments: Callable[[argparse.ArgumentParser], No
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     finish(run, p.parse_args(), json_option)
+
+
+# ---------------------------------------------------------------- traffic
+
+def _counted(comm) -> Optional[int]:
+    """``comm.sent_bytes`` plus its levels' (a 2-D mesh's dims count their own exchanges); None if the
+    transport has no counter."""
+    own = getattr(comm, "sent_bytes", None)
+    if own is None:
+        return None
+    return own + sum(getattr(t, "sent_bytes", 0) for t in (getattr(comm, "levels", None) or ()))
+
+
+def sent_bytes(impls: "dict[str, tuple[Callable, Callable]]", comms: "dict[str, object]", group
+               ) -> "dict[str, Optional[int]]":
+    """Bytes all ranks sent in one forward+backward call of each impl, measured from the counter of the
+    transport it runs on (``comms[name]``: its ``sent_bytes`` after minus before, levels included),
+    summed over the ranks of ``group`` (None: this process alone). An impl without a transport in
+    ``comms``, or one without a counter, gets None."""
+    out: dict[str, Optional[int]] = {}
+    for name, (_, fwdbwd) in impls.items():
+        comm = comms.get(name)
+        before = None if comm is None else _counted(comm)
+        fwdbwd()
+        out[name] = None if before is None else _counted(comm) - before
+    known = [n for n, b in out.items() if b is not None]
+    if group is not None and known:
+        total = torch.tensor([out[n] for n in known], dtype=torch.float64)
+        dist.all_reduce(total, group=group)
+        out.update({n: int(b) for n, b in zip(known, total.tolist())})
+    return out
+
+
+def print_bytes(measured: "dict[str, Optional[int]]", model: "dict[str, tuple[Optional[float], Optional[float]]]") -> None:
+    """The bytes table: per impl, what its transports sent in one forward+backward call (all ranks,
+    :func:`sent_bytes`) next to the model's needs-only figure and whole shards'."""
+    print(f"\nK/V + dK/dV bytes per forward+backward call, all ranks (measured: transport.sent_bytes after minus "
+          f"before; model: needs-only / whole shards):")
+    head = f"{'impl':<24}{'measured MB':>13}{'model MB':>10}{'whole MB':>10}{'measured / model':>18}"
+    print(head + "\n" + "-" * len(head))
+    for name, got in measured.items():
+        want, whole = model.get(name, (None, None))
+        ratio = got / want if got is not None and want else None
+        mb = lambda x: _fmt(None if x is None else x / 1e6, ".2f")  # noqa: E731
+        print(f"{name:<24}{mb(got):>13}{mb(want):>10}{mb(whole):>10}{_fmt(ratio, '.3f'):>18}")
+    if any(b is None for b in measured.values()):
+        print("(-: the transport has no sent_bytes counter)")

@@ -33,7 +33,7 @@ from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
 from cp_attention.launch import spawn
 from benchmarks.attention import make_inputs, ours
-from benchmarks.measure import Row, measure, memory_method, sweep
+from benchmarks.measure import Row, measure, memory_method, print_bytes, sent_bytes, sweep
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from cp_attention.kernels.dtypes import DTYPES
 
@@ -90,17 +90,33 @@ def baseline_worker(args, seq: int) -> dict:
 
 
 def ring_worker(args, seq: int) -> dict:
-    """One rank: every layout's ring over the packed documents."""
+    """One rank: every layout's ring over the packed documents, and the bytes each sent in one
+    forward+backward call (the transport's ``sent_bytes``; one transport, so the counter is the ring's)."""
+    from cp_attention.transport.process_group import transport_for
+
     cu = _cu(args)
     rank, ws = dist.get_rank(), dist.get_world_size()
     full = make_inputs(args, seq)
+    comm = transport_for(dist.group.WORLD)
     impls = {}
     for name in args.layouts:
         lay = get_layout(name)
         shard = [lay.shard(t, 1, rank, ws, cu_seqlens=cu) for t in full]
-        impls[f"ring/{lay.name}"] = ours(*shard, None, lay, args.kernel, cu_seqlens=cu)
-    return {"rows": measure(impls, seq, args.repeats, dist.group.WORLD), "threads": torch.get_num_threads(),
-            "memory": memory_method()}
+        impls[f"ring/{lay.name}"] = ours(*shard, comm, lay, args.kernel, cu_seqlens=cu)
+    rows = measure(impls, seq, args.repeats, dist.group.WORLD)
+    return {"rows": rows, "threads": torch.get_num_threads(), "memory": memory_method(),
+            "bytes": sent_bytes(impls, {name: comm for name in impls}, dist.group.WORLD)}
+
+
+def model_bytes(args) -> dict[str, tuple[float, float]]:
+    """Per ring impl, the model's K/V + dK/dV bytes of one forward+backward call (all ranks):
+    needs-only (what the engine sends) and whole shards."""
+    from benchmarks.layout_comparison.analysis import AttentionShape
+    from benchmarks.layout_comparison.traffic import model_bytes as bytes_of
+
+    shape = AttentionShape(1, args.heads, args.kv_heads, args.head_dim, elem_bytes=DTYPES[args.dtype].itemsize)
+    return {f"ring/{get_layout(name).name}": bytes_of(name, args.tokens, args.world_size, shape, _cu(args))
+            for name in args.layouts}
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -135,8 +151,9 @@ def run(args: argparse.Namespace) -> list[Row]:
             per_round.append((base, spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)))
         return tuple(_median_of_rounds([r[i] for r in per_round]) for i in (0, 1))
 
-    rows, _, _ = sweep(header, args.seq_lens, both, "ring", args.world_size,
-                       notes=lambda parallel: _round_ratios(per_round))
+    rows, _, ring = sweep(header, args.seq_lens, both, "ring", args.world_size,
+                          notes=lambda parallel: _round_ratios(per_round))
+    print_bytes(ring["bytes"], model_bytes(args))
     return rows
 
 

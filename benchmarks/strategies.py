@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.launch import run_on_ranks
-from benchmarks.measure import limit_malloc_caching, measure, memory_method
+from benchmarks.measure import limit_malloc_caching, measure, memory_method, sent_bytes
 
 __all__ = ["Case", "add_arguments", "cases", "run"]
 
@@ -147,19 +147,26 @@ def _worker(args: argparse.Namespace, todo: "list[Case]") -> dict:
     import cp_attention as cpa
     from torch.distributed.device_mesh import init_device_mesh
 
+    from cp_attention.transport.process_group import transport_for
+
     mesh = init_device_mesh("cpu", (WORLD // INNER, INNER))
     rank, lay = dist.get_rank(), cpa.get_layout(args.layout)
     calibration = _calibrate(None)
+    # one transport per group, passed as the group, so that its sent_bytes counts the calls (plans are
+    # cached per group: a second transport of the same group would get the first one's plan)
+    flat, two_level = transport_for(None), transport_for(mesh)
+    comms = {s: two_level if s == "a2a+p2p" else flat for s in STRATEGIES}
     results = []
     for case in todo:
         q, k, v, dout = _tensors(case)
         cu = case.cu_seqlens()
         shard = lambda t: lay.shard(t, 1, rank, WORLD, cu_seqlens=cu)  # noqa: E731
         ql, kl, vl, dl = (shard(t) for t in (q, k, v, dout))
-        impls = {s: _calls(ql, kl, vl, dl, group=mesh if s == "a2a+p2p" else None, cp_comm_type=s,
-                           **_mask_kwargs(case, args.layout)) for s in STRATEGIES}
+        impls = {s: _calls(ql, kl, vl, dl, group=comms[s], cp_comm_type=s, **_mask_kwargs(case, args.layout))
+                 for s in STRATEGIES}
         rows = measure(impls, case.seq, args.repeats, dist.group.WORLD)  # the slowest rank per call
-        results.append({"case": asdict(case), "rows": [asdict(r) for r in rows]})
+        results.append({"case": asdict(case), "rows": [asdict(r) for r in rows],
+                        "bytes": sent_bytes(impls, comms, dist.group.WORLD)})
     return {"calibration": calibration, "results": results}
 
 
@@ -240,6 +247,14 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{case.label():<26}" + "".join(f"{s}={peaks[s]:.1f}/{estimate(kv[s], s, measured).peak_kv_bytes / 2**20:.1f}  "
                                                for s in STRATEGIES)
               + f"one process={base[case]['fwdbwd_peak_mib']:.1f}")
+    print(f"\nbytes sent per forward+backward call, all ranks (MB), measured (transport.sent_bytes after minus "
+          f"before) / the cost model's (the sum of extra['rank_bytes'], or comm_bytes x N):")
+    for item, case in zip(out["results"], todo):
+        model = {s: estimate(_workload(case, True, args.layout, s), s, measured) for s in STRATEGIES}
+        model = {s: sum(e.extra.get("rank_bytes", (e.comm_bytes,) * WORLD)) for s, e in model.items()}
+        got = item.get("bytes") or {}
+        print(f"{case.label():<26}" + "".join(
+            f"{s}={'-' if got.get(s) is None else f'{got[s] / 1e6:.2f}'}/{model[s] / 1e6:.2f}  " for s in STRATEGIES))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     result = {"setup": vars(args), "calibration": cal, "report": report, "hits": hits, "total": total,
               "raw": out["results"], "baseline": {c.label(): base[c] for c in todo}}
