@@ -13,7 +13,7 @@ benchmarks and examples live outside the package, in ``benchmarks/`` and ``examp
 
 from __future__ import annotations
 
-from .api import plan, ring_attention
+from .api import plan, plan_ahead, ring_attention
 from .engine.plan import AttentionPlan
 from .kernels import KERNEL_NAMES, get_kernel
 from .layouts import (LAYOUT_NAMES, BalancedLayout, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout,
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ring_attention",
     "plan",
+    "plan_ahead",
     "AttentionPlan",
     "get_layout",
     "register_layout",

@@ -11,7 +11,7 @@ import torch
 from .checks.agreement import in_agreed_forward
 from .checks.validation import tensor_codes, validate_call
 from .engine.function import AttentionFunction
-from .engine.plan import AttentionPlan, build_plan, host_cu_seqlens
+from .engine.plan import AttentionPlan, build_plan, host_cu_seqlens, plan_ahead
 from .engine.ring import RingSchedule
 from .engine.tasks import KernelSettings
 from .layouts.base import Layout
@@ -19,7 +19,7 @@ from .strategies.dispatch import run_strategy, strategy_problem
 from .transport.eager import eager_only
 from .transport.process_group import transport_for
 
-__all__ = ["ring_attention", "plan"]
+__all__ = ["ring_attention", "plan", "plan_ahead"]
 
 # Under torch.compile a plan is built eagerly (a graph break): it agrees over the group on the host.
 plan = eager_only(build_plan)

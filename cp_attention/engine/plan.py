@@ -10,12 +10,13 @@ kernel choice. ``ring_attention(q, k, v, plan=plan)`` then does no per-batch wor
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
 
 from ..checks.agreement import VERDICTS, cache_enabled
-from ..transport.codec import agree_rows
+from ..transport.codec import agree_rows, raise_first
 from ..checks.validation import PLAN_FIELDS, check_plan_table, plan_codes, trusted_plan_key
 from ..kernels import AttentionKernel, get_kernel
 from ..layouts.base import Layout
@@ -27,13 +28,13 @@ from ..schedules.derived import block_schedules
 from ..schedules.lowering import BatchSpec, VarlenSpec, lower_steps
 from ..schedules.needs import rank_traffic
 from ..schedules.windows import Window, normalize_window
-from ..transport.base import Transport
+from ..transport.base import Seat, Transport
 from ..transport.process_group import transport_for
-from .doc_batch import DocBatch
+from .doc_batch import DocBatch, upload
 from .traffic import StepIndex, step_indices
 from .varlen_batch import VarlenBatch
 
-__all__ = ["AttentionPlan", "build_plan", "host_cu_seqlens"]
+__all__ = ["AttentionPlan", "build_plan", "host_cu_seqlens", "plan_ahead"]
 
 Steps = tuple[tuple["BlockTask | DocBatch | VarlenBatch", ...], ...]
 
@@ -187,6 +188,34 @@ class AttentionPlan:
             found = self._traffic[key] = step_indices(rows, local_len, device)
         return found
 
+    def bind(self, group=None, device: "torch.device | str | None" = None) -> "AttentionPlan":
+        """Put a plan built ahead of the step (:func:`plan_ahead`) to work on ``group``: one agreement
+        with the group (as :func:`build_plan`'s), then its host-built steps and traffic rows are moved to
+        ``device`` (non-blocking, from pinned memory where there is a GPU). Returns this plan.
+
+        Raises ``ValueError`` on every rank alike if any rank's plan differs from another's or was built
+        for another rank or world size than it holds in ``group``.
+        """
+        transport = transport_for(group)
+        seat = (self.transport.rank, self.transport.world_size)
+        ok = int(seat == (transport.rank, transport.world_size))
+        row = [*self.codes, ok, *seat]
+        rows = transport.all_gather_ints(row) if transport.world_size > 1 else [row]
+        width = len(self.codes)
+        raise_first("AttentionPlan.bind", [None if r[width] else
+                                           f"the plan was built for rank {r[width + 1]} of {r[width + 2]}, "
+                                           f"not for its place in the group; build it with plan_ahead(rank=, "
+                                           f"world_size=) of the group" for r in rows])
+        check_plan_table([PLAN_FIELDS.decode(r[:width]) for r in rows], self.layout)
+        self.transport, self.agreed = transport, True
+        if device is not None:
+            device = _device(device)
+            self._steps = {(n, mode, device if dev.type == "cpu" else dev): _moved(steps, device) if dev.type == "cpu"
+                           else steps for (n, mode, dev), steps in self._steps.items()}
+            self._traffic = {(n, device if dev.type == "cpu" else dev, k): _moved(t, device) if dev.type == "cpu"
+                             else t for (n, dev, k), t in self._traffic.items()}
+        return self
+
     def first_step_tiles(self, local_len: int) -> bool:
         """Whether step 0's tasks cover every query and key row exactly once (packed documents without a
         window), so the engine writes its results instead of merging them."""
@@ -200,6 +229,56 @@ def _ready(task: Any, device: torch.device) -> Any:
     if isinstance(task, VarlenSpec):
         return VarlenBatch(task, device)
     return task
+
+
+def _device(device: "torch.device | str") -> torch.device:
+    """``device`` as a tensor's ``.device`` reads (``"cuda"`` is the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _moved(obj: Any, device: torch.device) -> Any:
+    """A copy of host-built ``obj`` (tasks, batches, index rows; tuples of them) whose tensors are on
+    ``device``, uploaded as the plan's own uploads are; everything else is shared."""
+    if isinstance(obj, torch.Tensor):
+        return upload(obj, device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_moved(o, device) for o in obj) if not hasattr(obj, "_fields") else \
+            type(obj)(*(_moved(o, device) for o in obj))
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        if any(isinstance(v, (torch.Tensor, tuple, list)) for v in vars(obj).values()):
+            clone = copy.copy(obj)
+            for name, value in vars(obj).items():
+                object.__setattr__(clone, name, _moved(value, device))
+            return clone
+    return obj
+
+
+def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int = 1, causal: bool = True,
+           cu_seqlens=None, window_size: "tuple[int, int]" = (-1, -1), *, local_len: int,
+           kernel: str = "auto", device: "torch.device | str" = "cuda", dtype: torch.dtype = torch.bfloat16,
+           head_dim: int = 128, v_head_dim: "int | None" = None, softcap: bool = False) -> AttentionPlan:
+    """Build rank ``rank``'s plan of one batch ahead of the step, with no process group (in a data
+    loader's worker or a collator): the ring steps, their lowering and index tensors, and the
+    needs-only rows are built on the host, for calls of ``local_len`` tokens on ``device`` with the
+    kernel ``kernel`` resolves to for ``dtype`` and the head dims. The plan pickles, so a worker
+    can return it with the batch. In the step, ``plan.bind(group, device)`` (one agreement) makes
+    it the batch's plan: ``ring_attention(q, k, v, plan=plan)`` then builds nothing.
+
+    Raises ``ValueError`` for arguments :func:`build_plan` refuses (checked here on this rank; the
+    group judges them together in :meth:`AttentionPlan.bind`).
+    """
+    seat = Seat(rank, world_size)
+    plan = AttentionPlan(layout, seat, causal, cu_seqlens, window_size)
+    check_plan_table([PLAN_FIELDS.decode(plan.codes)] * seat.world_size, plan.layout)
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    kern = plan.kernel(kernel, torch.device(device), dtype, softcap, head_dim, v_head_dim, local_len)
+    host = torch.device("cpu")
+    steps = plan.steps(local_len, kern, host, head_dim, v_head_dim)
+    plan.traffic(local_len, host, len(steps))
+    return plan
 
 
 def build_plan(layout: "str | Layout" = "zigzag", group=None, causal: bool = True, cu_seqlens=None,

@@ -19,23 +19,13 @@ from ..engine.plan import AttentionPlan
 from ..engine.tasks import KernelSettings
 from ..kernels.base import AttentionKernel
 from ..layouts.registry import get_layout
-from ..transport.base import Transport
+from ..transport.base import Seat as _Seat, Transport
 from .alltoall import heads_to_seq, seq_to_heads
 from .composite import CompositeSchedule, pair_steps
 
 __all__ = ["a2a_degree", "strategy_problem", "run_strategy"]
 
 _CONTIGUOUS = get_layout("contiguous")
-
-
-class _Seat:
-    """A rank's place in the group, without communication: what a seat's plan needs."""
-
-    host_agreement = False
-    token = None
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
 
 
 def a2a_degree(transport: Transport, cp_comm_type: str) -> int:

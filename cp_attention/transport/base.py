@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Pending", "Transport", "agree_by_doubling", "payload_bytes"]
+__all__ = ["Pending", "Seat", "Transport", "agree_by_doubling", "payload_bytes"]
 
 
 class Pending(Protocol):
@@ -58,6 +58,26 @@ class Transport(Protocol):
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group in place and return it."""
         ...
+
+
+class Seat:
+    """A rank's place in a group of ``world_size``, with no communication: what a plan built for a rank
+    ahead of time, or a strategy's virtual rank, needs (it sends nothing, so it counts nothing).
+
+    Raises ``ValueError`` for a world size below 1 or a rank outside ``[0, world_size)``."""
+
+    host_agreement = False
+    token = None
+    sent_bytes = 0
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        if isinstance(rank, bool) or isinstance(world_size, bool) or not isinstance(rank, int) \
+                or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"a seat needs ints 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+        self.rank, self.world_size = rank, world_size
+
+    def __repr__(self) -> str:
+        return f"Seat(rank={self.rank}, world_size={self.world_size})"
 
 
 def payload_bytes(tensors: Sequence[torch.Tensor], copies: int = 1) -> int:
