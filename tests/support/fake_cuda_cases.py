@@ -7,8 +7,11 @@ sync watcher) and :func:`check_clean` (no host sync, the kernel's own ops ran). 
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import cp_attention as cpa
 from cp_attention.kernels import cuda_flash_attn
@@ -60,11 +63,14 @@ def lengths(world: int, n: int) -> list[int]:
 
 def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dtype=torch.bfloat16, h=8, hkv=2,
               d=64, dv=None, n=64, b=2, causal=True, lengths=None, cu_on_cuda=False, window=(-1, -1),
-              sinks=False, softcap=0.0, use_lse=False, layers=2, implicit=False, stride_form=None) -> dict:
+              sinks=False, softcap=0.0, use_lse=False, layers=2, implicit=False, stride_form=None,
+              ahead=False) -> dict:
     """``layers`` ring_attention calls on every rank with one plan (``implicit``: no plan, the plan's
     arguments given to every call), then their backwards in reverse order; returns the problems found
     and the watcher's events per rank, and the fused-op calls. ``stride_form``: q, k, v and dout in that
-    memory form of :mod:`tests.support.strides` (a last dim whose stride is not 1)."""
+    memory form of :mod:`tests.support.strides` (a last dim whose stride is not 1). ``ahead``: each rank's
+    plan is built by ``cpa.plan_ahead`` on the host (real tensors, as a loader worker would), pickled,
+    and bound to the group and the device in the plan phase."""
     form = (lambda t: restride(t, stride_form)) if stride_form else (lambda t: t)  # noqa: E731
     dv = dv or d
     if lengths is not None:
@@ -81,7 +87,14 @@ def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dt
             cu_arg = None
             if lengths is not None:
                 cu_arg = env.cuda_holding(cu_real) if cu_on_cuda else cu_real
-            if implicit:
+            if ahead:
+                with unset_fake_temporarily():
+                    built = cpa.plan_ahead(layout, rank.rank, world, causal, cu if lengths is not None else None,
+                                           window, local_len=n, kernel=kernel, device="cuda", dtype=dtype,
+                                           head_dim=d, v_head_dim=dv, softcap=bool(softcap))
+                    built = pickle.loads(pickle.dumps(built))
+                plan, given = built.bind(rank, "cuda"), {}
+            elif implicit:
                 plan, given = None, dict(group=rank, layout=layout, causal=causal, cu_seqlens=cu_arg,
                                          window_size=window)
             else:
@@ -129,14 +142,15 @@ def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dt
             "events": [e for _, events in per_rank for e in events], "calls": calls}
 
 
-def check_clean(res: dict, kernel: "str | None", cu_on_cuda: bool = False) -> None:
+def check_clean(res: dict, kernel: "str | None", cu_on_cuda: bool = False, ahead: bool = False) -> None:
     """No wrong shape, no host sync anywhere, no blocking H2D copy after the plan, no upload after the
-    first call; the named kernel's own ops ran, forward and backward."""
+    first call (``ahead``: none in the first call either, the plan was built before); the named kernel's
+    own ops ran, forward and backward."""
     events = res["events"]
     assert not res["problems"], res["problems"]
     bad = summarize(events, kinds=("d2h",), phases=("first call", "step"))
     bad += summarize(events, kinds=("h2d_blocking",), phases=("first call", "step"))
-    bad += summarize(events, kinds=("h2d_async",), phases=("step",))
+    bad += summarize(events, kinds=("h2d_async",), phases=("first call", "step") if ahead else ("step",))
     plan_reads = [e for e in events if e[0] == "plan" and e[1] == "d2h"]
     if not cu_on_cuda:
         bad += summarize(plan_reads, kinds=("d2h",))

@@ -326,7 +326,7 @@ class FakeCuda:
         # the needs-only rows: host index math, then uploads (fake) like the batches'
         mp.setattr(plan_mod, "rank_traffic", real_tensors(plan_mod.rank_traffic))
         mp.setattr(plan_mod, "step_indices", real_tensors(plan_mod.step_indices))
-        for mod in (doc_batch, varlen_batch, traffic):
+        for mod in (doc_batch, varlen_batch, traffic, plan_mod):
             mp.setattr(mod, "upload", self._faked(mod.upload))
         mp.setattr(RingFault, "_failed_rank", real_tensors(RingFault._failed_rank))
         mp.setattr(validation, "digests_agree", real_tensors(validation.digests_agree))

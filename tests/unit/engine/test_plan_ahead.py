@@ -14,6 +14,8 @@ from cp_attention.engine.plan import AttentionPlan
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.transport.loopback import LoopbackGroup
 
+from tests.support.fake_cuda_cases import check_clean, env, ring_case  # noqa: F401 - env: the fixture
+
 LENGTHS = [1, 40, 3, 17, 2, 33]  # 96 tokens
 
 
@@ -67,3 +69,15 @@ def test_plan_ahead_refuses_what_plan_refuses():
         cpa.plan_ahead("zigzag", 0, 4, True, (0, 5, 10), local_len=2, device="cpu", dtype=torch.float64, head_dim=8)
     with pytest.raises(ValueError, match="rank"):
         cpa.plan_ahead("zigzag", 4, 4, True, None, local_len=2, device="cpu", dtype=torch.float64, head_dim=8)
+
+
+@pytest.mark.parametrize("kernel,layout,lengths,window", [
+    ("flash", "balanced", [1, 60, 7, 60], (-1, -1)),  # varlen batches and needs-only rows
+    ("efficient", "zigzag", [1, 60, 7, 60], (20, -1)),  # a window's tiles
+    ("flash", "interleaved", None, (-1, -1)),
+])
+def test_a_bound_plan_runs_on_fake_cuda_with_no_sync_and_no_upload_in_the_calls(env, kernel, layout, lengths, window):
+    # The plan is built on the host ahead of the step and bound (its index tensors uploaded) in the plan
+    # phase; the first call and every later one neither sync nor upload anything.
+    check_clean(ring_case(env, 2, kernel, layout, torch.bfloat16, n=64, lengths=lengths, window=window, ahead=True),
+                kernel, ahead=True)
