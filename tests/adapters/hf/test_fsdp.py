@@ -21,7 +21,8 @@ CASES = [
     (1, 2, "contiguous", "qwen2", True, True, "adamw", "p2p", 3, 2, False),
     (1, 2, "interleaved", "gpt_oss", False, "offload", "sgd", "p2p", 1024, None, True),
     (2, 2, "zigzag", "qwen2", False, "offload", "adamw", "p2p", 5, 3, True),
-    (2, 2, "contiguous", "mistral_window", True, False, "sgd", "all_gather", 1024, None, False),
+    # balanced: packed documents placed per batch (other documents every step and dp rank)
+    (2, 2, "balanced", "mistral_window", True, False, "sgd", "all_gather", 1024, None, False),
     (2, 2, "interleaved", "gpt_oss", True, True, "adamw", "a2a", 7, None, False),
     (1, 4, "zigzag", "mistral_window", False, True, "sgd", "p2p", 2, 4, False),
     (1, 4, "contiguous", "llama", True, False, "adamw", "a2a", 1, None, True),

@@ -22,7 +22,8 @@ CASES = [
      dict(cp_activation_checkpointing=True)),
     ("flatten", "llama", "contiguous", 2, 2, 1, 2, "a2a",  # DataCollatorWithFlattening: packed documents
      dict(cp_loss_chunk_tokens=5, cp_activation_checkpointing=True, cp_mlp_chunks=3)),
-    ("sft", "qwen2", "zigzag", 1, 2, 2, 1, "auto", {}),  # SFTTrainer, packing (bfd, padding-free); its own loss
+    # SFTTrainer, packing (bfd, padding-free); its own loss; the documents placed per batch (balanced)
+    ("sft", "qwen2", "balanced", 1, 2, 2, 1, "auto", {}),
 ]
 
 
