@@ -167,13 +167,17 @@ def _packed_work(lay: str, causal: bool, stream: PackedStream, ws: int) -> Optio
 def packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionShape, skipped: Records) -> dict:
     """Every modelled packed table: ``{"packed", "packed_work_per_rank_step", "packed_te_padding",
     "packed_documents"}`` (record lists; the per-rank-and-step work and the document list for the
-    first seed only). ``shape`` turns pairs into FLOPs (forward + backward, :func:`flops_per_pair`).
+    first seed only). ``shape`` turns pairs into FLOPs (forward + backward, :func:`flops_per_pair`) and
+    rows into the K/V + dK/dV bytes of one training step, all ranks (``kv_dkv_bytes_needs_only``: what
+    the engine sends; ``kv_dkv_bytes_whole``: whole shards).
     """
     with one_thread():
         return _packed_tables(p, layouts, causal, shape, skipped)
 
 
 def _packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionShape, skipped: Records) -> dict:
+    from benchmarks.layout_comparison.traffic import model_bytes  # it builds on this module
+
     sizes = sorted(set(p["world_sizes"]))
     div = stream_divisor(layouts + ["zigzag"], sizes)  # zigzag: TE's own split is modelled too
     flops = shape.batch * shape.heads * (flops_per_pair(shape, False) + flops_per_pair(shape, True))
@@ -195,12 +199,14 @@ def _packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionSh
                                         "reason": f"layout {lay!r} does not support packed documents"})
                     continue
                 totals = [sum(r) for r in w]
+                needs, whole = model_bytes(lay, st.tokens, ws, shape, st.cu_seqlens, causal)
                 rows.append({
                     "seed": seed, "layout": lay, "world_size": ws, "seq_len": st.tokens,
                     "documents": len(st.lengths), "real_tokens": st.real_tokens, "pad_tokens": st.pad,
                     "imbalance": imbalance(w), "step_sync_efficiency": step_sync_efficiency(w),
                     "total_pairs": sum(totals), "real_pairs": real, "busiest_rank_pairs": max(totals),
                     "rank_pairs": " ".join(map(str, totals)),
+                    "kv_dkv_bytes_needs_only": needs, "kv_dkv_bytes_whole": whole,
                 })
                 if i == 0:
                     mean = sum(totals) / ws

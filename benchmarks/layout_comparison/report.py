@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from benchmarks.layout_comparison import plots
+from benchmarks.layout_comparison.balance import packed_bytes_section
 from benchmarks.layout_comparison.strategies import strategies_section
 from benchmarks.layout_comparison.window import window_figures, window_section
 
@@ -329,6 +330,7 @@ def _packed_section(cfg: dict, res: dict) -> str:
         "Data: `packed_te_padding.csv`.",
         md_table(["N", "2N", "TE pad tokens (% of real)", "% range", "our pad tokens", "TE extra pairs (% of ours)",
                   "% range", "extra TFLOP fwd+bwd", "TE zigzag imb"], trows),
+        packed_bytes_section(rows, lays),
         f"![packed work per rank](packed_work_bars.png)\n\n(`packed_work_bars.csv`, N = {bars}, seed {seed0})",
         "![packed document lengths](packed_doc_lengths.png)\n\n(`packed_doc_lengths.csv`)",
     ]
@@ -392,7 +394,7 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".png", ".csv", ".yaml"))
     head = [
-        "# Layout comparison: contiguous, zigzag, interleaved",
+        "# Layout comparison: " + ", ".join(cfg["layouts"]),
         f"Layouts {', '.join(cfg['layouts'])}; causal: {cfg['causal']}. torch {torch.__version__}, "
         f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores. Config: `config.yaml`; "
         "rerun with `python benchmarks/layout_comparison/run.py` and the same overrides.",
