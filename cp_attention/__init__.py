@@ -18,7 +18,7 @@ from .engine.plan import AttentionPlan
 from .kernels import KERNEL_NAMES, get_kernel
 from .layouts import (LAYOUT_NAMES, BalancedLayout, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout,
                       document_position_ids, get_layout, pad_cu_seqlens, register_layout)
-from .schedules import BlockTask, get_schedule, rank_plan, register_schedule, ring_length, work_model
+from .schedules import BlockTask, get_schedule, rank_plan, register_schedule, ring_length, traffic_model, work_model
 from .strategies import CP_COMM_TYPES, check_comm_type_name
 
 __version__ = "0.1.0"
@@ -44,6 +44,7 @@ __all__ = [
     "register_schedule",
     "rank_plan",
     "work_model",
+    "traffic_model",
     "ring_length",
     "get_kernel",
     "document_position_ids",

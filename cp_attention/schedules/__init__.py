@@ -7,8 +7,10 @@ from .causal import ScheduleFn, get_schedule, rank_plan, register_schedule
 from .derived import block_schedules, ring_length
 from .lowering import BatchSpec, VarlenSpec, lower_steps, split_doc_block
 from .windows import Window, check_window_size, normalize_window
+from .needs import needed_keys, rank_traffic, traffic_model
 from .work import work_model
 
 __all__ = ["BlockTask", "DocBlock", "doc_block_pairs", "source_rank", "task_pairs", "ScheduleFn", "get_schedule",
            "rank_plan", "register_schedule", "block_schedules", "ring_length", "BatchSpec", "VarlenSpec", "lower_steps",
-           "split_doc_block", "Window", "check_window_size", "normalize_window", "work_model"]
+           "split_doc_block", "Window", "check_window_size", "normalize_window", "work_model",
+           "needed_keys", "rank_traffic", "traffic_model"]
