@@ -12,7 +12,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 import cp_attention as cpa  # noqa: E402
 
 from tests.support import hf_cases, hf_window_cases  # noqa: E402
-from tests.adapters.hf.test_equivalence import FP64, _assert_equivalent  # noqa: E402
+from tests.adapters.hf.test_equivalence import FP64, PLAIN_LAYOUTS, _assert_equivalent  # noqa: E402
 
 # Every layer, max_window_layers, mask-only windows (Qwen2-MoE), alternating with softcap (Gemma2),
 # local/global layer_types (Gemma3), alternating with sinks (GPT-OSS): see hf_cases._window_config.
@@ -27,7 +27,7 @@ def _assert_windows_matter(results, what):
         assert r["window_effect"] > WINDOW_MATTERS, f"{what}: rank {rank}: the windows change nothing ({r})"
 
 
-CASES = list(itertools.product((2, 4), WINDOW_FAMILIES, cpa.LAYOUT_NAMES))
+CASES = list(itertools.product((2, 4), WINDOW_FAMILIES, PLAIN_LAYOUTS))
 
 
 @pytest.mark.parametrize("world_size,family,layout", CASES, ids=["-".join(map(str, c)) for c in CASES])
@@ -55,7 +55,7 @@ def test_windowed_packed_documents_equal_their_documents(pools, world_size, layo
     _assert_windows_matter(results, f"packed {layout} {mode} cp={world_size}")
 
 
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", PLAIN_LAYOUTS)
 def test_noncausal_layer_window_is_flash_attentions(pools, layout):
     """A non-causal layer's window W is transformers' flash-attention one: |i - j| < W, both sides."""
     for rank, r in enumerate(pools(2).run(hf_window_cases.noncausal_window, layout=layout, window=5, timeout=180)):
@@ -63,7 +63,7 @@ def test_noncausal_layer_window_is_flash_attentions(pools, layout):
         assert r["window_effect"] > WINDOW_MATTERS, (rank, r)
 
 
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", PLAIN_LAYOUTS)
 def test_bidirectional_config_matches_model_without_cp(pools, layout):
     """config.is_causal=False: transformers asks the mask interface for a bidirectional mask and passes
     is_causal=False to every attention call; the two agree, so the ring runs non-causal."""

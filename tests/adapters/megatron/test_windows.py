@@ -14,7 +14,7 @@ import cp_attention as cpa  # noqa: E402
 from tests.support import megatron_cases as mc  # noqa: E402
 from tests.support import megatron_packed_cases as mpc  # noqa: E402
 from tests.support import megatron_window_cases as mwc  # noqa: E402
-from tests.adapters.megatron.test_equivalence import _packed_references  # noqa: E402
+from tests.adapters.megatron.test_equivalence import PLAIN_LAYOUTS, _packed_references  # noqa: E402
 
 FP64 = 1e-10
 FP32 = 2e-6  # megatron's own loss is computed in fp32
@@ -53,7 +53,7 @@ def _assert_equivalent(results, what, windows):
         assert r["mcore_loss"] <= FP32, f"{what}: rank {rank} megatron's loss differs by {r['mcore_loss']:.3e}"
 
 
-CASES = list(itertools.product((2, 4), cpa.LAYOUT_NAMES, sorted(WINDOWS)))
+CASES = list(itertools.product((2, 4), PLAIN_LAYOUTS, sorted(WINDOWS)))
 
 
 @pytest.mark.parametrize("world_size,layout,window", CASES, ids=[f"cp{w}-{lay}-{win}" for w, lay, win in CASES])
@@ -123,7 +123,7 @@ def test_packed_windowed_gpt_matches_each_document_alone(pools, world_size, layo
 # (mask, the layer's window, megatron's window that is the reference). A causal layer keeps j <= i, as
 # TransformerEngine forces right = 0 under causal masks; megatron's local mask would see `right` keys ahead.
 CORE = {"no_mask": (False, (5, 3), (5, 3)), "causal": (True, (5, 3), (5, 0))}
-CORE_CASES = list(itertools.product((2, 4), cpa.LAYOUT_NAMES, sorted(CORE)))
+CORE_CASES = list(itertools.product((2, 4), PLAIN_LAYOUTS, sorted(CORE)))
 _CORE_REFS: dict = {}
 
 
