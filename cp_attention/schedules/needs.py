@@ -20,7 +20,6 @@ import torch
 from ..layouts.base import Layout
 from ..layouts.documents import check_cu_seqlens
 from ..layouts.registry import get_layout
-from .blocks import increasing_positions
 from .derived import ring_length
 from .windows import Window, normalize_window
 
@@ -29,8 +28,8 @@ __all__ = ["StepRows", "needed_keys", "rank_traffic", "traffic_model", "ring_ste
 
 def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal: bool,
                 window: Optional[Window]) -> torch.Tensor:
-    """``[len(kpos)]`` bool: which keys at packed-stream positions ``kpos`` some query at positions
-    ``qpos`` (increasing) sees, for documents ``cu`` (a LongTensor ``[0, ..., T]``), ``causal`` and the
+    """``[len(kpos)]`` bool: which keys at packed-stream positions ``kpos`` (any order) some query at
+    positions ``qpos`` (any order) sees, for documents ``cu`` (a LongTensor ``[0, ..., T]``), ``causal`` and the
     normalised ``window`` (None: unbounded; else flash-attn's ``(left, right)``, -1 unbounded).
 
     Query ``i`` sees key ``k`` iff both lie in one document, ``i - left <= k <= i + right`` and, when
@@ -47,6 +46,7 @@ def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal
         lower = torch.maximum(lower, kpos - right)
     if left >= 0:
         upper = torch.minimum(upper, kpos + left)
+    qpos = torch.sort(qpos).values
     first = torch.searchsorted(qpos, lower)
     found = first < qpos.numel()
     return found & (qpos[first.clamp(max=qpos.numel() - 1)] <= upper)
@@ -63,8 +63,8 @@ class StepRows:
 
 
 def _all_positions(layout: Layout, world_size: int, total: int, cu: "tuple[int, ...] | None") -> list[torch.Tensor]:
-    what = "needs-only traffic"
-    return [increasing_positions(layout, total, r, world_size, cu, what) for r in range(world_size)]
+    # any order: a layout with a schedule of its own may hold its tokens out of order
+    return [layout.positions(total, r, world_size, cu) for r in range(world_size)]
 
 
 def ring_steps(layout: "str | Layout", causal: bool, total: int, world_size: int, cu_seqlens=None,
@@ -78,7 +78,7 @@ def rank_traffic(layout: "str | Layout", causal: bool, world_size: int, total: i
                  ) -> tuple[Optional[StepRows], ...]:
     """``rows[s]`` for ``s < steps``: this ``rank``'s :class:`StepRows` at each ring step (None at
     step 0, where the own shard is used). ``cu_seqlens`` checked (None: one sequence), ``window``
-    normalised. Raises ``NotImplementedError`` for a layout whose positions do not increase."""
+    normalised."""
     lay = get_layout(layout)
     pos = _all_positions(lay, world_size, total, cu_seqlens)
     cu = torch.tensor(cu_seqlens if cu_seqlens is not None else (0, total))
