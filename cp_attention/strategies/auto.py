@@ -34,6 +34,7 @@ def auto_comm_type(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: tor
                         dtype_bytes=q.element_size(), causal=bool(plan.causal), window=tuple(plan.window_size),
                         cu_seqlens=plan.cu_seqlens, layout=plan.layout.name,
                         inner=levels[1].world_size if levels else 1, backward=needs_grad)
-        mine = CP_COMM_TYPES.index(choose(work, current_hardware(q.device.type)))
+        # the plan's traffic: only the needed rows (the default), or whole shards
+        mine = CP_COMM_TYPES.index(choose(work, current_hardware(q.device.type), getattr(plan, "needs_only", True)))
         found = picks[key] = CP_COMM_TYPES[plan.transport.all_gather_ints([mine])[0][0]]
     return found

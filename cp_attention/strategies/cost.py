@@ -412,7 +412,9 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware, needs_only: bool = Tr
     return Estimate(compute, a2a + ring, exposed, compute + exposed, a2a_bytes + ring_bytes, peak)
 
 
-def choose(w: Workload, hw: Hardware) -> str:
-    """The feasible strategy with the least modelled time (ties: the order of ``STRATEGIES``)."""
-    best = min((estimate(w, s, hw).total_s, i, s) for i, s in enumerate(STRATEGIES) if infeasible(w, s) is None)
+def choose(w: Workload, hw: Hardware, needs_only: bool = True) -> str:
+    """The feasible strategy with the least modelled time (ties: the order of ``STRATEGIES``);
+    ``needs_only`` as for :func:`estimate`."""
+    best = min((estimate(w, s, hw, needs_only).total_s, i, s) for i, s in enumerate(STRATEGIES)
+               if infeasible(w, s) is None)
     return best[2]

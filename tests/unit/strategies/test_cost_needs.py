@@ -57,6 +57,8 @@ def test_a_hand_worked_batch():
         alone = estimate(Workload(2, 1, 16, 4, 2, 16, 8, 2, True, (-1, -1), (0, 8, 16), "contiguous", 1, backward),
                          "p2p", hw)
         assert alone.comm_bytes == 0 and alone.comm_s == 0 and alone.exposed_comm_s == 0
+        whole = estimate(w, "p2p", hw, needs_only=False)  # the plan's needs_only off: 8 rows each way
+        assert whole.comm_bytes == 8 * kv + 8 * acc * backward and not whole.extra["needs_only"]
 
 
 def test_one_sequence_keeps_the_ring_time():
