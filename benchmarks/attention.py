@@ -192,7 +192,7 @@ def model_bytes(args, seq: int) -> "dict[str, tuple[float, float]]":
     """Per ring impl, the model's K/V + dK/dV bytes of one forward+backward call at ``seq`` (all ranks):
     needs-only (what the engine sends) and whole shards."""
     from benchmarks.layout_comparison.analysis import AttentionShape
-    from benchmarks.layout_comparison.traffic import model_bytes as bytes_of
+    from benchmarks.layout_comparison.analysis import model_bytes as bytes_of
 
     shape = AttentionShape(args.batch, args.heads, args.kv_heads, args.head_dim,
                            elem_bytes=dtype_from_name(args.dtype).itemsize)

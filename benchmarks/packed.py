@@ -112,7 +112,7 @@ def model_bytes(args) -> dict[str, tuple[float, float]]:
     """Per ring impl, the model's K/V + dK/dV bytes of one forward+backward call (all ranks):
     needs-only (what the engine sends) and whole shards."""
     from benchmarks.layout_comparison.analysis import AttentionShape
-    from benchmarks.layout_comparison.traffic import model_bytes as bytes_of
+    from benchmarks.layout_comparison.analysis import model_bytes as bytes_of
 
     shape = AttentionShape(1, args.heads, args.kv_heads, args.head_dim, elem_bytes=DTYPES[args.dtype].itemsize)
     return {f"ring/{get_layout(name).name}": bytes_of(name, args.tokens, args.world_size, shape, _cu(args))

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 from cp_attention.layouts import Layout, get_layout
 from cp_attention.schedules import rank_plan, source_rank
+from cp_attention.strategies import batch_model
 from cp_attention.strategies.cost import accumulator_bytes, matmul_flops, pairs, ring_bytes_per_rank
 from cp_attention.strategies.cost import kv_bytes_per_hop as _shard_bytes
 
@@ -39,6 +40,8 @@ __all__ = [
     "document_pairs",
     "PaddingCost",
     "document_padding",
+    "training_bytes",
+    "model_bytes",
 ]
 
 Work = Sequence[Sequence[float]]  # work[rank][step]; pairs (modelled) or seconds (measured)
@@ -338,3 +341,28 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
         bwd_o += max(c, m)
         bwd_s += c + m
     return Projection(fwd_o, fwd_s, bwd_o, bwd_s, total * fwd_pair / n, total * bwd_pair / n, worst, comm_bound)
+
+
+def training_bytes(rows: Sequence[Sequence[int]], shape: AttentionShape) -> int:
+    """K/V and dK/dV bytes all ranks send in one training step (forward + backward) when rank ``r``
+    receives ``rows[r][s]`` K/V rows at ring step ``s`` (every step running): the forward's K/V, the
+    backward's again but the last step's (kept from the forward), and the rows' dK/dV partials (in the
+    accumulator dtype) home. Whole shards: ``rows[r][s] = T / N`` for ``s >= 1``."""
+    kv = shape.batch * shape.kv_heads * (shape.head_dim + shape.dv)
+    steps = len(rows[0])
+    _, per_rank, _ = batch_model.needs_only_bytes(tuple(map(tuple, rows)), steps, kv * shape.elem_bytes,
+                                                  kv * shape.acc_bytes, True, False)
+    return round(sum(per_rank))
+
+
+def model_bytes(layout: str, total: int, world_size: int, shape: AttentionShape, cu_seqlens=None,
+                causal: bool = True) -> tuple[int, int]:
+    """``(needs_only, whole)``: K/V + dK/dV bytes of one forward + backward call over ``world_size``
+    ranks, all ranks (:func:`training_bytes`), what the engine sends and what whole shards would.
+    Raises ``ValueError`` if the layout cannot split ``total`` over ``world_size`` ranks."""
+    if world_size == 1:
+        return 0, 0
+    rows = batch_model.step_rows(layout, causal, (-1, -1), total, world_size,
+                                 None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens))
+    n = total // world_size
+    return training_bytes(rows, shape), training_bytes([[0] + [n] * (world_size - 1)] * world_size, shape)

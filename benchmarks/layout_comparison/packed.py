@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from benchmarks.layout_comparison.analysis import (
-    AttentionShape, document_padding, document_pairs, flops_per_pair, imbalance, step_sync_efficiency,
+    AttentionShape, document_padding, document_pairs, flops_per_pair, imbalance, model_bytes, step_sync_efficiency,
 )
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from cp_attention.layouts import get_layout
@@ -176,8 +176,6 @@ def packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionSha
 
 
 def _packed_tables(p: dict, layouts: list[str], causal: bool, shape: AttentionShape, skipped: Records) -> dict:
-    from benchmarks.layout_comparison.traffic import model_bytes  # it builds on this module
-
     sizes = sorted(set(p["world_sizes"]))
     div = stream_divisor(layouts + ["zigzag"], sizes)  # zigzag: TE's own split is modelled too
     flops = shape.batch * shape.heads * (flops_per_pair(shape, False) + flops_per_pair(shape, True))

@@ -22,7 +22,7 @@ from cp_attention.schedules.lowering import lower_steps
 from cp_attention.strategies import batch_model
 from cp_attention.strategies.cost import HARDWARE, Hardware, Workload, estimate
 
-from benchmarks.layout_comparison.analysis import AttentionShape
+from benchmarks.layout_comparison.analysis import AttentionShape, model_bytes, training_bytes  # noqa: F401 (re-exported)
 from benchmarks.layout_comparison.packed import lognormal_lengths
 
 __all__ = ["Batch", "H100_SHAPE", "training_bytes", "model_bytes", "kernel_calls", "batch_figures", "lognormal_batch",
@@ -47,31 +47,6 @@ class Batch:
     @property
     def longest(self) -> int:
         return max(b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
-
-
-def training_bytes(rows: Sequence[Sequence[int]], shape: AttentionShape) -> int:
-    """K/V and dK/dV bytes all ranks send in one training step (forward + backward) when rank ``r``
-    receives ``rows[r][s]`` K/V rows at ring step ``s`` (every step running): the forward's K/V, the
-    backward's again but the last step's (kept from the forward), and the rows' dK/dV partials (in the
-    accumulator dtype) home. Whole shards: ``rows[r][s] = T / N`` for ``s >= 1``."""
-    kv = shape.batch * shape.kv_heads * (shape.head_dim + shape.dv)
-    steps = len(rows[0])
-    _, per_rank, _ = batch_model.needs_only_bytes(tuple(map(tuple, rows)), steps, kv * shape.elem_bytes,
-                                                  kv * shape.acc_bytes, True, False)
-    return round(sum(per_rank))
-
-
-def model_bytes(layout: str, total: int, world_size: int, shape: AttentionShape, cu_seqlens=None,
-                causal: bool = True) -> tuple[int, int]:
-    """``(needs_only, whole)``: K/V + dK/dV bytes of one forward + backward call over ``world_size``
-    ranks, all ranks (:func:`training_bytes`), what the engine sends and what whole shards would.
-    Raises ``ValueError`` if the layout cannot split ``total`` over ``world_size`` ranks."""
-    if world_size == 1:
-        return 0, 0
-    rows = batch_model.step_rows(layout, causal, (-1, -1), total, world_size,
-                                 None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens))
-    n = total // world_size
-    return training_bytes(rows, shape), training_bytes([[0] + [n] * (world_size - 1)] * world_size, shape)
 
 
 def kernel_calls(layout: str, cu: tuple[int, ...], world_size: int, causal: bool = True
