@@ -20,7 +20,7 @@ from ..layouts.registry import get_layout
 from ..schedules.blocks import increasing_positions
 from ..schedules.needs import traffic_model
 
-__all__ = ["rank_positions", "rank_pair_totals", "step_rows", "window_or_none", "needs_only_bytes",
+__all__ = ["rank_positions", "rank_pair_totals", "step_rows", "window_or_none", "needs_only_bytes", "ring_seconds",
            "accumulator_bytes", "kv_bytes_per_hop", "ring_bytes_per_rank"]
 
 
@@ -144,6 +144,23 @@ def needs_only_bytes(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: fl
     messages = sum(1 for s in live if most[s]) * (2 if backward else 1) + \
         (sum(1 for s in kv_steps if most[s]) if backward else 0)
     return critical, per_rank, messages
+
+
+def ring_seconds(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: float, acc_row: float, backward: bool,
+                 ranks_per_node: int, intra_bw: float, inter_bw: float) -> float:
+    """Seconds the needs-only ring spends moving ``rows`` (:func:`step_rows`, bytes per row as for
+    :func:`needs_only_bytes`): per step, the slowest exchange: the most any rank receives over its
+    link, NVLink (``intra_bw``) from a rank of its own node (``ranks_per_node`` consecutive ranks),
+    InfiniBand (``inter_bw``) across nodes; the dK/dV partials return over the same pair. Whole
+    shards give ``critical_bytes / bandwidth`` of the slowest link, as before."""
+    world = len(rows)
+    total = 0.0
+    for s in range(1, steps):
+        per_row = kv_row * (1 + (backward and s < steps - 1)) + (acc_row if backward else 0.0)
+        worst = max(rows[r][s] / (intra_bw if r // ranks_per_node == ((r - s) % world) // ranks_per_node
+                                  else inter_bw) for r in range(world))
+        total += worst * per_row
+    return total
 
 
 # Whole shards: the ring's bytes, shared with the benchmarks' projections (benchmarks/layout_comparison/

@@ -310,19 +310,17 @@ def _calls(w: Workload, rows: float, steps: int) -> float:
     return 3 * math.ceil(rows / max(BAND_TILE, band // 4)) + steps - 1
 
 
-def _needs_only(w: Workload, steps: int, kv_row: float, acc_row: float, gather: bool
-                ) -> Optional[tuple[float, tuple[float, ...], int]]:
-    """For rows of ``kv_row`` (K and V, the batch's) and ``acc_row`` (dK/dV partials) bytes, the ring's or all-gather's needs-only bytes (:func:`.batch_model.needs_only_bytes`), or None
-    where whole shards travel: one rank, a layout no registry knows, one that cannot split T or whose
+def _needs_rows(w: Workload) -> "Optional[tuple[tuple[int, ...], ...]]":
+    """The K/V rows each rank needs at each ring step (:func:`.batch_model.step_rows`), or None where
+    whole shards travel: one rank, a layout no registry knows, one that cannot split T or whose
     positions do not increase."""
     layout = _layout(w.layout)
     if layout is None or w.world_size == 1:
         return None
     try:
-        rows = batch_model.step_rows(layout.name, w.causal, tuple(w.window), w.seq_len, w.world_size, w.cu_seqlens)
+        return batch_model.step_rows(layout.name, w.causal, tuple(w.window), w.seq_len, w.world_size, w.cu_seqlens)
     except (ValueError, NotImplementedError):
         return None
-    return batch_model.needs_only_bytes(rows, steps, kv_row, acc_row, w.backward, gather)
 
 
 def _link(hw: Hardware, span: int) -> float:
@@ -373,11 +371,17 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware, needs_only: bool = Tr
     own = shard(n, w.kv_heads)
     if cp_comm_type in ("p2p", "all_gather"):
         compute = work * _busiest_share(w, world) + _calls(w, n, steps) * passes * hw.kernel_call_s
-        needs = _needs_only(w, steps, shard(1, w.kv_heads), shard(1, w.kv_heads, acc), cp_comm_type == "all_gather") \
-            if needs_only else None
-        if needs is not None:  # only the needed rows travel (the engine's default)
-            critical, per_rank, hops = needs
+        rows = _needs_rows(w) if needs_only else None
+        if rows is not None:  # only the needed rows travel (the engine's default)
+            kv_row, acc_row = shard(1, w.kv_heads), shard(1, w.kv_heads, acc)
+            critical, per_rank, hops = batch_model.needs_only_bytes(rows, steps, kv_row, acc_row, bwd,
+                                                                    cp_comm_type == "all_gather")
             sent, extra = max(per_rank), {"needs_only": True, "rank_bytes": per_rank, "critical_bytes": critical}
+            if cp_comm_type == "p2p":  # each step's slowest exchange over its own link
+                comm = batch_model.ring_seconds(rows, steps, kv_row, acc_row, bwd, hw.ranks_per_node, hw.intra_bw,
+                                                hw.inter_bw) + hops * hw.latency_s
+                exposed = max(0.0, comm - compute * (steps - 1) / steps)
+                return Estimate(compute, comm, exposed, compute + exposed, sent, 3 * own if steps > 1 else own, extra)
         else:  # whole shards: forward L-1 K/V hops; backward L-2 K/V hops and L-1 dK/dV accumulator hops
             fwd_bytes = (steps - 1) * own
             dkv_bytes = (steps - 1) * shard(n, w.kv_heads, acc) if bwd else 0.0

@@ -79,3 +79,17 @@ def test_packed_work_is_exact_for_every_layout():
         w = Workload(4, 1, 96, 4, 2, 8, 8, 4, True, (-1, -1), cu, layout)
         work = work_model(layout, True, 96, 4, cu_seqlens=cu)
         assert cost._busiest_share(w, 4) == pytest.approx(max(map(sum, work)) / sum(map(sum, work)), abs=1e-12)
+
+
+def test_needs_only_hops_inside_a_node_use_its_links():
+    """N = 16 on 8-rank nodes, contiguous, documents that never cross the node boundary (rank 7 ends at
+    token 16): every needed row moves between ranks of one node, so the ring's time is at NVLink's
+    bandwidth; whole shards cross nodes at every step, at InfiniBand's."""
+    hw = HARDWARE["h100"]
+    w = Workload(16, 1, 32, 4, 2, 16, 8, 2, True, (-1, -1), (0, 3, 16, 32), "contiguous", 1, False)
+    est = estimate(w, "p2p", hw)
+    steps_with_rows = sum(1 for s in range(1, 16) if any(r[s] for r in batch_model.step_rows(
+        "contiguous", True, (-1, -1), 32, 16, (0, 3, 16, 32))))
+    assert est.comm_s == pytest.approx(est.extra["critical_bytes"] / hw.intra_bw + steps_with_rows * hw.latency_s)
+    whole = estimate(w, "p2p", hw, needs_only=False)
+    assert whole.comm_s == pytest.approx(15 * 2 * 2 * 24 * 2 / hw.inter_bw + 15 * hw.latency_s)
