@@ -16,8 +16,8 @@ workload's pair counts are cached; nothing loops over tokens).
   the ring overlaps its hops with its steps' compute; all-gather and all-to-all do not. The ring and
   the all-gather send only the K/V rows a rank needs, and their dK/dV partials home
   (:mod:`cp_attention.schedules.needs`, counted from the batch's positions by :mod:`.batch_model`): a
-  ring step costs the most rows any rank receives at it, and a step nobody needs anything at costs
-  nothing; ``comm_bytes`` is the most one rank sends (``extra["rank_bytes"]``: every rank's).
+  ring step costs its slowest exchange (a rank's rows over its pair's link: NVLink inside a node,
+  InfiniBand across), and a step nobody needs anything at costs nothing; ``comm_bytes`` is the most one rank sends (``extra["rank_bytes"]``: every rank's).
   A single sequence saves bytes (causal zigzag: a quarter) but not ring time (some rank needs a whole
   shard at every step); packed documents and windows save both. The ring of ``"a2a+p2p"`` carries
   whole shards. A window
