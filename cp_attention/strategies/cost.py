@@ -17,13 +17,13 @@ workload's pair counts are cached; nothing loops over tokens).
   the all-gather send only the K/V rows a rank needs, and their dK/dV partials home
   (:mod:`cp_attention.schedules.needs`, counted from the batch's positions by :mod:`.batch_model`): a
   ring step costs its slowest exchange (a rank's rows over its pair's link: NVLink inside a node,
-  InfiniBand across), and a step nobody needs anything at costs nothing; ``comm_bytes`` is the most one rank sends (``extra["rank_bytes"]``: every rank's).
-  A single sequence saves bytes (causal zigzag: a quarter) but not ring time (some rank needs a whole
-  shard at every step); packed documents and windows save both. The ring of ``"a2a+p2p"`` carries
-  whole shards. A window
+  InfiniBand across), and a step nobody needs anything at costs nothing; ``comm_bytes`` is the most
+  one rank sends (``extra["rank_bytes"]``: every rank's). A single sequence saves bytes (causal
+  zigzag: a quarter) but not ring time (some rank needs a whole shard at every step); packed
+  documents and windows save both. The ring of ``"a2a+p2p"`` carries whole shards. A window
   shortens the ring (:func:`ring_steps`, the closed form of
   :func:`cp_attention.schedules.derived.ring_length` for the built-in layouts). A group inside one
-  node (``ranks_per_node``) moves bytes at ``intra_bw``; across nodes the ring is bound by
+  node (``ranks_per_node``) moves bytes at ``intra_bw``; across nodes whole shards are bound by
   ``inter_bw`` and an all-to-all or all-gather sends its off-node fraction there. ``"a2a+p2p"`` keeps
   its all-to-all inside the mesh's inner dim (a node) and rings across the outer.
 - memory: the K/V bytes one rank holds at once, its input shard included (the ring: its shard and two
