@@ -68,3 +68,11 @@ def test_balanced_is_in_the_tables():
     table = balance.summary_rows(rows, balance.LAYOUTS)
     assert [r[2] for r in table] == list(balance.LAYOUTS)
     assert "balanced" in balance.markdown(rows, balance.LAYOUTS, "hand")
+
+
+def test_packed_bytes_section_shares():
+    """The report's bytes table: needs-only over whole shards and over zigzag's, per N and layout."""
+    rows = [{"seed": 0, "layout": lay, "world_size": 2, "kv_dkv_bytes_needs_only": needs, "kv_dkv_bytes_whole": 100}
+            for lay, needs in (("zigzag", 75), ("balanced", 15))]
+    text = balance.packed_bytes_section(rows, ["zigzag", "balanced"])
+    assert "| 2 | 75% / 100% | 15% / 20% |" in text
