@@ -328,7 +328,8 @@ def place_documents(cu_seqlens: CuSeqlens, world_size: int) -> tuple[tuple[Piece
 
 def placement_picture(cu_seqlens: CuSeqlens, world_size: int, width: int = 64) -> str:
     """An ASCII picture of :func:`place_documents`: one line per document, one character per
-    ``ceil(L / width)`` tokens, showing the rank that holds them (``0-9a-z``)."""
+    ``ceil(L / width)`` tokens (the longest document ``width`` characters), showing the rank that holds
+    them (``0-9a-z``); then one line per rank: its tokens and its causal work over the mean."""
     cu = check_cu_seqlens(cu_seqlens)
     pieces = place_documents(cu, world_size)
     owner: dict = {}
@@ -344,6 +345,12 @@ def placement_picture(cu_seqlens: CuSeqlens, world_size: int, width: int = 64) -
             for c in range(start // scale, -(-stop // scale)):
                 row[c] = digits[rank % 36]
         lines.append(f"doc {d:>3} ({b - a:>6} tokens) |{''.join(row)}|")
+    work = [sum((p.stop * (p.stop + 1) - p.start * (p.start + 1)) // 2 for p in ps) for ps in pieces]
+    mean = sum(work) / world_size
+    for rank, ps in enumerate(pieces):
+        docs = sorted({p.doc for p in ps})
+        lines.append(f"rank {rank}: {sum(p.stop - p.start for p in ps)} tokens, work {work[rank] / mean:.3f} x mean, "
+                     f"documents {docs}")
     return "\n".join(lines)
 
 

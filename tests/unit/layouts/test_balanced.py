@@ -189,7 +189,8 @@ def test_place_documents_and_the_picture_agree_with_the_positions():
         pos = np.concatenate([np.arange(cu[p.doc] + p.start, cu[p.doc] + p.stop) for p in ps])
         assert np.array_equal(np.sort(pos), BAL.positions(cu[-1], r, n, cu_seqlens=cu).numpy())
     picture = placement_picture(cu, n, width=40)
-    assert picture.count("\n") == len(cu) - 1 and "doc   7 (  1900 tokens)" in picture
+    assert picture.count("\n") == len(cu) - 1 + n and "doc   7 (  1900 tokens)" in picture
+    assert picture.count(" 1024 tokens, work ") == n
     with pytest.raises(ValueError, match=r"balanced layout needs seq_len divisible by 2\*world_size=6"):
         place_documents([0, 5, 10], 3)
 
