@@ -169,7 +169,7 @@ class AttentionPlan:
         if not self.packed and window is None and schedule is not None:
             return tuple(rank_plan(self.layout, causal, self.rank, self.world_size, n))
         total = n * self.world_size
-        blocks = block_schedules(self.layout, causal, self.world_size, total, self.cu_seqlens, window)[self.rank]
+        blocks = block_schedules(self.layout, causal, self.world_size, total, self.cu_seqlens, window, rank=self.rank)
         lowered = lower_steps(blocks, batched=mode == "batched", tiled=window is None, local_len=n,
                               varlen=mode == "varlen")
         return tuple(tuple(_ready(t, device) for t in step) for step in lowered)

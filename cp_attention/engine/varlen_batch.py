@@ -14,26 +14,32 @@ import torch
 from ..schedules.lowering import VarlenSpec
 from .doc_batch import upload
 
-__all__ = ["VarlenBatch"]
+__all__ = ["VarlenBatch", "concat_ranges"]
 
 
-def _offsets(lengths: list[int]) -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    return cu
+def concat_ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """``cat([arange(a, a + n) for a, n in zip(starts, lengths)])`` (``total`` its length), without
+    a Python loop."""
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
 
 
 class VarlenBatch:
     """A :class:`~cp_attention.schedules.lowering.VarlenSpec` ready to run on ``device``."""
 
     def __init__(self, spec: VarlenSpec, device: torch.device) -> None:
-        pieces = spec.pieces
-        q_len = [p.q_stop - p.q_start for p in pieces]
-        k_len = [p.kv_stop - p.kv_start for p in pieces]
-        self.q_rows = upload(torch.cat([torch.arange(p.q_start, p.q_stop) for p in pieces]), device)
-        self.k_rows = upload(torch.cat([torch.arange(p.kv_start, p.kv_stop) for p in pieces]), device)
-        self.cu_q, self.cu_k = upload(_offsets(q_len), device), upload(_offsets(k_len), device)
-        self.max_q, self.max_k = max(q_len), max(k_len)
+        table = spec.table
+        q_len, k_len = table[:, 1] - table[:, 0], table[:, 3] - table[:, 2]
+        lens = torch.stack([q_len, k_len])
+        cu = torch.zeros(2, table.shape[0] + 1, dtype=torch.long)
+        torch.cumsum(lens, 1, out=cu[:, 1:])
+        total_q, total_k, self.max_q, self.max_k = torch.cat([cu[:, -1], lens.max(1).values]).tolist()
+        rows = torch.cat([concat_ranges(table[:, 0], q_len, total_q), concat_ranges(table[:, 2], k_len, total_k)])
+        # The rows in one upload; the offsets as the op wants them (int32), each its own tensor.
+        rows = upload(rows, device)
+        self.q_rows, self.k_rows = rows[:total_q], rows[total_q:]
+        cu = cu.to(torch.int32)
+        self.cu_q, self.cu_k = upload(cu[0], device), upload(cu[1], device)
         self.causal = spec.causal
         self.first = spec.first
         self.spec = spec

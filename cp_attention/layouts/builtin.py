@@ -43,14 +43,34 @@ class ZigzagLayout(Layout):
         return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
 
     def _packed_positions(self, cu_seqlens: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
-        # Every document is cut into 2N near-equal chunks and rank r takes chunks r and 2N-1-r of each,
-        # so each document's causal work is balanced on its own (see documents.zigzag_chunks).
-        starts, sizes = zigzag_chunks(cu_seqlens, world_size)
-        cols = [rank, 2 * world_size - 1 - rank]
-        starts, sizes = starts[:, cols].flatten(), sizes[:, cols].flatten()
-        first = torch.cumsum(sizes, 0) - sizes
-        total = int(sizes.sum())
-        return torch.repeat_interleave(starts - first, sizes, output_size=total) + torch.arange(total)
+        # A plan's build asks for every rank's positions of one batch in turn: one zigzag_chunks serves
+        # them all (matched by the boundaries' identity, as documents.check_cu_seqlens does).
+        seen, size, every = _LAST_PACKED[0]
+        if seen is not cu_seqlens or size != world_size:
+            every = _zigzag_packed_positions(cu_seqlens, world_size)
+            if type(cu_seqlens) is tuple:
+                _LAST_PACKED[0] = (cu_seqlens, world_size, every)
+        return every[rank].clone()
+
+
+# (boundaries, world size, every rank's positions) of the last packed zigzag call; one object,
+# replaced whole, so threads never mix two batches.
+_LAST_PACKED: list = [(None, 0, ())]
+
+
+def _zigzag_packed_positions(cu_seqlens: tuple[int, ...], world_size: int) -> tuple[torch.Tensor, ...]:
+    """Every rank's packed zigzag positions. Every document is cut into 2N near-equal chunks and rank r
+    takes chunks r and 2N-1-r of each, so each document's causal work is balanced on its own (see
+    documents.zigzag_chunks)."""
+    starts, sizes = zigzag_chunks(cu_seqlens, world_size)
+    ranks = torch.arange(world_size)
+    cols = torch.stack([ranks, 2 * world_size - 1 - ranks], 1)  # [N, 2]
+    # [N, D, 2] -> per rank, its two chunks of each document in document order
+    starts, sizes = starts[:, cols].transpose(0, 1).flatten(), sizes[:, cols].transpose(0, 1).flatten()
+    first = torch.cumsum(sizes, 0) - sizes
+    total = int(cu_seqlens[-1])
+    every = torch.repeat_interleave(starts - first, sizes, output_size=total) + torch.arange(total)
+    return every.split(total // world_size)
 
 
 class InterleavedLayout(Layout):

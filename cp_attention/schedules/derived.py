@@ -1,6 +1,6 @@
 """Schedules derived from positions: packed documents, sliding windows, and layouts without a causal
-schedule of their own. Every rank's positions are computed once, and every rank's blocks with them
-(the ring's length under a window is the most any rank needs)."""
+schedule of their own. Every rank's positions are computed once; the blocks of every rank with them
+(the ring's length under a window is the most any rank needs), or of one rank only."""
 
 from __future__ import annotations
 
@@ -10,17 +10,23 @@ from ..layouts.base import Layout
 from ..layouts.documents import check_cu_seqlens, document_ids
 from ..layouts.registry import get_layout
 from .blocks import DocBlock, increasing_positions
-from .packed import doc_schedules
+from .packed import doc_schedules, rank_doc_blocks
+from .table import BlockTable
 from .windows import Window, normalize_window, window_schedules
 
 __all__ = ["block_schedules", "ring_length"]
 
 
 def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: "tuple[int, ...] | None",
-                window: Optional[Window]) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
+                    window: Optional[Window], rank: Optional[int] = None
+                    ) -> "tuple[tuple[tuple[DocBlock, ...], ...], ...] | BlockTable":
     """``plans[rank][step]``: every rank's document blocks over ``total`` tokens, packed as the checked
     ``cu_seqlens`` (None: one sequence), under the normalised ``window`` (None: none). Without a window
     the plan has ``world_size`` steps; with one, as many as the farthest rank needs.
+
+    With ``rank``, only that rank's plan, as a :class:`~cp_attention.schedules.table.BlockTable`
+    (which reads like ``plans[rank]``): without a window only its own ``world_size`` steps are
+    computed, not every rank's.
 
     Raises ``NotImplementedError`` for a layout whose positions do not increase on a rank.
     """
@@ -29,7 +35,10 @@ def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, c
     what = "sliding-window schedules" if window is not None else "schedules derived from positions"
     positions = [increasing_positions(layout, total, r, world_size, cu_seqlens, what) for r in range(world_size)]
     if window is not None:
-        return window_schedules(positions, doc_of, len(bounds) - 1, causal, window)
+        plans = window_schedules(positions, doc_of, len(bounds) - 1, causal, window)
+        return plans if rank is None else BlockTable.from_blocks(plans[rank])
+    if rank is not None:
+        return rank_doc_blocks(positions, doc_of, causal, layout.name, rank)
     return doc_schedules(positions, doc_of, causal, layout.name)
 
 

@@ -11,47 +11,91 @@ a later step and runs with it as one masked call over both key sets (the rank's 
 always holds, and the shard held then). The CPU kernels' cost grows with query rows far more than
 with keys (8 heads x 64: 16 queries x 16 keys causal 43 us, x 32 keys masked 47 us), so one call
 over both costs little more than either alone, and the document's rows need no merge: they are
-written once, like step 0's. Pure Python, no tensors.
+written once, like step 0's.
+
+The blocks arrive as a :class:`~cp_attention.schedules.table.BlockTable` (columns) and batches keep
+theirs as ``[E, 6]`` tensors, so the work per step is a few vectorised operations, not one per
+block; only blocks that run alone become Python objects. Index math on host tensors.
 """
 
 from __future__ import annotations
 
-import bisect
 from typing import NamedTuple, Sequence
 
-from .blocks import BlockTask, DocBlock
+import torch
 
-__all__ = ["BatchSpec", "VarlenSpec", "lower_steps", "split_doc_block", "square_pieces", "SMALL_BLOCK", "BAND_TILE"]
+from .blocks import BlockTask, DocBlock
+from .table import DIAG, KV_START, KV_STOP, LO, Q_START, Q_STOP, STEP, UNBOUNDED, BlockTable, doc_blocks
+
+__all__ = ["BatchGroup", "BatchSpec", "VarlenSpec", "lower_steps", "split_doc_block", "square_pieces", "SMALL_BLOCK", "BAND_TILE"]
 
 # A block whose longer side is at most this joins a padded batch; longer ones run alone, where
 # per-call overhead is small against their work and gathering and padding would cost more than they
 # save (scripts/benchmark_packed.py: 64 beat 128 by ~15% and tied with 32 at 1,000 documents in 64K).
 SMALL_BLOCK = 64
 
+_EMPTY = torch.zeros(0, 6, dtype=torch.long)
+
+
+class BatchGroup:
+    """The batch specs of one lowered plan, so the engine builds all their index tensors at once
+    (:func:`cp_attention.engine.doc_index.build_buckets`); ``built`` keeps them per device."""
+
+    __slots__ = ("specs", "built")
+
+    def __init__(self) -> None:
+        self.specs: list["BatchSpec"] = []
+        self.built: dict = {}
+
+    def add(self, table: torch.Tensor, homes: torch.Tensor, laters: torch.Tensor, first: bool) -> "BatchSpec":
+        """A new :class:`BatchSpec` of this group."""
+        spec = BatchSpec(table, homes, laters, first, self, len(self.specs))
+        self.specs.append(spec)
+        return spec
+
 
 class BatchSpec(NamedTuple):
     """Small document blocks of one ring step that run as padded batched kernel calls.
 
-    ``blocks`` run against the shard held at the step; each ``(home, later)`` of ``folds`` runs as one
-    entry against this rank's own keys (home's) and the held shard's (later's). ``first``: the batch
-    is the first to write its query rows and its own-key rows, so results are written, not merged.
-    The entries' query rows are disjoint; key rows may repeat.
+    ``table [E, 6]`` (``q_start, q_stop, kv_start, kv_stop, diag, lo`` as in
+    :mod:`~cp_attention.schedules.table`) run against the shard held at the step; each row pair of
+    ``homes [F, 6]`` and ``laters [F, 6]`` runs as one entry against this rank's own keys (home's) and
+    the held shard's (later's). ``first``: the batch is the first to write its query rows and its
+    own-key rows, so results are written, not merged. The entries' query rows are disjoint; key rows
+    may repeat. :attr:`blocks` and :attr:`folds` give them as :class:`DocBlock` s. ``group``: the
+    plan's batches (None: this one alone), of which this is number ``index``.
     """
 
-    blocks: tuple[DocBlock, ...]
-    folds: tuple[tuple[DocBlock, DocBlock], ...]
+    table: torch.Tensor
+    homes: torch.Tensor
+    laters: torch.Tensor
     first: bool
+    group: "BatchGroup | None" = None
+    index: int = 0
+
+    @property
+    def blocks(self) -> tuple[DocBlock, ...]:
+        return doc_blocks(self.table)
+
+    @property
+    def folds(self) -> tuple[tuple[DocBlock, DocBlock], ...]:
+        return tuple(zip(doc_blocks(self.homes), doc_blocks(self.laters)))
 
 
 class VarlenSpec(NamedTuple):
     """Blocks of one ring step that run as ONE variable-length kernel call (flash's ``cum_seq_q/k``):
-    each piece is a full block or a square causal one (so the op's bottom-right causal alignment is
-    our top-left), all of one kind (``causal``), with disjoint query rows. ``first`` as in
-    :class:`BatchSpec`."""
+    each piece (a row ``q_start, q_stop, kv_start, kv_stop`` of ``table [P, 4]``) is a full block or a
+    square causal one (so the op's bottom-right causal alignment is our top-left), all of one kind
+    (``causal``), with disjoint query rows. ``first`` as in :class:`BatchSpec`. :attr:`pieces` gives
+    them as :class:`BlockTask` s."""
 
-    pieces: tuple[BlockTask, ...]
+    table: torch.Tensor
     causal: bool
     first: bool
+
+    @property
+    def pieces(self) -> tuple[BlockTask, ...]:
+        return tuple(BlockTask(a, b, c, d, self.causal) for a, b, c, d in self.table.tolist())
 
 
 def square_pieces(task: BlockTask) -> tuple[BlockTask, ...]:
@@ -67,18 +111,10 @@ def square_pieces(task: BlockTask) -> tuple[BlockTask, ...]:
             BlockTask(task.q_start + cols, task.q_stop, task.kv_start, task.kv_stop, False))
 
 
-def _varlen_step(blocks: Sequence[DocBlock], first: bool) -> tuple[VarlenSpec, ...]:
-    pieces = [p for b in blocks for t in split_doc_block(b) for p in square_pieces(t)]
-    specs = []
-    for causal in (True, False):
-        kind = [p for p in pieces if p.causal == causal]
-        specs += [VarlenSpec(tuple(group), causal, first) for group in _disjoint_rows(kind)]
-    return tuple(specs)
-
-
-def lower_steps(plan: Sequence[Sequence[DocBlock]], batched: bool, tiled: bool, local_len: int,
+def lower_steps(plan: "BlockTable | Sequence[Sequence[DocBlock]]", batched: bool, tiled: bool, local_len: int,
                 varlen: bool = False) -> tuple[tuple["BlockTask | BatchSpec | VarlenSpec", ...], ...]:
-    """The engine's tasks for every ring step of one rank's block ``plan``.
+    """The engine's tasks for every ring step of one rank's block ``plan`` (a :class:`BlockTable`, or
+    per-step :class:`DocBlock` s).
 
     ``varlen`` (a kernel that takes variable-length batches; blocks without a window band): each step
     is a few :class:`VarlenSpec` (one per mask kind, more only where query rows overlap), whatever
@@ -90,73 +126,133 @@ def lower_steps(plan: Sequence[Sequence[DocBlock]], batched: bool, tiled: bool, 
 
     Raises ``RuntimeError`` if ``tiled`` is claimed for a plan whose step 0 does not tile the rows.
     """
+    table = plan if isinstance(plan, BlockTable) else BlockTable.from_blocks(plan)
     if tiled:
-        _check_first_step(plan[0], local_len)
+        _check_first_step(table.step(0), local_len)
     if varlen:
-        if any(b.lo is not None for blocks in plan for b in blocks):
+        if bool((table.rows[:, LO] > -UNBOUNDED).any()):
             raise RuntimeError("internal error: sliding-window bands cannot run as variable-length batches")
-        return tuple(_varlen_step(blocks, tiled and s == 0) for s, blocks in enumerate(plan))
-    small = [[i for i, b in enumerate(blocks) if batched and max(b.q_len, b.kv_len) <= SMALL_BLOCK]
-             for blocks in plan]
-    folds = _folds(plan, small) if tiled else [[] for _ in plan]
-    folded = {ix for pairs in folds for pair in pairs for ix in pair}
+        return _varlen_steps(table, tiled)
+    rows, bounds = table.rows, table.bounds()
+    longest = torch.maximum(rows[:, Q_STOP] - rows[:, Q_START], rows[:, KV_STOP] - rows[:, KV_START])
+    small = longest <= SMALL_BLOCK if batched else torch.zeros(rows.shape[0], dtype=torch.bool)
+    folded = torch.zeros(rows.shape[0], dtype=torch.bool)
+    homes = laters = torch.zeros(0, dtype=torch.long)
+    if tiled and batched:
+        homes, laters = _folds(rows, small, bounds[1])
+        folded[homes] = True
+        folded[laters] = True
+    later_step = rows[laters, STEP]
+    group = BatchGroup()
     steps = []
-    for s, blocks in enumerate(plan):
-        batched_here = [blocks[i] for i in small[s] if (s, i) not in folded]
-        is_small = set(small[s])
-        tasks = tuple(t for i, b in enumerate(blocks) if i not in is_small for t in split_doc_block(b))
-        batches = [BatchSpec(tuple(group), (), tiled and s == 0) for group in _disjoint_rows(batched_here)]
-        if folds[s]:
-            batches.append(BatchSpec((), tuple((plan[0][h], plan[s][i]) for (_, h), (_, i) in folds[s]), True))
+    for s in range(table.steps):
+        here = rows[bounds[s]:bounds[s + 1], 1:]
+        batched_here = here[small[bounds[s]:bounds[s + 1]] & ~folded[bounds[s]:bounds[s + 1]]]
+        big = doc_blocks(here[~small[bounds[s]:bounds[s + 1]]])
+        tasks = tuple(t for b in big for t in split_doc_block(b))
+        batches = [group.add(g, _EMPTY, _EMPTY, tiled and s == 0) for g in _disjoint_rows(batched_here)]
+        at = later_step == s
+        if s > 0 and bool(at.any()):
+            batches.append(group.add(_EMPTY, rows[homes[at], 1:], rows[laters[at], 1:], True))
         steps.append(tuple(batches) + tasks)
     return tuple(steps)
 
 
-def _folds(plan: Sequence[Sequence[DocBlock]], small: Sequence[Sequence[int]]
-           ) -> list[list[tuple[tuple[int, int], tuple[int, int]]]]:
-    """Per step, the ``((0, home), (step, later))`` block indices to fold: a small step-0 block (a
-    document's rows against its own keys, all of its rows here) with the document's first block at a
-    later step, if that one is small too (its rows lie within the home block's). Until then no task
-    touches the document's rows, so the folded entry writes them first."""
-    homes = sorted(small[0], key=lambda i: plan[0][i].q_start)
-    starts = [plan[0][i].q_start for i in homes]
-    unseen = [True] * len(homes)
-    folds: list[list] = [[] for _ in plan]
-    for s in range(1, len(plan)):
-        is_small = set(small[s])
-        for i, b in enumerate(plan[s]):
-            j = bisect.bisect_right(starts, b.q_start) - 1
-            if j >= 0 and unseen[j] and b.q_stop <= plan[0][homes[j]].q_stop:
-                unseen[j] = False
-                if i in is_small:
-                    folds[s].append(((0, homes[j]), (s, i)))
-    return folds
+def _folds(rows: torch.Tensor, small: torch.Tensor, step0_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices ``(homes, laters)`` of the blocks to fold: a small step-0 block (a document's rows
+    against its own keys, all of its rows here) with the document's first block at a later step, if
+    that one is small too (its rows lie within the home block's). Until then no task touches the
+    document's rows, so the folded entry writes them first."""
+    candidates = torch.nonzero(small[:step0_end]).flatten()
+    if candidates.numel() == 0:
+        return candidates, candidates
+    order = torch.sort(rows[candidates, Q_START], stable=True)
+    home_rows, starts = candidates[order.indices], order.values
+    stops = rows[home_rows, Q_STOP]
+    later = torch.arange(step0_end, rows.shape[0])
+    j = torch.searchsorted(starts, rows[later, Q_START], right=True) - 1
+    inside = (j >= 0) & (rows[later, Q_STOP] <= stops[j.clamp(min=0)])
+    j, later = j[inside], later[inside]
+    # Rows are in (step, query row) order, so the document's first later block has the lowest index.
+    first = torch.full((home_rows.numel(),), rows.shape[0], dtype=torch.long).scatter_reduce_(0, j, later, "amin")
+    fold = (first[j] == later) & small[later]
+    return home_rows[j[fold]], later[fold]
 
 
-def _disjoint_rows(blocks: Sequence["DocBlock | BlockTask"]) -> list[list["DocBlock | BlockTask"]]:
-    """The blocks in as few groups as possible whose query rows do not overlap within a group (a
-    batch's results merge by row without conflicts). Without a window every document has one block per
-    step, so this is one group; a window can give a document's rows several blocks."""
-    groups: list[list[DocBlock]] = []
+def _disjoint_rows(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Rows of ``blocks [B, >=2]`` (``q_start, q_stop`` first) in as few groups as possible whose query
+    rows do not overlap within a group (a batch's results merge by row without conflicts), each in
+    query-row order. Without a window every document has one block per step, so this is one group; a
+    window can give a document's rows several blocks (then first fit, in query-row order)."""
+    if blocks.shape[0] == 0:
+        return []
+    ordered = blocks[torch.sort(blocks[:, 0], stable=True).indices]
+    if bool((ordered[1:, 0] >= ordered[:-1, 1]).all()):
+        return [ordered]
+    groups: list[list[int]] = []
     ends: list[int] = []
-    for b in sorted(blocks, key=lambda b: b.q_start):
-        g = next((i for i, end in enumerate(ends) if end <= b.q_start), len(ends))
+    for i, (start, stop) in enumerate(ordered[:, :2].tolist()):
+        g = next((k for k, end in enumerate(ends) if end <= start), len(ends))
         if g == len(ends):
             groups.append([])
             ends.append(0)
-        groups[g].append(b)
-        ends[g] = b.q_stop
-    return groups
+        groups[g].append(i)
+        ends[g] = stop
+    return [ordered[torch.tensor(g)] for g in groups]
 
 
-def _check_first_step(blocks: Sequence[DocBlock], local_len: int) -> None:
+def _varlen_steps(table: BlockTable, tiled: bool) -> tuple[tuple[VarlenSpec, ...], ...]:
+    """Each block as full and square causal pieces (:func:`split_doc_block`, then :func:`square_pieces`,
+    vectorised), grouped per step and mask kind into calls with disjoint query rows."""
+    rows, bounds = table.rows, table.bounds()
+    qa, qb, ka, kb, d = (rows[:, c] for c in (Q_START, Q_STOP, KV_START, KV_STOP, DIAG))
+    banded = d < UNBOUNDED
+    split = torch.where(banded, ka + d, kb)  # keys before it are seen by every row
+    r, c = qb - qa, kb - split  # the causal part's rows and keys
+    square = torch.minimum(r, c)
+    causal = torch.stack([qa, qa + square, split, split + square], 1)  # one per banded block
+    full = torch.stack([qa, qb, ka, split], 1)  # the full part, if any
+    rest = torch.stack([qa + c, qb, split, kb], 1)  # rows past the causal square see every key
+    has_full, has_rest = split > ka, banded & (r > c)
+    # Plain pieces in block order, a block's full part before its rest (query rows overlap there).
+    plain = torch.stack([full, rest], 1).reshape(-1, 4)
+    plain_on = torch.stack([has_full, has_rest], 1).reshape(-1)
+    second = torch.stack([torch.zeros_like(has_rest), has_rest & has_full], 1).reshape(-1)
+    specs = []
+    for s in range(table.steps):
+        a, b = bounds[s], bounds[s + 1]
+        first = tiled and s == 0
+        mine = banded[a:b]
+        groups = [(True, g) for g in _disjoint_rows(causal[a:b][mine])]
+        on = plain_on[2 * a:2 * b]
+        pieces, late = plain[2 * a:2 * b][on], second[2 * a:2 * b][on]
+        if _blocks_disjoint(rows[a:b]):
+            # Blocks' query rows do not overlap, so first fit puts exactly the rests of blocks with a
+            # full part in a second group.
+            groups += [(False, g) for part in (pieces[~late], pieces[late]) for g in _disjoint_rows(part)]
+        else:
+            groups += [(False, g) for g in _disjoint_rows(pieces)]
+        specs.append(tuple(VarlenSpec(g, kind, first) for kind, g in groups))
+    return tuple(specs)
+
+
+def _blocks_disjoint(rows: torch.Tensor) -> bool:
+    """Whether the query rows of blocks ``rows [B, 7]`` never overlap."""
+    if rows.shape[0] < 2:
+        return True
+    ordered = rows[torch.sort(rows[:, Q_START], stable=True).indices]
+    return bool((ordered[1:, Q_START] >= ordered[:-1, Q_STOP]).all())
+
+
+def _check_first_step(rows: torch.Tensor, local_len: int) -> None:
     """The engine writes step 0's results instead of merging them, which is exact only if its tasks
     cover every query row and every key row exactly once: each document's whole block with itself,
     full or causal (one task each)."""
-    spans = sorted((b.q_start, b.q_stop) for b in blocks)
-    whole = all((b.q_start, b.q_stop) == (b.kv_start, b.kv_stop) and b.diag in (None, 0) for b in blocks)
-    tiled = bool(spans) and spans[0][0] == 0 and spans[-1][1] == local_len and all(
-        x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    spans = rows[torch.sort(rows[:, Q_START], stable=True).indices]
+    whole = bool(((rows[:, Q_START] == rows[:, KV_START]) & (rows[:, Q_STOP] == rows[:, KV_STOP])
+                  & ((rows[:, DIAG] == 0) | (rows[:, DIAG] >= UNBOUNDED))).all())
+    tiled = spans.shape[0] > 0 and int(spans[0, Q_START]) == 0 and int(spans[-1, Q_STOP]) == local_len and bool(
+        (spans[1:, Q_START] == spans[:-1, Q_STOP]).all())
     if not (whole and tiled):
         raise RuntimeError("internal error: a packed plan's first step does not cover each row exactly once; "
                            "please report it with the layout and cu_seqlens")

@@ -16,7 +16,7 @@ What is patched, none of it in cp_attention's source, all of it undone by the ca
       call failed in fake mode with "got multiple values for argument 'scale'"); only when broken.
   P3  host-side planning on CPU index tensors runs outside fake mode (real CPU tensors):
       ``engine.plan.block_schedules`` / ``lower_steps`` / ``_ready`` (a lowered step's DocBatch or
-      VarlenBatch, whose ``upload`` alone runs in the fake mode), ``engine.doc_batch._make_bucket``,
+      VarlenBatch, whose ``upload`` alone runs in the fake mode), ``engine.doc_batch.build_buckets``,
       ``RingFault._failed_rank`` and validation's ``digests_agree`` (P2P agreements on CPU int64
       tensors over the loopback; they read only CPU tensors). ``Tensor.pin_memory`` returns the tensor
       itself (a CPU build cannot pin) and marks it pinned, so the watcher can tell an upload from
@@ -309,6 +309,7 @@ class FakeCuda:
         import cp_attention.api as api
         import cp_attention.checks.validation as validation
         import cp_attention.engine.doc_batch as doc_batch
+        import cp_attention.engine.doc_index as doc_index
         import cp_attention.engine.plan as plan_mod
         import cp_attention.engine.function as function
         import cp_attention.engine.varlen_batch as varlen_batch
@@ -320,13 +321,13 @@ class FakeCuda:
         # P3
         mp.setattr(plan_mod, "block_schedules", real_tensors(plan_mod.block_schedules))
         mp.setattr(plan_mod, "lower_steps", real_tensors(plan_mod.lower_steps))
-        mp.setattr(doc_batch, "_make_bucket", real_tensors(doc_batch._make_bucket))
+        mp.setattr(doc_batch, "build_buckets", real_tensors(doc_batch.build_buckets))
         # a lowered step's batches build their index tensors on the host; only the uploads are fake
         mp.setattr(plan_mod, "_ready", real_tensors(plan_mod._ready))
         # the needs-only rows: host index math, then uploads (fake) like the batches'
         mp.setattr(plan_mod, "rank_traffic", real_tensors(plan_mod.rank_traffic))
         mp.setattr(plan_mod, "step_indices", real_tensors(plan_mod.step_indices))
-        for mod in (doc_batch, varlen_batch, traffic, plan_mod):
+        for mod in (doc_batch, doc_index, varlen_batch, traffic, plan_mod):
             mp.setattr(mod, "upload", self._faked(mod.upload))
         mp.setattr(RingFault, "_failed_rank", real_tensors(RingFault._failed_rank))
         mp.setattr(validation, "digests_agree", real_tensors(validation.digests_agree))

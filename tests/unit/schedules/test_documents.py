@@ -131,4 +131,4 @@ def test_engine_batches_cover_each_block_once(layout):
                 assert all(max(b.q_len, b.kv_len) <= SMALL_BLOCK for b in (*t.blocks, *(x for f in t.folds for x in f)))
         for s in range(len(plan)):
             assert sorted(ran[s], key=key) == sorted(plan[s], key=key)
-    assert folds > 0 or layout == "contiguous"
+    assert folds > 0 or layout in ("contiguous", "balanced")  # these keep short documents whole

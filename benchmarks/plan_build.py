@@ -1,0 +1,179 @@
+"""Host time to build one rank's packed plan from scratch: its ring steps' document blocks, their
+lowering to kernel tasks, and the index tensors the tasks run with.
+
+Each build is timed on a fresh plan of rank ``r`` of ``N`` (a seat: no process group, no
+communication) with a fresh copy of the boundaries, so nothing of an earlier build is reused:
+``plan.steps(n, kernel, "cpu", D, Dv)``, the work of a batch's first attention call. The phases are
+timed apart by running the same three calls ``_build_steps`` makes, one after another: ``blocks``
+(``block_schedules`` for this rank: the layout's positions and each step's blocks), ``lowering``
+(``lower_steps``) and ``index`` (the batches' index tensors: ``DocBatch``/``VarlenBatch``).
+
+Lowering modes: ``batched`` (a kernel that takes masks: small blocks as padded batches, CPU math or
+flash), ``varlen`` (a kernel that takes variable-length batches, as CUDA flash: one call per mask
+kind and step; a stand-in kernel with ``supports_varlen``, index tensors on the CPU).
+
+Document lengths: ``lognormal`` (``--documents`` lognormal lengths, sigma ``--sigma``, scaled to T),
+``uniform`` (``--documents - 1`` cuts drawn uniformly: many short documents).
+
+Usage (from the repo root):
+  python benchmarks/plan_build.py [--tokens 65536] [--world-size 8] [--documents 1000 8000]
+      [--layouts zigzag contiguous interleaved balanced] [--modes batched varlen]
+      [--lengths lognormal uniform] [--repeats 7] [--rank 0] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from benchmarks.packed import document_lengths
+from cp_attention.engine import plan as plan_mod
+from cp_attention.engine.plan import AttentionPlan
+from cp_attention.kernels import get_kernel
+from cp_attention.layouts.documents import cu_seqlens_from_lengths
+from cp_attention.layouts.registry import get_layout
+from cp_attention.schedules.derived import block_schedules
+from cp_attention.schedules.lowering import lower_steps
+from cp_attention.strategies.dispatch import _Seat
+
+__all__ = ["add_arguments", "boundaries", "build_phases", "run"]
+
+_CPU = torch.device("cpu")
+_HEAD_DIM = 64
+
+
+class _VarlenKernel:
+    """Stands in for a kernel that takes variable-length batches (CUDA flash): what a plan asks of it."""
+
+    supports_varlen = True
+    supports_mask = False
+
+    @staticmethod
+    def supports_shape(head_dim: int, v_head_dim: int) -> bool:
+        return True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=65536, help="packed length T")
+    p.add_argument("--world-size", type=int, default=8, help="N")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose plan is built")
+    p.add_argument("--documents", type=int, nargs="+", default=[1000, 8000])
+    p.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous", "interleaved", "balanced"])
+    p.add_argument("--modes", nargs="+", default=["batched", "varlen"], choices=["batched", "varlen"])
+    p.add_argument("--lengths", nargs="+", default=["lognormal", "uniform"], choices=["lognormal", "uniform"])
+    p.add_argument("--sigma", type=float, default=1.5, help="lognormal spread of the document lengths")
+    p.add_argument("--repeats", type=int, default=7, help="timed builds per row (median)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+
+
+def boundaries(kind: str, tokens: int, documents: int, sigma: float, seed: int) -> tuple[int, ...]:
+    """``cu_seqlens`` of ``documents`` documents over ``tokens``: lognormal lengths or uniform cuts."""
+    if kind == "lognormal":
+        return cu_seqlens_from_lengths(document_lengths(tokens, documents, sigma, seed))
+    cuts = sorted(random.Random(seed).sample(range(1, tokens), documents - 1))
+    return (0, *cuts, tokens)
+
+
+def _kernel(mode: str):
+    return _VarlenKernel() if mode == "varlen" else get_kernel("math", _CPU, torch.float32)
+
+
+def _forget_batches() -> None:
+    """Drop what a layout caches per batch (balanced's placement, by value), so each build solves it."""
+    try:
+        from cp_attention.layouts import balanced
+    except ImportError:
+        return
+    placement = getattr(balanced, "_placement", None)
+    if hasattr(placement, "cache_clear"):
+        placement.cache_clear()
+
+
+def _fresh_plan(layout: str, cu: tuple[int, ...], rank: int, world_size: int) -> AttentionPlan:
+    # A copy of the boundaries: nothing cached on the tuple's identity survives from an earlier build.
+    _forget_batches()
+    return AttentionPlan(layout, _Seat(rank, world_size), True, tuple(list(cu)), agreed=True)
+
+
+def build_phases(layout: str, cu: tuple[int, ...], rank: int, world_size: int, mode: str) -> dict[str, float]:
+    """One build from scratch, phase by phase as ``AttentionPlan._build_steps`` runs them (ms)."""
+    plan = _fresh_plan(layout, cu, rank, world_size)
+    n = cu[-1] // world_size
+    window = plan.window(n)
+    t0 = time.perf_counter()
+    blocks = block_schedules(plan.layout, True, world_size, cu[-1], plan.cu_seqlens, window, rank=rank)
+    t1 = time.perf_counter()
+    lowered = lower_steps(blocks, batched=mode == "batched", tiled=window is None, local_len=n, varlen=mode == "varlen")
+    t2 = time.perf_counter()
+    steps = tuple(tuple(plan_mod._ready(t, _CPU) for t in step) for step in lowered)
+    t3 = time.perf_counter()
+    assert len(steps) == world_size
+    return {"blocks": (t1 - t0) * 1e3, "lowering": (t2 - t1) * 1e3, "index": (t3 - t2) * 1e3}
+
+
+def _whole_ms(layout: str, cu: tuple[int, ...], rank: int, world_size: int, mode: str) -> float:
+    plan = _fresh_plan(layout, cu, rank, world_size)
+    kernel = _kernel(mode)
+    t0 = time.perf_counter()
+    plan.steps(cu[-1] // world_size, kernel, _CPU, _HEAD_DIM, _HEAD_DIM)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _median(fn: Callable[[], object], repeats: int) -> list:
+    fn()  # warm: imports, allocator, lazily built tables
+    return [fn() for _ in range(repeats)]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Measure and print one row per (lengths, documents, layout, mode); returns the rows."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    layouts = []
+    for name in args.layouts:
+        try:
+            get_layout(name)
+            layouts.append(name)
+        except ValueError:
+            print(f"layout {name!r} is not registered here: skipped")
+    n = args.world_size
+    print(f"one rank's packed plan built from scratch: T={args.tokens}, N={n}, rank {args.rank}, "
+          f"{torch.get_num_threads()} torch threads, median of {args.repeats} builds (ms)")
+    print(f"{'lengths':>9} {'docs':>5} {'layout':>11} {'mode':>7} | {'whole':>7} | {'blocks':>7} {'lowering':>8} "
+          f"{'index':>7}")
+    rows = []
+    for kind in args.lengths:
+        for docs in args.documents:
+            cu = boundaries(kind, args.tokens, docs, args.sigma, args.seed)
+            for layout in layouts:
+                for mode in args.modes:
+                    whole = _median(lambda: _whole_ms(layout, cu, args.rank, n, mode), args.repeats)
+                    phases = _median(lambda: build_phases(layout, cu, args.rank, n, mode), args.repeats)
+                    row = {"lengths": kind, "documents": docs, "layout": layout, "mode": mode, "world_size": n,
+                           "tokens": args.tokens, "whole_ms": statistics.median(whole),
+                           **{f"{k}_ms": statistics.median(p[k] for p in phases) for k in phases[0]}}
+                    rows.append(row)
+                    print(f"{kind:>9} {docs:>5} {layout:>11} {mode:>7} | {row['whole_ms']:>7.1f} | "
+                          f"{row['blocks_ms']:>7.1f} {row['lowering_ms']:>8.1f} {row['index_ms']:>7.1f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    from benchmarks.measure import command_line
+
+    command_line(__doc__, add_arguments, run, json_option=False)
