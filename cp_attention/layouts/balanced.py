@@ -37,10 +37,12 @@ How it works
   4. If the plan still misses the mean by more than 2%, steps 2-3 run again with a larger tuning reserve
      (1/16, then 1/8), and the best try wins.
 
-  A document holding a fraction ``f > 1/2`` of the tokens lies on every rank, and its K/V rows travel
-  about ``f`` times zigzag's: as ``f -> 1`` no balanced placement can do better than ``2/3`` (each rank then
-  needs work ``T^2/(2N)`` from ``T/N`` tokens of one document, so its last position is at least
-  ``T/2 + T/(2N)`` and it needs that many rows less its own).
+  A document holding a fraction ``f`` of the tokens above about 0.4 carries most of the work and lies on
+  every rank (the others cannot balance a rank without it), and the rows sent are then about ``f`` plus 0.05
+  to 0.15 times zigzag's (measured at N = 8). Nested pieces of equal head and tail are what keeps the
+  fluid's density; as ``f -> 1`` no balanced placement can send less than ``2/3`` of zigzag's rows anyway
+  (each rank then needs work ``T^2/(2N)`` from ``T/N`` tokens of one document, so its last position is at
+  least ``T/2 + T/(2N)`` and it needs that many rows less its own).
 """
 
 from __future__ import annotations

@@ -106,10 +106,10 @@ def test_balanced_work_and_few_rows_on_lognormal_batches(n):
         assert zig_imbalance <= 1.01  # the reference: zigzag balances every document on its own
         ratios.append(rows / zig_rows)
     if n == 8:
-        # A document holding a fraction f > 1/2 of the tokens is on every rank and needs more than (2/3) f
-        # of zigzag's rows whatever the placement (see the module docstring): those batches stay near f.
+        # A document holding a fraction f >~ 0.4 of the tokens lies on every rank, and its rows cost about f
+        # times zigzag's (see the module docstring); the other batches stay under half.
         f = [max(b - a for a, b in zip(cu, cu[1:])) / cu[-1] for cu in batches]
-        assert all(r <= (0.5 if g <= 0.5 else g + 0.1) for r, g in zip(ratios, f)), (ratios, f)
+        assert all(r <= max(0.5, g + 0.15) for r, g in zip(ratios, f)), (ratios, f)
         assert np.mean([r for r, g in zip(ratios, f) if g <= 0.5]) <= 0.3, ratios
     assert all(r < 1.0 for r in ratios), ratios
 
