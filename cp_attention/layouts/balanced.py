@@ -92,7 +92,8 @@ class _Stream:
     def work(self, take, start=None):
         """Work (fluid density) of the next ``take`` tokens after ``start`` (default: the current position)."""
         p = self.pos if start is None else start
-        return np.interp(p + np.asarray(take, np.float64), self.cum_t, self.cum_w) - np.interp(p, self.cum_t, self.cum_w)
+        x = p + np.asarray(take, np.float64)
+        return np.interp(x, self.cum_t, self.cum_w) - np.interp(p, self.cum_t, self.cum_w)
 
     def append(self, docs: np.ndarray, lengths: np.ndarray) -> None:
         self.docs = np.concatenate([self.docs, docs.astype(np.int64)])
@@ -213,9 +214,9 @@ def _solve(lengths: np.ndarray, world_size: int, tuner: float) -> tuple[np.ndarr
     # The smallest whole documents, up to ``tuner`` of the tokens, join the light stream: they tune each rank's
     # work against the dense stream and absorb the exact token count (at most one is cut per rank boundary).
     tail = np.cumsum(lengths[pool][::-1])
-    tuner = pool[pool.size - int(np.searchsorted(tail, total * tuner, side="right")):]
-    pool = pool[:pool.size - tuner.size]
-    d_ids, l_ids = order[dense[order]], np.concatenate([order[(fluid & ~dense)[order]], tuner])
+    reserve = pool[pool.size - int(np.searchsorted(tail, total * tuner, side="right")):]
+    pool = pool[:pool.size - reserve.size]
+    d_ids, l_ids = order[dense[order]], np.concatenate([order[(fluid & ~dense)[order]], reserve])
     dense_s, light_s = _Stream(d_ids, lengths[d_ids]), _Stream(l_ids, lengths[l_ids])
     pool_t, pool_w = int(lengths[pool].sum()), float(work[pool].sum())
     rest_t = pool_t + light_s.total
