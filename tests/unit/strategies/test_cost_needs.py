@@ -22,14 +22,15 @@ def _batches(seed: int, count: int):
         total = 2 * world * rng.choice([3, 7])
         cuts = sorted(rng.sample(range(1, total), rng.randint(0, min(6, total - 1))))
         cu = tuple([0, *cuts, total]) if rng.random() < 0.8 else None
-        yield world, total, cu, rng.random() < 0.7, rng.choice([(-1, -1), (-1, -1), (5, 0), (3, 7), (-1, 4)])
+        window = rng.choice([(5, 0), (3, 7), (-1, 4)]) if rng.random() < 0.25 else (-1, -1)  # windows: slow to model
+        yield world, total, cu, rng.random() < 0.7, window
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved", "balanced"])
 def test_rows_and_pairs_match_the_schedules(layout):
     """step_rows (per document and rank) equals traffic_model (per key); rank_pair_totals (per query)
     equals the work model's blocks summed over the steps."""
-    for world, total, cu, causal, window in _batches(hash(layout) % 1000, 12):
+    for world, total, cu, causal, window in _batches(sum(map(ord, layout)), 10):
         rows = batch_model.step_rows(layout, causal, window, total, world, cu)
         assert [list(r) for r in rows] == traffic_model(layout, causal, total, world, cu, window)
         work = work_model(layout, causal, total, world, cu_seqlens=cu, window_size=window)
