@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from benchmarks.layout_comparison.analysis import AttentionShape, flops_per_pair, min_pairs
+from benchmarks.layout_comparison.analysis import AttentionShape, comm_bytes_per_rank, flops_per_pair, min_pairs
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
@@ -88,6 +88,7 @@ class ScheduleRow:
     fwdbwd_efficiency: Optional[float] = None
     peak_mib_per_rank: Optional[float] = None
     sent_mib_per_rank: Optional[float] = None  # the busiest sender's bytes in one fwd+bwd (ReplayComm.sent_bytes)
+    model_mib_per_rank: Optional[float] = None  # the model's: whole shards (the replay runs without a traffic plan)
     error: Optional[str] = None
 
 
@@ -261,6 +262,8 @@ def _schedule_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list
             row.fwdbwd_efficiency = row.ideal_fwdbwd_ms / row.busiest_fwdbwd_ms
             row.peak_mib_per_rank = max(p[2] for p in per_rank)
             row.sent_mib_per_rank = max(p[3] for p in per_rank)
+            shape = AttentionShape(1, args.heads, args.kv_heads, args.head_dim, elem_bytes=DTYPES[args.dtype].itemsize)
+            row.model_mib_per_rank = sum(comm_bytes_per_rank(seq, n, shape)) / 2**20
         except Exception as e:  # noqa: BLE001 - reported in the table
             row.error = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
@@ -296,12 +299,12 @@ def run(args: argparse.Namespace) -> dict:
         kernel_rows += rows
         rows = _schedule_rows(args, n, seq, sdpa_ms)
         print(f"{'layout':<12}{'ideal fwd':>10}{'busiest':>9}{'eff':>7}{'ideal f+b':>10}{'busiest':>9}{'eff':>7}"
-              f"{'peak MiB/rank':>15}{'sent MiB/rank':>15}")
+              f"{'peak MiB/rank':>15}{'sent MiB/rank':>15}{'model MiB':>11}")
         for r in rows:
             print(f"{r.layout:<12}{r.ideal_fwd_ms:10.2f}{_fmt(r.busiest_fwd_ms, '9.2f')}"
                   f"{_fmt(r.fwd_efficiency, '7.1%')}{r.ideal_fwdbwd_ms:10.2f}{_fmt(r.busiest_fwdbwd_ms, '9.2f')}"
                   f"{_fmt(r.fwdbwd_efficiency, '7.1%')}{_fmt(r.peak_mib_per_rank, '15.0f')}"
-                  f"{_fmt(r.sent_mib_per_rank, '15.1f')}"
+                  f"{_fmt(r.sent_mib_per_rank, '15.1f')}{_fmt(r.model_mib_per_rank, '11.1f')}"
                   + (f"  {r.error}" if r.error else ""))
         schedule_rows += rows
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
