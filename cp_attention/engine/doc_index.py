@@ -89,17 +89,21 @@ def _padded(start: torch.Tensor, length: torch.Tensor, size: torch.Tensor, bucke
     return _Padded(entry, off, idx, valid, idx.index_select(0, real), sel)
 
 
-def _bounds(q: _Padded, q_off: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, diag: torch.Tensor,
+def _bounds(q: _Padded, q_off: "torch.Tensor | None", q_len: torch.Tensor, kv_len: torch.Tensor, diag: torch.Tensor,
             lo: "torch.Tensor | None", empty: int) -> "tuple[torch.Tensor | None, torch.Tensor]":
     """Per query slot, the keys ``[a, b)`` of one span it sees (``a`` None: 0 everywhere): the span's
-    rows ``q_off:q_off+q_len`` of the entry see key ``c`` iff ``lo <= c - row <= diag`` and
-    ``c < kv_len`` (``lo`` None: no lower bound anywhere). Slots outside the span's rows see none;
-    padding slots see keys ``[0, empty)``."""
+    rows ``q_off:q_off+q_len`` of the entry (``q_off`` None: all of them) see key ``c`` iff
+    ``lo <= c - row <= diag`` and ``c < kv_len`` (``lo`` None: no lower bound anywhere). Slots outside
+    the span's rows see none; padding slots see keys ``[0, empty)``."""
     entry = q.entry
-    row = q.off - q_off.index_select(0, entry)
-    inside = (row >= 0) & (row < q_len.index_select(0, entry))
-    b = torch.minimum(kv_len.index_select(0, entry), row + diag.index_select(0, entry) + 1)
-    b = torch.where(inside, b, torch.where(q.valid, 0, empty))
+    if q_off is None:  # the entry's own rows: inside the span exactly where they are real
+        row, inside, outside = q.off, q.valid, empty
+    else:
+        row = q.off - q_off.index_select(0, entry)
+        inside = (row >= 0) & (row < q_len.index_select(0, entry))
+        outside = torch.where(q.valid, 0, empty)
+    b = torch.where(inside, torch.minimum(kv_len.index_select(0, entry), row + diag.index_select(0, entry) + 1),
+                    outside)
     if lo is None:
         return None, b
     return torch.where(inside, torch.clamp(row + lo.index_select(0, entry), min=0), 0), b
@@ -231,7 +235,7 @@ def _masks(q: _Padded, ent: torch.Tensor, later: torch.Tensor, an: torch.Tensor,
         run[1], run[2] = q_first[i + 1], run[2] + sizes[i]
     bounded = bool((ent[:, 5] > -UNBOUNDED).any() | (later[:, 5] > -UNBOUNDED).any())
     qn = ent[:, 1] - ent[:, 0]
-    spans = [_bounds(q, torch.zeros_like(qn), qn, an, ent[:, 4], ent[:, 5] if bounded else None, 1)]
+    spans = [_bounds(q, None, qn, an, ent[:, 4], ent[:, 5] if bounded else None, 1)]
     if any(parts[i][1] for i in masked):
         spans.append(_bounds(q, later[:, 0], later[:, 1], bn, later[:, 4], later[:, 5] if bounded else None, 0))
     out = {}
