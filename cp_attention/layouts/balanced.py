@@ -34,8 +34,9 @@ How it works
   3. In ring order each rank takes the dense and light tokens that fill its free tokens exactly and bring
      its work nearest the remaining work over the remaining ranks; a stream inside a document gives the
      next rank at least one token. The last rank takes what remains.
-  4. If the plan still misses the mean by more than 2%, steps 2-3 run again with a larger tuning reserve
-     (1/16, then 1/8), and the best try wins.
+  4. If the plan still misses the mean by more than 2%, steps 2-3 run again with the small whole documents
+     as the fluid in step 2 (for batches of many small documents, where the dense stream is too scarce to
+     tune with), then with a larger tuning reserve (1/16, then 1/8); the best try wins.
 
   A document holding a fraction ``f`` of the tokens above about 0.4 carries most of the work and lies on
   every rank (the others cannot balance a rank without it), and the rows sent are then about ``f`` plus 0.05
@@ -147,7 +148,8 @@ def _dense_plan(dense_s: _Stream, world_size: int, share: int, mean_work: float,
 
 
 def _assign_whole(lengths: np.ndarray, work: np.ndarray, rho: np.ndarray, goal: np.ndarray, plan: np.ndarray,
-                  cap: np.ndarray, work_cap: np.ndarray, exact: int) -> np.ndarray:
+                  cap: np.ndarray, work_cap: np.ndarray, whole_goal: np.ndarray, exact: int, by_small: bool
+                  ) -> np.ndarray:
     """Ranks for whole documents (sorted longest first), or -1 for those left to the light stream.
 
     The fluid fills what a rank's whole documents leave, at density ``rho[r]``, so a document of ``L``
@@ -155,8 +157,13 @@ def _assign_whole(lengths: np.ndarray, work: np.ndarray, rho: np.ndarray, goal: 
     sum to ``goal[r]`` and holds at most ``cap[r]`` whole tokens. The ``exact`` longest go one by one to the
     rank furthest above its goal that has room (longest processing time first); the rest, small, are
     dealt in a low-discrepancy order of sizes and cut in proportion to what each rank still lacks.
+    With ``by_small`` the small documents themselves are the fluid (when the dense one is too scarce to
+    tune with): rank ``r`` should hold ``whole_goal[r]`` work in ``plan[r]`` whole tokens.
     """
     n, ranks = lengths.size, rho.size
+    if by_small and n > exact:
+        small = float(work[exact:].sum() / lengths[exact:].sum())
+        rho, goal = np.full(ranks, small), whole_goal - small * plan
     rank = np.full(n, -1, np.int64)
     held_t = np.zeros(ranks, np.int64)
     held_w = np.zeros(ranks)
@@ -191,10 +198,10 @@ def _assign_whole(lengths: np.ndarray, work: np.ndarray, rho: np.ndarray, goal: 
     return rank
 
 
-def _solve(lengths: np.ndarray, world_size: int, tuner: float) -> tuple[np.ndarray, dict, float]:
+def _solve(lengths: np.ndarray, world_size: int, tuner: float, by_small: bool) -> tuple[np.ndarray, dict, float]:
     """``(rank_of_whole, split, imbalance)``: the rank of each whole document (-1 if split), per split document
     ``[(rank, tokens), ...]`` in ring order, and the work's max/mean as planned. The smallest whole documents
-    up to ``tuner`` of the tokens join the light stream."""
+    up to ``tuner`` of the tokens join the light stream; ``by_small``: see :func:`_assign_whole`."""
     n_docs = lengths.size
     total = int(lengths.sum())
     share = total // world_size
@@ -234,7 +241,8 @@ def _solve(lengths: np.ndarray, world_size: int, tuner: float) -> tuple[np.ndarr
     cap = np.minimum(np.floor(plan * 1.1 + 0.02 * share).astype(np.int64), share - 2)
     # No rank's whole documents may carry more than the mean work less the fluid at its lightest.
     work_cap = mean_work - rho_light * (share - cap)
-    rank_of[pool] = _assign_whole(lengths[pool], work[pool], rho, goal, plan, cap, work_cap, 4 * world_size)
+    rank_of[pool] = _assign_whole(lengths[pool], work[pool], rho, goal, plan, cap, work_cap,
+                                  mean_work - dense_w - lam * rho_light, 4 * world_size, by_small)
     left = pool[rank_of[pool] < 0]  # no room anywhere: into the light stream
     if left.size:
         light_s.append(left, lengths[left])
@@ -280,12 +288,13 @@ def _pieces(length: int, parts: list) -> list:
 def _solution(cu: tuple, world_size: int) -> tuple[np.ndarray, dict]:
     """The solver's answer for checked boundaries ``cu``: whole documents' ranks and split documents' parts."""
     lengths = np.diff(np.asarray(cu, np.int64))
-    # A larger tuning reserve when the first placement misses the mean work by more than 2% (rarely).
-    tries = [_solve(lengths, world_size, 1 / 32)]
-    for tuner in (1 / 16, 1 / 8):
+    # When a placement misses the mean work by more than 2%: the small whole documents as the fluid, then
+    # larger tuning reserves; the best try wins.
+    tries = [_solve(lengths, world_size, 1 / 32, False)]
+    for tuner, by_small in ((1 / 32, True), (1 / 16, False), (1 / 8, False)):
         if tries[-1][2] <= 1.02:
             break
-        tries.append(_solve(lengths, world_size, tuner))
+        tries.append(_solve(lengths, world_size, tuner, by_small))
     rank_of, split, _ = min(tries, key=lambda t: t[2])
     return rank_of, split
 
