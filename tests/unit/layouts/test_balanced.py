@@ -121,6 +121,12 @@ def test_balanced_on_a_long_batch_at_32_ranks():
     assert rows < 0.3 * work_and_rows(ZIG, cu, 32)[1]
 
 
+def test_balanced_with_thousands_of_small_documents():
+    for seed in (1, 2):  # lognormal, mean 8 tokens: ~8,000 documents, the few dense ones too scarce to tune with
+        cu = lognormal_cu(seed, mean=8)
+        assert work_and_rows(BAL, cu, 8)[0] <= 1.05
+
+
 def test_without_documents_it_is_zigzag():
     for n in (1, 2, 3, 8):
         for total in (2 * n, 16 * n):
