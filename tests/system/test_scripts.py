@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import cp_attention as cpa
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,7 @@ def test_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     impls = {r["impl"] for r in rows}
-    assert impls == {"baseline", "ring/contiguous", "ring/zigzag", "ring/interleaved", "torch_ring/zigzag"}
+    assert impls == {"baseline", *(f"ring/{name}" for name in cpa.LAYOUT_NAMES), "torch_ring/zigzag"}
     for r in rows:
         # torch's ring may disappear in a future torch; then its row must say why instead of timing.
         assert (r["fwdbwd_ms"] or 0) > 0 or (r["impl"].startswith("torch_ring") and r["error"]), r
@@ -133,7 +135,7 @@ def test_megatron_benchmark_smoke():
                            "--layers", "1", "--heads", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line.strip().startswith("256")}
-    assert sorted(rows) == ["baseline", "cp2/contiguous", "cp2/interleaved", "cp2/zigzag"], proc.stdout
+    assert sorted(rows) == sorted(["baseline", *(f"cp2/{name}" for name in cpa.LAYOUT_NAMES)]), proc.stdout
     for impl, cols in rows.items():  # fwd ms, fwd x, fwd+bwd ms, fwd+bwd x, peak MiB
         assert all(float(c) > 0 for c in cols[2:6]), (impl, cols)
 
