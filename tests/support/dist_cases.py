@@ -246,16 +246,16 @@ def packed_refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
 
 
 def window_exchanges(rank: int, world_size: int) -> dict:
-    """Count the ring's K/V and dK/dV exchanges (forward, backward) for a contiguous causal call whose
-    window reaches only the previous shard, and for the same call without a window; check the windowed
-    one's result."""
+    """Count the ring's K/V and dK/dV exchanges (forward, backward) this rank posts for a contiguous causal
+    call whose window reaches only the previous shard, and for the same call without a window (a step
+    where this rank neither sends nor receives a row posts none); check the windowed one's result."""
     from cp_attention.transport import ProcessGroupTransport as _Comm
 
     counts = []
     original = _Comm.exchange
 
     def counting(self, send, recv, hop=1):
-        if send[0].is_floating_point():  # K/V or dK/dV, not the end-of-pass status agreement
+        if any(t.is_floating_point() for t in (*send, *recv)):  # K/V or dK/dV, not a status agreement
             counts.append(hop)
         return original(self, send, recv, hop)
 
