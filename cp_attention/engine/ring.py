@@ -25,7 +25,7 @@ import torch
 from ..transport.base import Transport
 from .fault import RingFault
 from .tasks import KernelSettings, add_rows, merge_rows, set_rows, task_backward, task_forward
-from .traffic import StepIndex, add_rows_into, direct_view, place_rows, select_rows
+from .traffic import StepIndex, direct_view, place_rows, select_rows
 
 __all__ = ["RingSchedule"]
 
@@ -248,6 +248,6 @@ class _Home:
             self.total = tuple(t.new_zeros(t.shape, dtype=self.acc) if o is None else o
                                for o, t in zip(self.total, like))
             for o, got in zip(self.total, recv):
-                add_rows_into(o, index.send, got)
+                place_rows(o, index.send, got, add=True)
 
 

@@ -16,7 +16,7 @@ import torch
 from ..schedules.needs import StepRows
 from .doc_batch import upload
 
-__all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "add_rows_into"]
+__all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "direct_view"]
 
 # Local rows along the sequence dim: None (all of them), a contiguous range, or an index tensor.
 Rows = Union[None, slice, torch.Tensor]
@@ -59,24 +59,15 @@ def select_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
     return t.index_select(1, rows)
 
 
-def place_rows(buf: torch.Tensor, rows: Rows, got: torch.Tensor) -> None:
-    """Write the received compact rows ``got [B, m, ...]`` into rows ``rows`` of ``buf [B, n, ...]``."""
+def place_rows(buf: torch.Tensor, rows: Rows, got: torch.Tensor, add: bool = False) -> None:
+    """Write (``add``: add) the received compact rows ``got [B, m, ...]`` into rows ``rows`` of
+    ``buf [B, n, ...]``."""
     if rows is None:
-        buf.copy_(got)
+        buf.add_(got) if add else buf.copy_(got)
     elif isinstance(rows, slice):
-        buf[:, rows].copy_(got)
+        buf[:, rows].add_(got) if add else buf[:, rows].copy_(got)
     else:
-        buf.index_copy_(1, rows, got)
-
-
-def add_rows_into(acc: torch.Tensor, rows: Rows, got: torch.Tensor) -> None:
-    """Add the received compact rows ``got [B, m, ...]`` into rows ``rows`` of ``acc [B, n, ...]``."""
-    if rows is None:
-        acc.add_(got)
-    elif isinstance(rows, slice):
-        acc[:, rows].add_(got)
-    else:
-        acc.index_add_(1, rows, got)
+        buf.index_add_(1, rows, got) if add else buf.index_copy_(1, rows, got)
 
 
 def direct_view(buf: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:

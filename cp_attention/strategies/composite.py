@@ -24,7 +24,7 @@ import torch
 
 from ..engine.fault import RingFault
 from ..engine.tasks import KernelSettings, add_rows, merge_rows, task_backward, task_forward
-from ..engine.traffic import StepIndex, add_rows_into, place_rows, select_rows
+from ..engine.traffic import StepIndex, place_rows, select_rows
 from ..transport.base import Transport
 
 __all__ = ["CompositeSchedule", "pair_steps"]
@@ -205,7 +205,7 @@ def _backward_pass(plan: CompositeSchedule, dout, q, k, v, out, lse, fault: Ring
             if handle is not None:
                 handle.wait()
             for o, got in zip(own, home):
-                add_rows_into(o, index.send, got)
+                place_rows(o, index.send, got, add=True)
     elif posted:
         posted.pop().wait()
         own[0].add_(travelling[0])
