@@ -25,8 +25,10 @@ def _assert_within(errors: list[dict], what: str) -> None:
             assert e[key] <= 0.0, f"{what}: rank {rank} {key} exceeds tolerance by {e[key]:.3e}"
 
 
-MATRIX = list(itertools.product(WORLD_SIZES, cpa.LAYOUT_NAMES, (True, False), HEADS, TESTED_DTYPES,
-                                ("math", "sdpa")))
+# Without documents "balanced" is zigzag (tests/unit/layouts/test_balanced.py): every test here is
+# unpacked, so it runs once (test_balanced_without_documents), not in every matrix.
+LAYOUTS = tuple(name for name in cpa.LAYOUT_NAMES if name != "balanced")
+MATRIX = list(itertools.product(WORLD_SIZES, LAYOUTS, (True, False), HEADS, TESTED_DTYPES, ("math", "sdpa")))
 
 
 @pytest.mark.parametrize("world_size,layout,causal,heads,dtype,kernel", MATRIX,
@@ -41,8 +43,15 @@ def test_matches_reference(pools, world_size, layout, causal, heads, dtype, kern
     _assert_within(errors, f"{layout} causal={causal} {heads} {dtype} {kernel}")
 
 
+@pytest.mark.parametrize("causal", (True, False))
+def test_balanced_without_documents(pools, causal):
+    errors = pools(3).run(dist_cases.attention_errors, layout="balanced", causal=causal, dtype="float64",
+                          kernel="sdpa", heads=4, kv_heads=2, seed=5, **tolerance(torch.float64, True))
+    _assert_within(errors, f"balanced causal={causal}")
+
+
 @pytest.mark.parametrize("world_size", (2, 3, 4))
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kernel", ("math", "sdpa"))
 def test_mla_scale_and_batch(pools, world_size, layout, kernel):
     """v head_dim != q/k head_dim, a custom softmax_scale, batch 3, GQA, fp64."""
@@ -63,7 +72,7 @@ def test_tiny_shards(pools, world_size, layout, local_len):
     _assert_within(errors, f"tiny {layout} n={local_len}")
 
 
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_long_sequence_fp32(pools, layout):
     """A longer sequence in fp32 (tolerance scaled with sqrt of the length, as docs/design.md allows)."""
     world_size, local_len = 4, 256
@@ -75,7 +84,7 @@ def test_long_sequence_fp32(pools, layout):
 
 
 @pytest.mark.parametrize("world_size", (2, 3, 4))
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", (True, False))
 def test_each_pair_computed_once(pools, world_size, layout, causal):
     """The kernel is handed exactly the allowed score pairs: masked steps are skipped, not discarded."""
@@ -98,13 +107,13 @@ def test_backward_twice_through_one_forward(pools, kernel):
     assert pools(4).run(dist_cases.repeated_backward, layout="zigzag", kernel=kernel) == [0.0] * 4
 
 
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_gather(pools, layout):
     assert all(pools(3).run(dist_cases.gather_roundtrip, layout=layout))
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4))
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", (True, False))
 @pytest.mark.parametrize("kernel", ("math", "sdpa"))
 def test_sinks_match_the_reference(pools, world_size, layout, causal, kernel):
@@ -129,7 +138,7 @@ def test_sinks_in_bf16_and_their_effect(pools):
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4))
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kernel,sinks", [("math", False), ("sdpa", False), ("sdpa", True)])
 def test_the_lse_is_differentiable(pools, world_size, layout, kernel, sinks):
     """A loss on out and on the returned LSE: every gradient (dq, dk, dv, and the sinks') includes the LSE's share."""
@@ -142,7 +151,7 @@ def test_the_lse_is_differentiable(pools, world_size, layout, kernel, sinks):
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4))
-@pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", (True, False))
 def test_softcap_matches_the_reference(pools, world_size, layout, causal):
     """Gemma2-style logit softcapping, fp64, GQA, with sinks; kernel 'auto' must pick one that can cap."""
