@@ -3,7 +3,8 @@ lowering to kernel tasks, and the index tensors the tasks run with.
 
 Each build is timed on a fresh plan of rank ``r`` of ``N`` (a seat: no process group, no
 communication) with a fresh copy of the boundaries, so nothing of an earlier build is reused:
-``plan.steps(n, kernel, "cpu", D, Dv)``, the work of a batch's first attention call. The phases are
+``plan.steps(n, kernel, "cpu", D, Dv)`` and the needs-only rows (``plan.traffic``), the work of a
+batch's first attention call. The phases are
 timed apart by running the same three calls ``_build_steps`` makes, one after another: ``blocks``
 (``block_schedules`` for this rank: the layout's positions and each step's blocks), ``lowering``
 (``lower_steps``) and ``index`` (the batches' index tensors: ``DocBatch``/``VarlenBatch``).
@@ -18,6 +19,10 @@ Document lengths: ``lognormal`` (``--documents`` lognormal lengths, sigma ``--si
 Printed: the median of ``--repeats`` builds per phase and for the whole build, the whole build's
 fastest, and the median of the CPU time the build process used (on a shared machine the wall time
 carries other processes' load; the CPU time does not). ``--threads 1``: as in a data loader's worker.
+``ahead``: what is left on the step's critical path when the plans were built ahead of it
+(``cp_attention.plan_ahead`` in a worker, then ``plan.bind(group, device)``: the agreement over an
+in-process group of N ranks and the moves; the slowest rank, median of 3; batched mode only, as no CPU
+kernel takes variable-length batches).
 
 Usage (from the repo root):
   python benchmarks/plan_build.py [--tokens 65536] [--world-size 8] [--documents 1000 8000]
@@ -44,13 +49,14 @@ import torch
 
 from benchmarks.packed import document_lengths
 from cp_attention.engine import plan as plan_mod
-from cp_attention.engine.plan import AttentionPlan
+from cp_attention.engine.plan import AttentionPlan, plan_ahead
 from cp_attention.kernels import get_kernel
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.layouts.registry import get_layout
 from cp_attention.schedules.derived import block_schedules
 from cp_attention.schedules.lowering import lower_steps
 from cp_attention.strategies.dispatch import _Seat
+from cp_attention.transport.loopback import LoopbackGroup
 
 __all__ = ["add_arguments", "boundaries", "build_phases", "run"]
 
@@ -134,8 +140,27 @@ def _whole_ms(layout: str, cu: tuple[int, ...], rank: int, world_size: int, mode
     plan = _fresh_plan(layout, cu, rank, world_size)
     kernel = _kernel(mode)
     t0, c0 = time.perf_counter(), time.process_time()
-    plan.steps(cu[-1] // world_size, kernel, _CPU, _HEAD_DIM, _HEAD_DIM)
+    n = cu[-1] // world_size
+    steps = plan.steps(n, kernel, _CPU, _HEAD_DIM, _HEAD_DIM)
+    plan.traffic(n, _CPU, len(steps))  # the needs-only rows are part of the plan too
     return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+
+def _bound_ms(layout: str, cu: tuple[int, ...], world_size: int, mode: str) -> float:
+    """What stays on the step's critical path when every rank's plan was built ahead
+    (``cp_attention.plan_ahead``, as a loader worker would): ``bind`` (the agreement over an in-process
+    group of ``world_size`` ranks, and the moves); the slowest rank's ms."""
+    kernel = "math" if mode == "batched" else None
+    if kernel is None:
+        return float("nan")  # no CPU kernel takes variable-length batches
+    ahead = [plan_ahead(layout, r, world_size, True, tuple(list(cu)), local_len=cu[-1] // world_size, kernel=kernel,
+                        device="cpu", dtype=torch.float32, head_dim=_HEAD_DIM) for r in range(world_size)]
+
+    def bind(group) -> float:
+        t0 = time.perf_counter()
+        ahead[group.rank].bind(group, "cpu")
+        return (time.perf_counter() - t0) * 1e3
+    return max(LoopbackGroup(world_size).run(bind))
 
 
 def _median(fn: Callable[[], object], repeats: int) -> list:
@@ -158,7 +183,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     print(f"one rank's packed plan built from scratch: T={args.tokens}, N={n}, rank {args.rank}, "
           f"{torch.get_num_threads()} torch threads, median of {args.repeats} builds (ms)")
     print(f"{'lengths':>9} {'docs':>5} {'layout':>11} {'mode':>7} | {'whole':>7} {'(min)':>7} {'cpu':>7} | "
-          f"{'blocks':>7} {'lowering':>8} {'index':>7}")
+          f"{'blocks':>7} {'lowering':>8} {'index':>7} | {'ahead':>6}")
     rows = []
     for kind in args.lengths:
         for docs in args.documents:
@@ -167,14 +192,17 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for mode in args.modes:
                     whole = _median(lambda: _whole_ms(layout, cu, args.rank, n, mode), args.repeats)
                     phases = _median(lambda: build_phases(layout, cu, args.rank, n, mode), args.repeats)
+                    bound = _median(lambda: _bound_ms(layout, cu, n, mode), 3)
                     row = {"lengths": kind, "documents": docs, "layout": layout, "mode": mode, "world_size": n,
                            "tokens": args.tokens, "whole_ms": statistics.median(w for w, _ in whole),
                            "whole_min_ms": min(w for w, _ in whole), "whole_cpu_ms": statistics.median(c for _, c in whole),
-                           **{f"{k}_ms": statistics.median(p[k] for p in phases) for k in phases[0]}}
+                           **{f"{k}_ms": statistics.median(p[k] for p in phases) for k in phases[0]},
+                           "bound_ms": statistics.median(bound)}
                     rows.append(row)
                     print(f"{kind:>9} {docs:>5} {layout:>11} {mode:>7} | {row['whole_ms']:>7.1f} "
                           f"{row['whole_min_ms']:>7.1f} {row['whole_cpu_ms']:>7.1f} | "
-                          f"{row['blocks_ms']:>7.1f} {row['lowering_ms']:>8.1f} {row['index_ms']:>7.1f}", flush=True)
+                          f"{row['blocks_ms']:>7.1f} {row['lowering_ms']:>8.1f} {row['index_ms']:>7.1f} | "
+                          f"{row['bound_ms']:>6.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

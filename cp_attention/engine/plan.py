@@ -210,9 +210,12 @@ class AttentionPlan:
         self.transport, self.agreed = transport, True
         if device is not None:
             device = _device(device)
-            self._steps = {(n, mode, device if dev.type == "cpu" else dev): _moved(steps, device) if dev.type == "cpu"
+            # host-built entries move to the device (on the CPU they are already where they run)
+            memo: dict = {}
+            move = (lambda obj: obj) if device.type == "cpu" else (lambda obj: _moved(obj, device, memo))
+            self._steps = {(n, mode, device if dev.type == "cpu" else dev): move(steps) if dev.type == "cpu"
                            else steps for (n, mode, dev), steps in self._steps.items()}
-            self._traffic = {(n, device if dev.type == "cpu" else dev, k): _moved(t, device) if dev.type == "cpu"
+            self._traffic = {(n, device if dev.type == "cpu" else dev, k): move(t) if dev.type == "cpu"
                              else t for (n, dev, k), t in self._traffic.items()}
         return self
 
@@ -239,21 +242,33 @@ def _device(device: "torch.device | str") -> torch.device:
     return device
 
 
-def _moved(obj: Any, device: torch.device) -> Any:
-    """A copy of host-built ``obj`` (tasks, batches, index rows; tuples of them) whose tensors are on
-    ``device``, uploaded as the plan's own uploads are; everything else is shared."""
+def _moved(obj: Any, device: torch.device, memo: "dict[int, Any] | None" = None) -> Any:
+    """A copy of host-built ``obj`` (tasks, batches, index rows; tuples, lists, dicts and objects of
+    them, at any depth) whose tensors are on ``device``, uploaded as the plan's own uploads are. What
+    holds no tensor is shared, and what is shared stays shared (one upload per tensor)."""
+    memo = {} if memo is None else memo
+    found = memo.get(id(obj))
+    if found is not None:
+        return found
+    out = obj
     if isinstance(obj, torch.Tensor):
-        return upload(obj, device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_moved(o, device) for o in obj) if not hasattr(obj, "_fields") else \
-            type(obj)(*(_moved(o, device) for o in obj))
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        if any(isinstance(v, (torch.Tensor, tuple, list)) for v in vars(obj).values()):
-            clone = copy.copy(obj)
-            for name, value in vars(obj).items():
-                object.__setattr__(clone, name, _moved(value, device))
-            return clone
-    return obj
+        out = upload(obj, device)
+    elif isinstance(obj, (tuple, list)):
+        items = [_moved(o, device, memo) for o in obj]
+        if any(a is not b for a, b in zip(items, obj)):
+            out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    elif isinstance(obj, dict):
+        items = {k: _moved(v, device, memo) for k, v in obj.items()}
+        if any(items[k] is not v for k, v in obj.items()):
+            out = items
+    elif hasattr(obj, "__dict__") and not callable(obj) and not isinstance(obj, type):
+        values = {name: _moved(value, device, memo) for name, value in vars(obj).items()}
+        if any(values[name] is not value for name, value in vars(obj).items()):
+            out = copy.copy(obj)
+            for name, value in values.items():
+                object.__setattr__(out, name, value)
+    memo[id(obj)] = out
+    return out
 
 
 def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int = 1, causal: bool = True,

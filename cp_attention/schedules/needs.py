@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..layouts.base import Layout
-from ..layouts.documents import check_cu_seqlens
+from ..layouts.documents import _as_tensor, check_cu_seqlens
 from ..layouts.registry import get_layout
 from .derived import ring_length
 from .windows import Window, normalize_window
@@ -26,17 +26,9 @@ from .windows import Window, normalize_window
 __all__ = ["StepRows", "needed_keys", "rank_traffic", "traffic_model", "ring_steps"]
 
 
-def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal: bool,
-                window: Optional[Window]) -> torch.Tensor:
-    """``[len(kpos)]`` bool: which keys at packed-stream positions ``kpos`` (any order) some query at
-    positions ``qpos`` (any order) sees, for documents ``cu`` (a LongTensor ``[0, ..., T]``), ``causal`` and the
-    normalised ``window`` (None: unbounded; else flash-attn's ``(left, right)``, -1 unbounded).
-
-    Query ``i`` sees key ``k`` iff both lie in one document, ``i - left <= k <= i + right`` and, when
-    causal, ``k <= i``: so key ``k`` is needed iff some query lies in ``[lower, upper]`` below.
-    """
-    if qpos.numel() == 0 or kpos.numel() == 0:
-        return torch.zeros(kpos.numel(), dtype=torch.bool)
+def _key_bounds(kpos: torch.Tensor, cu: torch.Tensor, causal: bool, window: Optional[Window]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key at ``kpos``, the positions ``[lower, upper]`` a query must lie in to see it."""
     doc = torch.searchsorted(cu, kpos, right=True) - 1
     lower, upper = cu[doc], cu[doc + 1] - 1
     left, right = window if window is not None else (-1, -1)
@@ -46,10 +38,28 @@ def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal
         lower = torch.maximum(lower, kpos - right)
     if left >= 0:
         upper = torch.minimum(upper, kpos + left)
-    qpos = torch.sort(qpos).values
-    first = torch.searchsorted(qpos, lower)
-    found = first < qpos.numel()
-    return found & (qpos[first.clamp(max=qpos.numel() - 1)] <= upper)
+    return lower, upper
+
+
+def _seen(queries: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Which keys of ``bounds`` some query of the increasing ``queries`` sees."""
+    lower, upper = bounds
+    if queries.numel() == 0:
+        return torch.zeros(lower.numel(), dtype=torch.bool)
+    first = torch.searchsorted(queries, lower)
+    return (first < queries.numel()) & (queries[first.clamp(max=queries.numel() - 1)] <= upper)
+
+
+def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal: bool,
+                window: Optional[Window]) -> torch.Tensor:
+    """``[len(kpos)]`` bool: which keys at packed-stream positions ``kpos`` (any order) some query at
+    positions ``qpos`` (any order) sees, for documents ``cu`` (a LongTensor ``[0, ..., T]``), ``causal`` and the
+    normalised ``window`` (None: unbounded; else flash-attn's ``(left, right)``, -1 unbounded).
+
+    Query ``i`` sees key ``k`` iff both lie in one document, ``i - left <= k <= i + right`` and, when
+    causal, ``k <= i``: so key ``k`` is needed iff some query lies in a range of positions per key.
+    """
+    return _seen(torch.sort(qpos).values, _key_bounds(kpos, cu, causal, window))
 
 
 @dataclass(frozen=True)
@@ -81,12 +91,15 @@ def rank_traffic(layout: "str | Layout", causal: bool, world_size: int, total: i
     normalised."""
     lay = get_layout(layout)
     pos = _all_positions(lay, world_size, total, cu_seqlens)
-    cu = torch.tensor(cu_seqlens if cu_seqlens is not None else (0, total))
+    cu = _as_tensor(cu_seqlens if cu_seqlens is not None else (0, total))
+    # each rank's keys' bounds and sorted queries once: every rank is a source or a receiver of this one
+    bounds = [_key_bounds(p, cu, causal, window) for p in pos]
+    queries = [torch.sort(p).values for p in pos]
     rows: list[Optional[StepRows]] = [None]
     for s in range(1, steps):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
-        recv = torch.nonzero(needed_keys(pos[rank], pos[src], cu, causal, window)).flatten()
-        send = torch.nonzero(needed_keys(pos[dst], pos[rank], cu, causal, window)).flatten()
+        recv = torch.nonzero(_seen(queries[rank], bounds[src])).flatten()
+        send = torch.nonzero(_seen(queries[dst], bounds[rank])).flatten()
         rows.append(StepRows(recv, send))
     return tuple(rows)
 

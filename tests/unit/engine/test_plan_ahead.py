@@ -81,3 +81,31 @@ def test_a_bound_plan_runs_on_fake_cuda_with_no_sync_and_no_upload_in_the_calls(
     # phase; the first call and every later one neither sync nor upload anything.
     check_clean(ring_case(env, 2, kernel, layout, torch.bfloat16, n=64, lengths=lengths, window=window, ahead=True),
                 kernel, ahead=True)
+
+
+def test_moving_a_host_plan_uploads_every_tensor_once_at_any_depth(monkeypatch):
+    from cp_attention.engine import plan as plan_mod
+    uploads = []
+
+    def upload(t, device):
+        uploads.append(t)
+        return t.clone()
+    monkeypatch.setattr(plan_mod, "upload", upload)
+
+    class Inner:
+        def __init__(self, t):
+            self.idx, self.name = t, "inner"
+
+    class Outer:
+        def __init__(self, inner, shared):
+            self.inner, self.shared, self.count = inner, shared, 3
+
+    shared = torch.arange(4)
+    plain = ("no tensors", 1)
+    obj = ([Outer(Inner(torch.arange(3)), shared), Outer(Inner(shared), shared)], plain, {"k": shared})
+    moved = plan_mod._moved(obj, torch.device("cpu"))
+    assert len(uploads) == 2 and any(u is shared for u in uploads)  # the shared tensor once, at any depth
+    first, second = moved[0]
+    assert first.inner.idx is not obj[0][0].inner.idx and torch.equal(first.inner.idx, torch.arange(3))
+    assert first.shared is second.shared is second.inner.idx is moved[2]["k"]  # still one tensor
+    assert moved[1] is plain and first.count == 3 and obj[0][0].inner.idx is not first.inner.idx
