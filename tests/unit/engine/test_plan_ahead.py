@@ -16,6 +16,8 @@ from cp_attention.transport.loopback import LoopbackGroup
 
 from tests.support.fake_cuda_cases import check_clean, env, ring_case  # noqa: F401 - env: the fixture
 
+pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+
 LENGTHS = [1, 40, 3, 17, 2, 33]  # 96 tokens
 
 
