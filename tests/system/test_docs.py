@@ -95,6 +95,10 @@ NOT_RUN: dict[str, str] = {
     "python benchmarks/window.py --quick": "a smoke run of ~6 s on 2 cores (tests/system/test_scripts.py runs it)",
     "python benchmarks/megatron.py": _BENCH,
     "python benchmarks/stress.py --runs 100": "about an hour of repeated runs",
+    # docs/benchmarks/2026-11-25-plan-build.md
+    "python benchmarks/plan_build.py --threads 1 --repeats 7":
+        "a benchmark: about two minutes on one core (tests/unit/engine/test_plan_ahead.py and "
+        "tests/unit/schedules/test_plan_tables.py test what it times)",
 }
 
 PYTHON_TIMEOUT_S = 300  # the worker, all in-process blocks together
