@@ -8,6 +8,7 @@ benchmark's replay of one rank. Nothing above this package asks which one it hol
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -71,8 +72,12 @@ class Seat:
     sent_bytes = 0
 
     def __init__(self, rank: int, world_size: int) -> None:
-        if isinstance(rank, bool) or isinstance(world_size, bool) or not isinstance(rank, int) \
-                or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+        try:
+            ok = not isinstance(rank, bool) and not isinstance(world_size, bool)
+            rank, world_size = operator.index(rank), operator.index(world_size)  # numpy and 0-d tensors too
+        except TypeError:
+            ok = False
+        if not ok or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"a seat needs ints 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
         self.rank, self.world_size = rank, world_size
 
