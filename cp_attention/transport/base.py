@@ -72,13 +72,14 @@ class Seat:
     sent_bytes = 0
 
     def __init__(self, rank: int, world_size: int) -> None:
+        given = f"rank={rank!r}, world_size={world_size!r}"
         try:
             ok = not isinstance(rank, bool) and not isinstance(world_size, bool)
             rank, world_size = operator.index(rank), operator.index(world_size)  # numpy and 0-d tensors too
         except TypeError:
             ok = False
         if not ok or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"a seat needs ints 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+            raise ValueError(f"a seat needs ints 0 <= rank < world_size, got {given}")
         self.rank, self.world_size = rank, world_size
 
     def __repr__(self) -> str:
