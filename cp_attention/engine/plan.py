@@ -208,15 +208,14 @@ class AttentionPlan:
                                            f"world_size=) of the group" for r in rows])
         check_plan_table([PLAN_FIELDS.decode(r[:width]) for r in rows], self.layout)
         self.transport, self.agreed = transport, True
-        if device is not None:
-            device = _device(device)
-            # host-built entries move to the device (on the CPU they are already where they run)
-            memo: dict = {}
-            move = (lambda obj: obj) if device.type == "cpu" else (lambda obj: _moved(obj, device, memo))
-            self._steps = {(n, mode, device if dev.type == "cpu" else dev): move(steps) if dev.type == "cpu"
-                           else steps for (n, mode, dev), steps in self._steps.items()}
-            self._traffic = {(n, device if dev.type == "cpu" else dev, k): move(t) if dev.type == "cpu"
-                             else t for (n, dev, k), t in self._traffic.items()}
+        if device is not None and _device(device).type != "cpu":  # host-built entries already run on the CPU
+            device, memo = _device(device), {}
+            self._steps = {(n, mode, device if dev.type == "cpu" else dev):
+                           _moved(steps, device, memo) if dev.type == "cpu" else steps
+                           for (n, mode, dev), steps in self._steps.items()}
+            self._traffic = {(n, device if dev.type == "cpu" else dev, k):
+                             _moved(rows, device, memo) if dev.type == "cpu" else rows
+                             for (n, dev, k), rows in self._traffic.items()}
         return self
 
     def first_step_tiles(self, local_len: int) -> bool:

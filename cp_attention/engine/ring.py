@@ -25,7 +25,7 @@ import torch
 from ..transport.base import Transport
 from .fault import RingFault
 from .tasks import KernelSettings, add_rows, merge_rows, set_rows, task_backward, task_forward
-from .traffic import StepIndex, direct_view, place_rows, select_rows
+from .traffic import StepIndex, direct_view, place_rows, post_rows
 
 __all__ = ["RingSchedule"]
 
@@ -190,11 +190,10 @@ class _Shards:
         """Send this rank's ``index.send`` rows ``hop`` ranks on; receive ``index.recv`` rows of the
         shard ``hop`` ranks back into a free buffer."""
         buf = self._buffer(filled=index.recv is None)
-        send = tuple(select_rows(t, index.send) for t in self.own) if index.send_count else ()
         direct = [direct_view(b, index.recv) for b in buf] if index.recv_count else []
         recv = tuple(d if d is not None else t.new_empty(t.shape[0], index.recv_count, *t.shape[2:])
                      for d, t in zip(direct, self.own))
-        handle = self.comm.exchange(send, recv, hop) if send or recv else None
+        handle, recv, send = post_rows(self.comm, self.own, index.send, index.send_count, index.recv_count, hop, recv)
         self._pending = (buf, recv, direct, index, handle, send)
 
     def finish(self) -> tuple[torch.Tensor, ...]:
@@ -225,15 +224,9 @@ class _Home:
     def send(self, partial: tuple, index: StepIndex, s: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Post step ``s``'s ``partial`` (dk, dv of the held shard, full length or None) home to rank
         r - s, and the receive of this rank's ``index.send`` rows' partial from rank r + s."""
-        def rows(p, like, count, which):
-            if p is None:
-                return like.new_zeros(like.shape[0], count, *like.shape[2:], dtype=self.acc)
-            return select_rows(p, which)
-        send = tuple(rows(p, t, index.recv_count, index.recv) for p, t in zip(partial, (k, v))) \
-            if index.recv_count else ()
-        recv = tuple(t.new_empty(t.shape[0], index.send_count, *t.shape[2:], dtype=self.acc) for t in (k, v)) \
-            if index.send_count else ()
-        handle = self.comm.exchange(send, recv, -s) if send or recv else None
+        # no partial: no task touched the held shard (a contained failure); zeros keep the sizes agreed
+        parts = tuple(t.new_zeros(t.shape, dtype=self.acc) if p is None else p for p, t in zip(partial, (k, v)))
+        handle, recv, send = post_rows(self.comm, parts, index.recv, index.recv_count, index.send_count, -s)
         self._pending = (handle, recv, index, send, (k, v))
 
     def arrived(self) -> None:

@@ -16,7 +16,7 @@ import torch
 from ..schedules.needs import StepRows
 from .doc_batch import upload
 
-__all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "direct_view"]
+__all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "direct_view", "post_rows"]
 
 # Local rows along the sequence dim: None (all of them), a contiguous range, or an index tensor.
 Rows = Union[None, slice, torch.Tensor]
@@ -74,3 +74,15 @@ def direct_view(buf: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
     """A contiguous view of ``buf``'s ``rows`` to receive into directly, or None when a copy is needed."""
     view = buf if rows is None else buf[:, rows] if isinstance(rows, slice) else None
     return view if view is not None and view.is_contiguous() else None
+
+
+def post_rows(comm, tensors: Sequence[torch.Tensor], rows: Rows, count: int, recv_count: int, hop: int,
+              recv: "Sequence[torch.Tensor] | None" = None) -> tuple:
+    """Post one exchange of needed rows: rows ``rows`` (``count`` of them) of ``tensors`` to the rank
+    ``hop`` on, and ``recv_count`` rows from the rank ``hop`` back into ``recv`` (default: new compact
+    tensors like ``tensors``). Nothing is posted when neither side has a row. Returns ``(handle or
+    None, recv, send)``; keep ``send`` alive until the handle is waited on."""
+    send = tuple(select_rows(t, rows) for t in tensors) if count else ()
+    if recv is None:
+        recv = tuple(t.new_empty(t.shape[0], recv_count, *t.shape[2:]) for t in tensors) if recv_count else ()
+    return (comm.exchange(send, recv, hop) if send or recv else None), tuple(recv), send

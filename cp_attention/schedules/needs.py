@@ -13,7 +13,7 @@ Everything here is vectorised index math on positions (no blocks are needed), th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -23,7 +23,7 @@ from ..layouts.registry import get_layout
 from .derived import ring_length
 from .windows import Window, normalize_window
 
-__all__ = ["StepRows", "needed_keys", "rank_traffic", "traffic_model", "ring_steps"]
+__all__ = ["StepRows", "needed_keys", "rank_traffic", "traffic_model"]
 
 
 def _key_bounds(kpos: torch.Tensor, cu: torch.Tensor, causal: bool, window: Optional[Window]
@@ -72,15 +72,13 @@ class StepRows:
     send: torch.Tensor
 
 
-def _all_positions(layout: Layout, world_size: int, total: int, cu: "tuple[int, ...] | None") -> list[torch.Tensor]:
-    # any order: a layout with a schedule of its own may hold its tokens out of order
-    return [layout.positions(total, r, world_size, cu) for r in range(world_size)]
-
-
-def ring_steps(layout: "str | Layout", causal: bool, total: int, world_size: int, cu_seqlens=None,
-               window_size=None) -> int:
-    """How many ring steps a plan runs (see :func:`~.derived.ring_length`)."""
-    return ring_length(layout, causal, total, world_size, window_size, cu_seqlens)
+def _tables(layout: Layout, world_size: int, total: int, cu_seqlens: "tuple[int, ...] | None", causal: bool,
+            window: Optional[Window]) -> tuple[list, list, torch.Tensor]:
+    """Every rank's sorted queries and its keys' bounds, and the boundaries as a tensor. Positions may
+    come in any order (a layout with a schedule of its own may hold its tokens out of order)."""
+    pos = [layout.positions(total, r, world_size, cu_seqlens) for r in range(world_size)]
+    cu = _as_tensor(cu_seqlens if cu_seqlens is not None else (0, total))
+    return [torch.sort(p).values for p in pos], [_key_bounds(p, cu, causal, window) for p in pos], cu
 
 
 def rank_traffic(layout: "str | Layout", causal: bool, world_size: int, total: int,
@@ -89,12 +87,7 @@ def rank_traffic(layout: "str | Layout", causal: bool, world_size: int, total: i
     """``rows[s]`` for ``s < steps``: this ``rank``'s :class:`StepRows` at each ring step (None at
     step 0, where the own shard is used). ``cu_seqlens`` checked (None: one sequence), ``window``
     normalised."""
-    lay = get_layout(layout)
-    pos = _all_positions(lay, world_size, total, cu_seqlens)
-    cu = _as_tensor(cu_seqlens if cu_seqlens is not None else (0, total))
-    # each rank's keys' bounds and sorted queries once: every rank is a source or a receiver of this one
-    bounds = [_key_bounds(p, cu, causal, window) for p in pos]
-    queries = [torch.sort(p).values for p in pos]
+    queries, bounds, _ = _tables(get_layout(layout), world_size, total, cu_seqlens, causal, window)
     rows: list[Optional[StepRows]] = [None]
     for s in range(1, steps):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
@@ -104,13 +97,31 @@ def rank_traffic(layout: "str | Layout", causal: bool, world_size: int, total: i
     return tuple(rows)
 
 
+def _counts_per_document(queries: list, cu: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``count[j, r]``: the rows of rank ``j`` rank ``r`` needs, without a window. Key ``k`` of document
+    ``d`` is needed by ``r`` iff ``r`` holds a query of ``d`` at or after ``k`` (causal) or any query of
+    ``d``: one bound per (rank, document), then one ``searchsorted`` per source rank over all of them,
+    O(T log T + N^2 D) where comparing keys with queries pair by pair costs N^2 searches."""
+    world, docs = len(queries), cu.numel() - 1
+    bound = torch.full((world, docs), -1, dtype=torch.int64)  # the last key of d rank r needs (-1: none)
+    for r, q in enumerate(queries):
+        if q.numel():
+            doc = torch.searchsorted(cu, q, right=True) - 1
+            bound[r].scatter_reduce_(0, doc, q if causal else cu[doc + 1] - 1, reduce="amax")
+    count = torch.empty((world, world), dtype=torch.int64)
+    for j, keys in enumerate(queries):  # a rank's keys are its queries' positions
+        first = torch.searchsorted(keys, cu[:-1])  # rank j's first row in each document
+        count[j] = (torch.searchsorted(keys, bound, right=True) - first).clamp(min=0).sum(1)
+    return count
+
+
 def traffic_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
                   window_size=None, needs_only: bool = True) -> list[list[int]]:
-    """K/V rows each rank receives per ring step, ``rows[rank][step]`` (step 0: 0, the own shard), as
-    the engine sends them: only the needed rows (``needs_only``), or whole shards (every step the ring
-    runs). Multiply by the bytes of a K and a V row for the forward's K/V bytes; the backward receives
-    the same rows again but the last step's (kept from the forward) and sends as many dK/dV rows (in
-    the accumulator's dtype) home.
+    """K/V rows each rank receives per ring step, ``rows[rank][step]`` (step 0: 0, the own shard; 0 at
+    the steps a window leaves out of the ring), as the engine sends them: only the needed rows
+    (``needs_only``), or whole shards (every step the ring runs). Multiply by the bytes of a K and a V
+    row for the forward's K/V bytes; the backward receives the same rows again but the last step's
+    (kept from the forward) and sends as many dK/dV rows (in the accumulator's dtype) home.
 
     Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks, for bad
     ``cu_seqlens`` or ``window_size``.
@@ -119,12 +130,14 @@ def traffic_model(layout: "str | Layout", causal: bool, seq_len: int, world_size
     lay.check(seq_len, world_size)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, total=seq_len)
     window = normalize_window(window_size, causal, seq_len, cu)
-    steps = ring_steps(lay, causal, seq_len, world_size, cu, window_size)
-    n = seq_len // world_size
     if not needs_only:
+        steps = ring_length(lay, causal, seq_len, world_size, window_size, cu)
+        n = seq_len // world_size
         return [[0] + [n] * (steps - 1) + [0] * (world_size - steps) for _ in range(world_size)]
-    pos = _all_positions(lay, world_size, seq_len, cu)
-    bounds = torch.tensor(cu if cu is not None else (0, seq_len))
-    return [[0] + [int(needed_keys(pos[r], pos[(r - s) % world_size], bounds, bool(causal), window).sum())
-                   for s in range(1, steps)] + [0] * (world_size - steps) for r in range(world_size)]
-
+    queries, bounds, cut = _tables(lay, world_size, seq_len, cu, bool(causal), window)
+    if window is None:
+        count = _counts_per_document(queries, cut, bool(causal))
+        return [[0] + [int(count[(r - s) % world_size, r]) for s in range(1, world_size)] for r in range(world_size)]
+    # Under a window every step is counted: a step the ring leaves out needs no row.
+    return [[0] + [int(_seen(queries[r], bounds[(r - s) % world_size]).sum()) for s in range(1, world_size)]
+            for r in range(world_size)]

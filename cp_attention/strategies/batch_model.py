@@ -1,12 +1,10 @@
 """What the cost model reads from one batch's positions: the exact (query, key) pairs of every rank,
-and the K/V rows each rank needs from each other one at every ring step (needs-only traffic).
+and the K/V rows each rank needs from each other one at every ring step (needs-only traffic, as
+:func:`cp_attention.schedules.needs.traffic_model` counts what the engine sends).
 
 Both come from the layout's positions alone (``layout.positions``, packed as ``cu_seqlens``), the same
-on every rank, in O(T log T) tensor index math: no blocks, no schedule. The rows are those of
-:func:`cp_attention.schedules.needs.traffic_model` (which the engine sends); without a window they are
-counted here per (document, rank) instead of per key, which is what makes them cheap enough for
-``cp_comm_type="auto"`` at every batch (a few ms at T = 65,536 and N = 8; under a window this module
-asks ``traffic_model`` itself).
+on every rank, in tensor index math: no blocks, no schedule; cheap enough for ``cp_comm_type="auto"``
+at every batch (a few ms at T = 65,536 and N = 8), and cached per batch.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..layouts.documents import _as_tensor
 from ..layouts.registry import get_layout
 from ..schedules.blocks import increasing_positions
 from ..schedules.needs import traffic_model
@@ -46,7 +45,7 @@ def rank_positions(layout: str, seq_len: int, world_size: int, cu_seqlens: Optio
 
 
 def _bounds(seq_len: int, cu_seqlens: Optional[tuple]) -> torch.Tensor:
-    return torch.tensor(cu_seqlens if cu_seqlens is not None else (0, seq_len), dtype=torch.int64)
+    return _as_tensor(cu_seqlens if cu_seqlens is not None else (0, seq_len))
 
 
 @functools.lru_cache(maxsize=32)
@@ -77,33 +76,13 @@ def rank_pair_totals(layout: str, causal: bool, window: tuple, seq_len: int, wor
 def step_rows(layout: str, causal: bool, window: tuple, seq_len: int, world_size: int,
               cu_seqlens: Optional[tuple]) -> tuple[tuple[int, ...], ...]:
     """``rows[rank][step]``: the K/V rows ``rank`` receives at each ring step (step 0 and the steps the
-    ring does not run: 0), as :func:`cp_attention.schedules.needs.traffic_model` counts them; rank
-    ``r`` sends ``rows[(r + s) % N][s]`` at step ``s``.
+    ring does not run: 0), :func:`cp_attention.schedules.needs.traffic_model`'s, cached per batch;
+    rank ``r`` sends ``rows[(r + s) % N][s]`` at step ``s``.
 
-    Without a window, key ``k`` of document ``d`` is needed by rank ``r`` iff ``r`` holds a query of
-    ``d`` at or after ``k`` (causal) or any query of ``d`` (not causal): so per (document, rank) one
-    bound, and per source rank one ``searchsorted`` over all of them.
-
-    Raises as :func:`rank_positions`, and ``ValueError`` for bad ``cu_seqlens`` or ``window``.
+    Raises ``ValueError`` for a length the layout cannot split, bad ``cu_seqlens`` or ``window``.
     """
-    win = window_or_none(causal, window)
-    if win is not None:
-        return tuple(map(tuple, traffic_model(layout, causal, seq_len, world_size, cu_seqlens, win)))
-    pos = rank_positions(layout, seq_len, world_size, cu_seqlens)
-    cu = _bounds(seq_len, cu_seqlens)
-    docs, world = cu.numel() - 1, world_size
-    # bound[r, d]: the last key of document d rank r needs (-1: none of d)
-    bound = torch.full((world, docs), -1, dtype=torch.int64)
-    for r, p in enumerate(pos):
-        if p.numel():
-            doc = torch.searchsorted(cu, p, right=True) - 1
-            bound[r].scatter_reduce_(0, doc, p if causal else cu[doc + 1] - 1, reduce="amax")
-    count = torch.empty((world, world), dtype=torch.int64)  # count[j, r]: rows of rank j that rank r needs
-    for j, p in enumerate(pos):
-        first = torch.searchsorted(p, cu[:-1])  # rank j's first row in each document
-        upto = torch.searchsorted(p, bound, right=True)  # rank j's rows at or below each bound
-        count[j] = (upto - first).clamp(min=0).sum(1)
-    return tuple(tuple([0] + [int(count[(r - s) % world, r]) for s in range(1, world)]) for r in range(world))
+    return tuple(map(tuple, traffic_model(layout, causal, seq_len, world_size, cu_seqlens,
+                                          window_or_none(causal, window))))
 
 
 def needs_only_bytes(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: float, acc_row: float,

@@ -24,7 +24,7 @@ import torch
 
 from ..engine.fault import RingFault
 from ..engine.tasks import KernelSettings, add_rows, merge_rows, task_backward, task_forward
-from ..engine.traffic import StepIndex, place_rows, select_rows
+from ..engine.traffic import StepIndex, place_rows, post_rows
 from ..transport.base import Transport
 
 __all__ = ["CompositeSchedule", "pair_steps"]
@@ -105,12 +105,10 @@ class _Shards:
             posted = []
             for s in range(1, last + 1):
                 index = plan.index(s, n)
-                send = tuple(select_rows(t, index.send) for t in self.own) if index.send_count else ()
-                recv = tuple(t.new_empty(t.shape[0], index.recv_count, *t.shape[2:]) for t in self.own) \
-                    if index.recv_count else ()
-                posted.append((plan.comm.exchange(send, recv, s) if send or recv else None, recv, index, send))
+                posted.append((*post_rows(plan.comm, self.own, index.send, index.send_count, index.recv_count, s),
+                               index))
             self.gathered = [self.own]
-            for handle, recv, index, _ in posted:
+            for handle, recv, _, index in posted:
                 if handle is not None:
                     handle.wait()
                 if index.recv is None:  # the whole shard
@@ -192,16 +190,13 @@ def _backward_pass(plan: CompositeSchedule, dout, q, k, v, out, lse, fault: Ring
             continue
         if plan.gather:  # home now: the needed rows to the rank s back, whose shard it is
             index = plan.index(s, n)
-            send = tuple(select_rows(t, index.recv) for t in held) if index.recv_count else ()
-            home = tuple(t.new_empty(t.shape[0], index.send_count, *t.shape[2:]) for t in held) \
-                if index.send_count else ()
-            posted.append((comm.exchange(send, home, -s) if send or home else None, home, index, send))
+            posted.append((*post_rows(comm, held, index.recv, index.recv_count, index.send_count, -s), index))
         else:
             travelling = tuple(torch.empty_like(t) for t in held)
             # on round the ring, or after the last step home: the shard held at step s is rank p - s's
             posted.append(comm.exchange(held, travelling, 1 if s < last else -s))
     if plan.gather:
-        for handle, home, index, _ in posted:
+        for handle, home, _, index in posted:
             if handle is not None:
                 handle.wait()
             for o, got in zip(own, home):

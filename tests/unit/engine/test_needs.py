@@ -83,6 +83,19 @@ def test_every_block_reads_only_received_rows(layout, window, causal):
             assert read == needed  # and nothing is sent that no block reads
 
 
+@settings(max_examples=40, deadline=None)
+@given(layout=st.sampled_from(LAYOUTS), world_size=st.integers(2, 6), causal=st.booleans(),
+       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8))
+def test_the_model_counts_what_the_engine_receives(layout, world_size, causal, lengths):
+    # traffic_model counts per (document, rank) without a window; the engine's rows are per key
+    lengths = _lengths(lengths, world_size)
+    total, cu = sum(lengths), cu_seqlens_from_lengths(lengths)
+    model = traffic_model(layout, causal, total, world_size, cu)
+    for rank in range(world_size):
+        rows = rank_traffic(layout, causal, world_size, total, cu, None, rank, world_size)
+        assert model[rank] == [0] + [r.recv.numel() for r in rows[1:]]
+
+
 def test_unpacked_rules_match_the_model():
     # zigzag's rule: an earlier rank's first half, a later rank's whole shard; contiguous: nothing from
     # later ranks; interleaved: all but the last row of later ranks.
@@ -99,13 +112,14 @@ class _Wire:
     small vectors are left out)."""
 
     def __init__(self, rank) -> None:
-        self._rank, self.sent = rank, []
+        self._rank, self.sent, self.bytes = rank, [], 0
 
     def __getattr__(self, name):
         return getattr(self._rank, name)
 
     def exchange(self, send, recv, hop=1):
         self.sent += [(hop, tuple(t.shape), t.dtype) for t in send if t.dim() == 4]
+        self.bytes += sum(t.numel() * t.element_size() for t in send)  # every payload, agreements too
         return self._rank.exchange(send, recv, hop)
 
 
@@ -124,12 +138,12 @@ def test_the_wire_carries_exactly_the_needed_rows(layout, cp_comm_type):
         wire = _Wire(rank)
         ql, kl, vl = (lay.shard(t, 1, rank.rank, world_size, cu).requires_grad_() for t in (q, k, v))
         plan = cpa.plan(lay, wire, causal=True, cu_seqlens=cu)
-        before = rank.sent_bytes
+        before, wire.bytes = rank.sent_bytes, 0
         out = cpa.ring_attention(ql, kl, vl, plan=plan, cp_comm_type=cp_comm_type)
         out.sum().backward()
-        return wire.sent, rank.sent_bytes - before
+        return wire.sent, rank.sent_bytes - before, wire.bytes
 
-    for r, (sent, counted) in enumerate(LoopbackGroup(world_size).run(body)):
+    for r, (sent, counted, on_wire) in enumerate(LoopbackGroup(world_size).run(body)):
         # rows this rank sent at step s: what rank r + s received from it
         to = {s: model[(r + s) % world_size][s] for s in range(1, world_size)}
         back = {s: model[r][s] for s in range(1, world_size)}  # dK/dV partials of what it held
@@ -139,7 +153,7 @@ def test_the_wire_carries_exactly_the_needed_rows(layout, cp_comm_type):
                              if to[s] and (cp_comm_type == "all_gather" or s < world_size - 1)] * 2
                           + [(-s, (1, back[s], kv_heads, d)) for s in back if back[s]] * 2)
         assert sorted((hop, shape) for hop, shape, _ in sent) == expected
-        assert counted >= sum(8 * a * b * c * e for _, (a, b, c, e), _ in sent)  # the counter saw them all
+        assert counted == on_wire  # the transport's counter: exactly the bytes handed to it
 
 
 def test_a_step_with_nothing_needed_sends_nothing():

@@ -1,5 +1,5 @@
 """The cost model's needs-only traffic and exact packed work (strategies/batch_model.py): its rows
-against schedules.needs.traffic_model, its pairs per rank against the work model, a hand-worked
+against the engine's rows (schedules.needs.rank_traffic, per key), its pairs per rank against the work model, a hand-worked
 batch, and the ring time it keeps where there is nothing to save. (That the bytes are what the
 execution sends is test_cost.py's test_bytes_follow_the_execution.)"""
 
@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from cp_attention.schedules.needs import traffic_model
+from cp_attention.schedules.needs import rank_traffic
+from cp_attention.schedules.windows import normalize_window
 from cp_attention.schedules.work import work_model
 from cp_attention.strategies import batch_model, cost
 from cp_attention.strategies.cost import HARDWARE, Workload, estimate
@@ -28,11 +29,14 @@ def _batches(seed: int, count: int):
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved", "balanced"])
 def test_rows_and_pairs_match_the_schedules(layout):
-    """step_rows (per document and rank) equals traffic_model (per key); rank_pair_totals (per query)
-    equals the work model's blocks summed over the steps."""
+    """step_rows (per document and rank without a window) equals the rows the engine receives (per
+    key, every step); rank_pair_totals (per query) equals the work model's blocks summed over the steps."""
     for world, total, cu, causal, window in _batches(sum(map(ord, layout)), 10):
         rows = batch_model.step_rows(layout, causal, window, total, world, cu)
-        assert [list(r) for r in rows] == traffic_model(layout, causal, total, world, cu, window)
+        norm = normalize_window(window, causal, total, cu)
+        engine = [[0] + [r.recv.numel() for r in rank_traffic(layout, causal, world, total, cu, norm, rank, world)[1:]]
+                  for rank in range(world)]
+        assert [list(r) for r in rows] == engine
         work = work_model(layout, causal, total, world, cu_seqlens=cu, window_size=window)
         assert list(batch_model.rank_pair_totals(layout, causal, window, total, world, cu)) == [sum(r) for r in work]
 
