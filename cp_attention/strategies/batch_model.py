@@ -161,8 +161,8 @@ def ring_bytes_per_rank(kv_bytes: int, dkv_bytes: int, steps: int) -> tuple[int,
 
     Forward sends its K/V shard (``kv_bytes``) ``steps - 1`` times. Backward runs the steps in reverse
     from the shard the forward held last, so it sends K/V ``steps - 2`` times, plus the dK/dV
-    accumulators (``dkv_bytes``) ``steps - 1`` times: a rank's own contribution stays home, and the
-    others' accumulator travels with the K/V back to the owner."""
+    partials (``dkv_bytes``) ``steps - 1`` times: a rank's own contribution stays home, and each
+    other step's partial goes straight back to the owner."""
     if steps <= 1:
         return 0, 0
     return (steps - 1) * kv_bytes, (steps - 2) * kv_bytes + (steps - 1) * dkv_bytes
