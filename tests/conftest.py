@@ -51,13 +51,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.dist)
 
 
-_INDUCTOR = os.sep + os.path.join("torch", "_inductor") + os.sep
+# Libraries that run a tool in a subprocess, not a rank: inductor's C++ compiler under torch.compile, and
+# matplotlib's font cache (``fc-list``), built on first use in a new HOME or MPLCONFIGDIR.
+TOOL_CALLERS = (os.sep + os.path.join("torch", "_inductor") + os.sep,
+                os.sep + os.path.join("matplotlib", "font_manager.py"))
 
 
-def _called_from(fragment: str) -> bool:
+def _called_from(fragments: "tuple[str, ...]") -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if fragment in frame.f_code.co_filename:
+        if any(fragment in frame.f_code.co_filename for fragment in fragments):
             return True
         frame = frame.f_back
     return False
@@ -78,9 +81,8 @@ def _no_process_unless_dist(request, monkeypatch):
                         "(mark it @pytest.mark.dist: see tests/conftest.py)", pytrace=False)
         return fail
 
-    # torch.compile's inductor runs the C++ compiler in a subprocess: a tool, not a rank
     allowed_call = subprocess.Popen.__init__
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("a subprocess", allowed=_INDUCTOR))
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("a subprocess", allowed=TOOL_CALLERS))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("a process"))
     dist = sys.modules.get("torch.distributed")
     if dist is not None and hasattr(dist, "init_process_group"):

@@ -5,6 +5,7 @@ test_outputs_and_falling_loss and test_scripts.py."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -114,3 +115,26 @@ def test_a_spawned_rank_leaves_no_semaphore_behind(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "leaked" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_matplotlib_may_build_its_font_cache_under_the_process_guard():
+    """On a fresh machine (a new HOME or MPLCONFIGDIR) matplotlib's first figure runs ``fc-list`` in a
+    subprocess to build its font cache: a library's tool, which the suite's no-process guard
+    (tests/conftest.py) lets through in a test not marked dist."""
+    font_manager = pytest.importorskip("matplotlib.font_manager")
+    fontconfig = getattr(font_manager, "_get_fontconfig_fonts", None)
+    if fontconfig is None or not hasattr(fontconfig, "cache_clear"):
+        pytest.skip("this matplotlib finds its fonts without the cached fc-list call")
+    fontconfig.cache_clear()  # as in a new process: the call below runs fc-list again
+    assert isinstance(font_manager.FontManager().ttflist, list)
+
+
+@pytest.mark.dist
+def test_the_summary_tests_pass_with_an_empty_matplotlib_cache(tmp_path):
+    """The summary tests in a new process whose matplotlib has no font cache yet, as on a fresh machine."""
+    pytest.importorskip("matplotlib")
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-m", "not dist"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert (tmp_path / "mpl").is_dir(), "the run did not use the empty matplotlib cache"
