@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.measure import command_text
 from cp_attention.launch import run_on_ranks
 
 __all__ = ["add_arguments", "measure", "run"]
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for key, value in QUICK.items():
             setattr(args, key, value)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"command: {command_text()}")
     print(f"model: Llama fp32, hidden {args.hidden}, {args.layers} layers, heads {args.heads}/{args.kv_heads} kv, "
           f"vocab {args.vocab}; one prompt, {args.new_tokens} greedy tokens; layout {args.layout}", flush=True)
     rows = []

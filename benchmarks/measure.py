@@ -10,12 +10,16 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Row", "memory_method", "measure", "limit_malloc_caching", "print_table", "sweep", "sent_bytes", "print_bytes"]
+__all__ = ["Row", "memory_method", "measure", "limit_malloc_caching", "print_table", "sweep", "sent_bytes", "print_bytes",
+           "command_text"]
+
+_REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -135,6 +139,22 @@ def print_table(rows: list[Row]) -> None:
               f"{_fmt(r.fwdbwd_ms, '12.1f')}{_fmt(br, '11.3f')}{_fmt(r.fwdbwd_peak_mib, '10.1f')}")
 
 
+def command_text(argv: Optional[Sequence[str]] = None) -> str:
+    """The command that produced a record, as anyone can run it from a checkout: ``python`` for the
+    interpreter, paths inside the repository relative to its root, paths outside it (a ``--json`` file in
+    /tmp, say) by their file name; the recording machine's own paths would mean nothing elsewhere."""
+
+    def portable(arg: str) -> str:
+        key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if not os.path.isabs(value):
+            return arg
+        path = Path(value).resolve()
+        shown = str(path.relative_to(_REPOSITORY)) if path.is_relative_to(_REPOSITORY) else path.name
+        return f"{key}{eq}{shown}"
+
+    return " ".join(["python", *map(portable, sys.argv if argv is None else argv)])
+
+
 def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tuple[dict, dict]"], label: str,
           world_size: int, notes: Callable[[dict], "list[str]"] = lambda parallel: []
           ) -> "tuple[list[Row], dict, dict]":
@@ -145,7 +165,7 @@ def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tu
     the same machine, and returns their results: dicts with ``rows``, ``threads`` and ``memory``.
     ``notes(parallel)`` adds lines under the setup. Returns all rows and the last S's two results.
     """
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"command: {command_text()}")
     print(header, flush=True)
     limit_malloc_caching()
     t0 = time.perf_counter()

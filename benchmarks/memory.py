@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from benchmarks import projection
+from benchmarks.measure import command_text
 from benchmarks.peak import MIB, OFFLOAD_SCOPE, OFFLOADED, TERMS, measure_step, rss_peak_delta
 from cp_attention.launch import run_on_ranks
 
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> dict:
         for key, value in QUICK.items():
             if getattr(args, key) == defaults.get_default(key):
                 setattr(args, key, value)
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"command: {command_text()}")
     if args.from_json:
         return report(args, *_read(args))
     if "RANK" in os.environ:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.launch import run_on_ranks
-from benchmarks.measure import limit_malloc_caching, measure, memory_method, sent_bytes
+from benchmarks.measure import command_text, limit_malloc_caching, measure, memory_method, sent_bytes
 
 __all__ = ["Case", "add_arguments", "cases", "run"]
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
         args.seq_lens, args.heads, args.masks, args.repeats = [512], ["4/2"], ["causal", "packed"], 1
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
     todo = cases(args.seq_lens, heads, args.masks)
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"command: {command_text()}")
     print(f"world {WORLD} gloo ranks on this machine (a2a+p2p: a {WORLD // INNER} x {INNER} mesh); fp32; layout "
           f"{args.layout}; head_dim 64; the fastest of {args.repeats} repeats of the slowest rank; peak memory: "
           f"{memory_method()}", flush=True)

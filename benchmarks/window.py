@@ -38,7 +38,7 @@ from cp_attention.layouts import get_layout
 from cp_attention.schedules import work_model
 from cp_attention.schedules import ring_length
 from benchmarks.attention import make_inputs, ours
-from benchmarks.measure import limit_malloc_caching, measure, memory_method
+from benchmarks.measure import command_text, limit_malloc_caching, measure, memory_method
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 
 __all__ = ["CONVENTIONS", "NO_WINDOW", "window_size", "window_label", "check_fractions", "modelled_window",
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     """The whole benchmark for parsed ``args`` (seq_lens, world_size, layouts, windows, convention,
     batch, heads, kv_heads, head_dim, dtype, kernel, repeats, causal, timeout, json): prints the table,
     writes ``args.json`` if set, returns the records."""
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"command: {command_text()}")
     mask = "causal" if args.causal else "non-causal"
     print(f"torch {torch.__version__}, world size {args.world_size}, gloo on 127.0.0.1, {mask}, {args.dtype}, "
           f"kernel {args.kernel}, B={args.batch} H={args.heads} Hkv={args.kv_heads} D={args.head_dim}; windows W = S/d "
