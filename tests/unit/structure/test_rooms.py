@@ -29,7 +29,8 @@ LAYERS = ("integrations", "training")  # above the core
 CHECKOUT_ROOMS = ("benchmarks", "examples")  # a checkout's, not installed: above everything
 # Room -> its level; a module may import rooms of its own level or lower only.
 LEVELS = {"kernels": 0, "transport": 0, "memory": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4,
-          "strategies": 5, "api": 6, "__init__": 6, "_extras": 0, "launch": 0}
+          "strategies": 5, "api": 6, "__init__": 6, "_extras": 0, "launch": 0,
+          "versions": 0}
 ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies")
 
 
