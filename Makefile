@@ -2,17 +2,20 @@
 #   make train   install what training needs, then run scripts/train.py's default job
 #   make test    install everything the tests need, then run them (what CI runs: .ci/run)
 #   make test-fast  the tests that start no process (no dist, slow or gpu mark), once installed: about a minute
+#   make test-floor the oldest versions we support (cp_attention/versions.py) in a venv of their own, tested
 PYTHON ?= python3
 # A bare torch requirement pulls a multi-GB CUDA build: pin the CPU wheel first. On a GPU machine,
 # install your torch first and run `make ... TORCH=` to keep it.
 TORCH ?= torch==2.13.0
 PIP = $(PYTHON) -m pip install --quiet
+# test-floor's venv: torch at its floor comes from PyPI as a CUDA build (about 3 GB with its libraries).
+FLOOR_VENV ?= .venv-floor
 
-.PHONY: train test test-fast install-train install-test
+.PHONY: train test test-fast test-floor install-train install-test
 
 install-train:
 	$(if $(TORCH),$(PIP) $(TORCH))
-	$(PIP) -e ".[train,hf]"
+	$(PIP) -e ".[train,hf,plots]"
 
 install-test:
 	$(if $(TORCH),$(PIP) $(TORCH))
@@ -26,3 +29,14 @@ test: install-test
 
 test-fast:
 	$(PYTHON) -m pytest -m "not dist and not slow and not gpu"
+
+# Every floor of cp_attention/versions.py at once (the rest at the newest that fits them): the fast tier,
+# then every HuggingFace adapter test (Trainer and generate included, processes too).
+test-floor:
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(PYTHON) cp_attention/versions.py > $(FLOOR_VENV)/floors.txt
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -c $(FLOOR_VENV)/floors.txt -e ".[all]"
+	$(FLOOR_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|trl|megatron-core) '
+	$(FLOOR_VENV)/bin/python -m pytest -m "not dist and not slow and not gpu" --ignore=tests/adapters/hf
+	$(FLOOR_VENV)/bin/python -m pytest tests/adapters/hf -m "not gpu"

@@ -1,16 +1,26 @@
 """cp_attention: exact context-parallel (ring) attention for PyTorch."""
 
+import runpy
+from pathlib import Path
+
 from setuptools import setup
+
+# The supported versions, written once (cp_attention/versions.py imports the standard library only).
+FLOORS = runpy.run_path(str(Path(__file__).resolve().parent / "cp_attention" / "versions.py"))["FLOORS"]
+
+
+def floor(package: str) -> str:
+    return f"{package}>={FLOORS[package]}"
+
 
 EXTRAS = {
     # Training (scripts/train.py); also what the examples (examples/) and the benchmarks (benchmarks/,
     # not installed: run them from a checkout) need for their summaries and the layout comparison.
     "train": ["hydra-core>=1.3", "tqdm"],
-    "hf": ["transformers>=5.0"],  # AttentionInterface + AttentionMaskInterface; tested on 5.23
-    # context_parallel_trainer: transformers' Trainer (needs accelerate) and TRL's SFTTrainer; tested on
-    # accelerate 1.15 and TRL 1.16
-    "trainer": ["transformers>=5.0", "accelerate>=1.10", "trl>=1.0"],
-    "megatron": ["megatron-core>=0.16"],  # core_attention slot as a builder; tested on 0.16.1
+    "hf": [floor("transformers")],  # AttentionInterface + AttentionMaskInterface
+    # context_parallel_trainer: transformers' Trainer (needs accelerate) and TRL's SFTTrainer
+    "trainer": [floor("transformers"), floor("accelerate"), floor("trl")],
+    "megatron": [floor("megatron-core")],  # core_attention slot as a builder
     "plots": ["matplotlib>=3.7"],
     # Need a CUDA machine and compile there; never part of "all". flash-attn: kernel="flash_attn"
     # (its private interface is read for 2.6-2.8); transformer-engine: the Megatron adapter's
@@ -33,7 +43,7 @@ setup(
     packages=["cp_attention", *(f"cp_attention.{room}" for room in ROOMS), "cp_attention.integrations",
               "cp_attention.integrations.huggingface", "cp_attention.integrations.megatron"],
     package_dir={"cp_attention.integrations": "integrations"},
-    install_requires=["torch>=2.4"],  # the core needs nothing else; see the extras
+    install_requires=[floor("torch")],  # the core needs nothing else; see the extras
     extras_require=EXTRAS,
     license="Apache-2.0",
 )
