@@ -2,8 +2,8 @@
 
 ``causal_lm_loss(model(**model_inputs(local)).logits, ...)`` holds ``[tokens, vocab]`` logits, their fp32
 copy and their gradients at once: at 128k vocab and 32k tokens per GPU that is tens of GiB, more than the
-whole decoder's activations. :func:`lm_loss` runs the model with ``logits_to_keep=1`` (the head computes
-one row per sequence), takes the decoder's last hidden state from a forward hook, and runs the head and
+whole decoder's activations. :func:`lm_loss` runs the model with ``logits_to_keep`` two positions (the head
+computes two rows per sequence), takes the decoder's last hidden state from a forward hook, and runs the head and
 the cross-entropy over chunks of ``chunk_tokens`` tokens in a custom autograd function whose forward keeps
 no logits and whose backward recomputes each chunk's and turns it into its gradient in place. At any
 time at most one chunk's logits exist: ``chunk_tokens x vocab`` of them in the head's dtype plus one
@@ -13,13 +13,17 @@ forward. The value and the gradients are those of ``causal_lm_loss`` (up to the 
 The head is applied exactly as the model's own forward applies it: its output embedding (an
 ``nn.Linear``, tied or not, with its bias if any), then the family's transform (:data:`HEAD_TRANSFORMS`:
 Gemma2/3's final logit softcapping, Granite's ``logits_scaling``, Cohere's ``logit_scale``). A class
-whose forward lm_loss has not read is refused by name; the rows the model computed itself are compared
-with lm_loss's head on every call (their mismatch count travels in the loss's one all-reduce, and the
-verdict is the call's one host sync), and a difference is raised on every rank alike.
+whose forward lm_loss has not read is refused by name, and so is a head with forward, pre-forward or
+backward hooks, or a ``forward`` replaced on the instance (lm_loss calls no module, so it could not run
+them). The rows the model computed itself, each sequence's last and one drawn at random from the others
+(anew on every call, from lm_loss's own generator), are compared with lm_loss's head on every call: what
+the checks find travels in the loss's one all-reduce, the verdict is the call's one host sync, and a
+refusal is raised on every rank alike.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -32,8 +36,9 @@ from .batch import IGNORE_INDEX, model_inputs
 __all__ = ["lm_loss", "HEAD_TRANSFORMS"]
 
 # transformers' causal-LM classes whose forward is ``outputs = self.model(...)``, ``hidden_states =
-# outputs.last_hidden_state``, ``slice_logits_to_keep``, ``logits = self.lm_head(hidden_states)`` and then
-# the transform named by the key (tests/adapters/hf/test_lm_loss.py reads each class's source to check).
+# outputs.last_hidden_state``, the ``logits_to_keep`` rows kept (``slice_logits_to_keep``, or inline before
+# it existed), ``logits = self.lm_head(...)`` of them and then the transform named by the key
+# (tests/adapters/hf/test_lm_loss.py reads each class's source to check).
 HEAD_TRANSFORMS: dict[str, tuple[str, ...]] = {
     "none": ("LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM",
              "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
@@ -256,17 +261,61 @@ def _check_arguments(local: Any, chunk_tokens: Any, num_items_in_batch: Any) -> 
     n = num_items_in_batch
     if n is None:
         return
-    if isinstance(n, torch.Tensor):
+    if isinstance(n, torch.Tensor):  # its value: checked in the one all-reduce (no host sync on a GPU)
         if n.numel() != 1 or n.dtype == torch.bool or n.is_complex():
             raise ValueError(f"num_items_in_batch must be a number or a one-element real tensor, got a tensor of "
                              f"shape {tuple(n.shape)} ({n.dtype})")
-    elif isinstance(n, bool) or not isinstance(n, (int, float)) or not n > 0:
-        raise ValueError(f"num_items_in_batch must be a positive number (the batch's label tokens) or None, "
+    elif isinstance(n, bool) or not isinstance(n, (int, float)) or not (n > 0 and math.isfinite(n)):
+        raise ValueError(f"num_items_in_batch must be a positive number (the batch's label tokens, finite) or None, "
                          f"got {n!r}")
 
 
-def _run_model(model: torch.nn.Module, decoder: torch.nn.Module, local: Mapping[str, Any]):
-    """``model(**model_inputs(local), logits_to_keep=1)`` and the decoder's last hidden state ``[B, S, H]``."""
+def _bad_count(n: Any, like: torch.Tensor) -> torch.Tensor:
+    """1 if ``n`` is a tensor holding a zero, negative or non-finite count, else 0, 0-d like ``like``, with
+    no host sync (a CPU tensor is read on the host; a device tensor is compared there, never copied out)."""
+    zero = like.new_zeros(())
+    if not isinstance(n, torch.Tensor):
+        return zero
+    bad = ~((n > 0) & n.isfinite()).reshape(())
+    return zero + bool(bad) if bad.device.type == "cpu" else bad.to(zero)
+
+
+def _hooks(module: torch.nn.Module) -> list[str]:
+    """What runs when ``module`` is called besides ``type(module).forward``: its forward, pre-forward and
+    backward hooks (FSDP2's own, which only gather and free the parameters, excepted) and a ``forward``
+    set on the instance (accelerate's hooks), each named."""
+    own = vars(module).get("forward")
+    found = [f"a forward replaced on the instance ({getattr(own, '__qualname__', own)!r})"] if own else []
+    for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks),
+                        ("backward pre-hook", module._backward_pre_hooks), ("backward hook", module._backward_hooks)):
+        for hook in hooks.values():
+            if not (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp."):
+                found.append(f"{kind} {getattr(hook, '__qualname__', None) or hook!r}")
+    return found
+
+
+_row_generators: dict = {}  # device -> lm_loss's own generator: the caller's random streams stay untouched
+
+
+def _rows_to_check(seq: int, device: torch.device) -> torch.Tensor:
+    """``logits_to_keep`` for the model: the last position and one drawn from the others, on ``device``
+    (no host sync), by lm_loss's own generator, seeded alike on every rank: every rank draws alike."""
+    last = torch.full((1,), seq - 1, dtype=torch.long, device=device)
+    if seq < 2:
+        return last
+    gen = _row_generators.get(device)
+    if gen is None:
+        try:
+            gen = torch.Generator(device=device)
+        except RuntimeError:  # a device without generators of its own: draw on the host
+            gen = torch.Generator()
+        _row_generators[device] = gen.manual_seed(20240521)
+    other = torch.randint(0, seq - 1, (1,), generator=gen, device=gen.device)
+    return torch.cat([other.to(device), last])
+
+
+def _run_model(model: torch.nn.Module, decoder: torch.nn.Module, local: Mapping[str, Any], rows: torch.Tensor):
+    """``model(**model_inputs(local), logits_to_keep=rows)`` and the decoder's last hidden state ``[B, S, H]``."""
     captured: list[torch.Tensor] = []
 
     def capture(module, args, output):
@@ -276,7 +325,7 @@ def _run_model(model: torch.nn.Module, decoder: torch.nn.Module, local: Mapping[
     inputs.setdefault("use_cache", False)  # no KV cache: it would only hold memory in training
     handle = decoder.register_forward_hook(capture)
     try:
-        out = model(**inputs, logits_to_keep=1)  # the head computes the last row of each sequence only
+        out = model(**inputs, logits_to_keep=rows)  # the head computes these rows of each sequence only
     finally:
         handle.remove()
     if len(captured) != 1:
@@ -302,14 +351,18 @@ def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tok
     Raises, before any communication: ``ValueError`` for bad arguments; ``NotImplementedError`` naming
     the model's class when lm_loss does not know how its forward applies the head (see
     :data:`HEAD_TRANSFORMS`). After the forward, on every rank alike: ``NotImplementedError`` for a head
-    whose parameters are still sharded (an FSDP-wrapped head), ``RuntimeError`` if the head lm_loss
-    applies differs from the model's own logits.
+    whose parameters are still sharded (an FSDP-wrapped head) and, after the one all-reduce, for a head
+    with hooks on any rank (named where they are); ``ValueError`` for a tensor ``num_items_in_batch``
+    that is not positive and finite on any rank; ``RuntimeError`` if the head lm_loss applies differs
+    from the model's own logits on any rank.
     """
     _check_arguments(local, chunk_tokens, num_items_in_batch)
     inner = _unwrap(model)
     kind = head_kind(inner)
     head_module = inner.get_output_embeddings()
-    hidden, kept = _run_model(model, inner.get_decoder(), local)
+    hooks = _hooks(head_module)  # refused after the all-reduce: another rank may have none, and must raise too
+    rows = _rows_to_check(local["shift_labels"].shape[1], head_module.weight.device)
+    hidden, kept = _run_model(model, inner.get_decoder(), local, rows)
     params = [p for p in (head_module.weight, head_module.bias) if p is not None]
     if any(type(p).__name__ == "DTensor" for p in params):
         raise NotImplementedError(
@@ -318,20 +371,35 @@ def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tok
             "module, as parallelize does")
     transform = _Transform(inner, kind)
     with torch.no_grad():  # the same rows, the same shapes: the model's own logits, bit for bit
-        mine = transform(_linear(hidden[:, -1:], params))
+        mine = transform(_linear(hidden[:, rows.to(hidden.device)], params))
         if mine.shape != kept.shape:
             raise RuntimeError(f"{type(inner).__name__} returned logits of shape {tuple(kept.shape)} for "
-                               f"logits_to_keep=1, expected {tuple(mine.shape)}")
+                               f"logits_to_keep={rows.numel()} positions, expected {tuple(mine.shape)}")
         differ = ((mine != kept) & ~(mine.isnan() & kept.isnan())).any()
     labels = local["shift_labels"].to(hidden.device)
     local_sum = _ChunkedHeadLoss.apply(hidden.flatten(0, 1), labels.flatten(), chunk_tokens, transform, kept,
                                       *params)
     count = (labels != IGNORE_INDEX).sum().double()
-    stats = torch.stack([local_sum.detach().double(), count, differ.double()])
-    transport_for(mesh_group(group)).all_reduce_sum_(stats)  # one collective: [sum, count, mismatches]
-    if bool(stats[2] > 0):  # every rank holds the same sum, so every rank raises alike
+    stats = torch.stack([local_sum.detach().double(), count, differ.double(), count.new_zeros(()) + bool(hooks),
+                         _bad_count(num_items_in_batch, count)])
+    # one collective: [sum, count, ranks whose rows differ, ranks with hooks on the head, ranks with a bad n]
+    transport_for(mesh_group(group)).all_reduce_sum_(stats)
+    mismatches, hooked, bad = (int(x) for x in stats[2:].tolist())  # the call's one host sync: a verdict alike
+    if hooked:
+        raise NotImplementedError(
+            f"lm_loss cannot run the hooks on {type(inner).__name__}'s output embedding "
+            f"({type(head_module).__name__}) on {hooked} rank(s)" + (f", here: {'; '.join(hooks)}" if hooks else "")
+            + ": it applies the head itself over chunks of tokens, so what they do to the logits or their "
+            "gradients would be lost. Remove them (handle.remove()), or compute the loss with "
+            "causal_lm_loss(model(**model_inputs(local)).logits, local['shift_labels'], group=...)")
+    if bad:
+        raise ValueError(
+            f"num_items_in_batch must be positive and finite (the number of label tokens the loss's sum is divided "
+            f"by), got {num_items_in_batch!r} here, and a zero, negative or non-finite count on {bad} rank(s); "
+            "pass the batch's count of labels other than -100, or None for the mean")
+    if mismatches:  # every rank holds the same sums, so every rank raises alike
         raise RuntimeError(
-            f"lm_loss's LM head differs from {type(inner).__name__}'s own logits (on {int(stats[2])} rank(s)); "
+            f"lm_loss's LM head differs from {type(inner).__name__}'s own logits (on {mismatches} rank(s)); "
             "its forward does something to the logits lm_loss does not: compute the loss with "
             "causal_lm_loss(model(**model_inputs(local)).logits, ...) and report it to cp_attention")
     total = stats[0].to(local_sum.dtype)
