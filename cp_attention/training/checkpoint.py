@@ -29,7 +29,9 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -62,16 +64,91 @@ def _unsafe_reason(e: BaseException) -> Optional[str]:
     return lines[0] if lines else None
 
 
+_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
+                         "BINSTRING", "STRING"})
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """``module.name`` of every global the pickles in ``data`` name (a raw pickle, the pickles of torch's
+    legacy format one after another, or a zip's ``data.pkl``), read with :mod:`pickletools` (which parses
+    the opcodes and runs, imports and builds nothing), up to the first thing that is not a pickle."""
+    if zipfile.is_zipfile(io.BytesIO(data)):
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                pickles = [z.read(n) for n in z.namelist() if n.endswith("data.pkl")]
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return []
+        return [g for blob in pickles for g in _pickle_globals(blob)]
+    found: list[str] = []
+    stream = io.BytesIO(data)
+    while stream.tell() < len(data):
+        pushed: list[Optional[str]] = []  # STACK_GLOBAL takes module and name from the two strings just pushed
+        memo: dict[int, Optional[str]] = {}
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("GLOBAL", "INST"):
+                    found.append(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    found.append(".".join(s or "?" for s in pushed[-2:]) if len(pushed) > 1 else "?")
+                elif op.name in ("EXT1", "EXT2", "EXT4"):
+                    found.append(f"copyreg extension {arg}")
+                if op.name in _STRING_OPS:
+                    pushed.append(str(arg))
+                elif op.name == "MEMOIZE":
+                    memo[len(memo)] = pushed[-1] if pushed else None
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[int(arg)] = pushed[-1] if pushed else None
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    pushed.append(memo.get(int(arg)))
+                elif op.name not in ("FRAME", "PROTO", "MARK"):
+                    pushed.append(None)
+        except Exception:  # noqa: BLE001 - the end of the pickles (a legacy file's raw storage bytes) or garbage
+            break
+    return found
+
+
+def _torch_refuses(name: str) -> bool:
+    """Whether ``torch.load(weights_only=True)`` refuses the global ``module.name``."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+    except ImportError:  # another torch: tensors' own rebuild functions are torch's, plain containers these
+        return name.split(".")[0] not in ("torch", "collections", "_codecs")
+    return name not in _get_allowed_globals() and name not in _get_user_allowed_globals()
+
+
+def _refused_global(source: "str | Path | io.BytesIO") -> Optional[str]:
+    """Why a file the weights-only unpickler stopped on before it reached a global (an opcode of a pickle
+    protocol above torch.save's 2, such as a raw ``pickle.dump``'s FRAME) is unsafe: the first global it
+    names that ``weights_only=True`` refuses; None when it names none (then it is merely corrupt)."""
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            data = Path(source).read_bytes()
+        else:
+            source.seek(0)
+            data = source.read()
+    except Exception:  # noqa: BLE001 - unreadable: reported as corrupt by the caller
+        return None
+    refused = [g for g in _pickle_globals(data) if _torch_refuses(g)]
+    if not refused:
+        return None
+    return (f"a pickle naming GLOBAL {refused[0]}, found by reading its opcodes, none run: the weights-only "
+            "unpickler stopped before it, at an opcode torch.save's pickle protocol 2 never writes")
+
+
 def safe_torch_load(path: "str | Path", source: "str | Path | io.BytesIO") -> Any:
     """``torch.load(source, map_location="cpu", weights_only=True)``; ``path`` names the file in errors.
 
     Raises :class:`UnsafeCheckpointError` for an object outside tensors and plain Python types (its
-    pickle is never run) and :class:`CorruptCheckpointError` for a file that cannot be unpickled at all.
+    pickle is never run; also when the file is a pickle of a protocol torch.save does not write, which the
+    weights-only unpickler cannot read, naming such a global) and :class:`CorruptCheckpointError` for a
+    file that cannot be unpickled at all.
     """
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is not one we wrote
         reason = _unsafe_reason(e)
+        if reason is None:
+            reason = _refused_global(source)
         if reason is not None:
             raise UnsafeCheckpointError(
                 f"checkpoint {str(path)!r} holds an object that is not a tensor or a plain Python type ({reason}), "

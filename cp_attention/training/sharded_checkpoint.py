@@ -9,10 +9,10 @@ leaves either no ``step_XXXXXXX/`` directory or one without a manifest, which ``
 skips as incomplete.
 
 Nothing in it is unpickled unsafely: the trainer state is read with ``weights_only=True``, DCP's
-``.metadata`` pickle with an unpickler that rebuilds only DCP's own metadata classes, and DCP's
-non-tensor items (the optimizer's hyperparameters) with ``weights_only=True`` too, where DCP's own
-reader and planner would unpickle both unrestricted. A file holding anything else is refused with
-:class:`.checkpoint.UnsafeCheckpointError`, its pickle unrun.
+``.metadata`` pickle with an unpickler that rebuilds only the classes DCP's ``Metadata`` is made of
+(never a writer, reader or planner), and DCP's non-tensor items (the optimizer's hyperparameters) with
+``weights_only=True`` too, where DCP's own reader and planner would unpickle both unrestricted. A file
+holding anything else is refused with :class:`.checkpoint.UnsafeCheckpointError`, its pickle unrun.
 """
 
 from __future__ import annotations
@@ -65,11 +65,19 @@ def save_sharded_checkpoint(directory: "str | Path", step: int, model: torch.nn.
     return final
 
 
-# What DCP's .metadata pickle may name: its metadata dataclasses and enums (classes defined in these
-# modules, never their functions), and the torch and pathlib values those hold.
-_DCP_CLASS_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                      "torch.distributed.checkpoint.planner")
-_OTHER_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+# What DCP's .metadata pickle may name: the classes a ``Metadata`` that FileSystemWriter writes is made
+# of (metadata.py's dataclasses and its memory-format enum; the filesystem's per-item storage record),
+# and the torch, pathlib and container values those hold. Nothing else in DCP's modules (a writer, a
+# planner, a loader) is ever looked up, so the pickle cannot construct one.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "StorageMeta", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING", "MetadataIndex"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+}
+_OTHER_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                  ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+                  ("pathlib", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -80,23 +88,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _DCP_CLASS_MODULES:
+        if name in _METADATA_CLASSES.get(module, ()):
             import importlib
 
-            found = getattr(importlib.import_module(module), name, None)
+            found = getattr(importlib.import_module(module), name, None)  # None in a torch without it
             if isinstance(found, type) and found.__module__ == module:
                 return found
-        elif (module, name) in _OTHER_GLOBALS or (module == "pathlib" and name in ("PosixPath", "WindowsPath",
-                                                                                   "PurePosixPath",
-                                                                                   "PureWindowsPath")):
+        elif (module, name) in _OTHER_GLOBALS:
             return super().find_class(module, name)
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
             f"sharded checkpoint {str(self._path)!r}: its DCP metadata names {module}.{name}, which is not one of "
-            "torch.distributed.checkpoint's metadata types, and was not loaded: rebuilding it would run code from "
-            "the file. torch.distributed.checkpoint never writes one, so the file was written or changed by "
-            "something else: delete the checkpoint, or resume from another one")
+            "torch.distributed.checkpoint's metadata types (the classes its Metadata is made of), and was not "
+            "loaded: rebuilding it would run code from the file. torch.distributed.checkpoint never writes one, "
+            "so the file was written or changed by something else: delete the checkpoint, or resume from another "
+            "one")
 
 
 def _read_dcp_metadata(path: Path):

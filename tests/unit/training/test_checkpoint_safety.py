@@ -142,3 +142,122 @@ def test_a_planted_pickle_in_a_sharded_checkpoint_is_refused_unrun(tmp_path, whe
     with pytest.raises(UnsafeCheckpointError, match=says):
         _load_sharded(path)
     assert not marker.exists()
+
+
+class Construct:
+    """Unpickled, calls ``cls(*args)``: a pickle naming a class of DCP's own modules that a ``Metadata`` is
+    not made of (a writer, a reader, a plan)."""
+
+    def __init__(self, cls: type, *args) -> None:
+        self.cls, self.args = cls, args
+
+    def __reduce__(self):
+        return (self.cls, self.args)
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_raw_pickle_checkpoint_is_refused_as_unsafe_unrun(tmp_path, protocol):
+    """A ``pickle.dump`` (not torch.save) planted as a checkpoint: at protocol 4 and 5 the weights-only
+    unpickler stops at the FRAME opcode before the global, and the file must still be named unsafe, with
+    the global it names, not 'truncated or corrupt?'. Protocol 2 (torch.save's) was refused before too."""
+    marker = tmp_path / "payload_ran"
+    save_checkpoint(tmp_path / "ckpt", 2, {"step": 2, "w": torch.ones(2)})
+    planted = tmp_path / "ckpt" / "step_0000004.pt"
+    planted.write_bytes(pickle.dumps({"step": 4, "evil": Plant(marker)}, protocol=protocol))
+    (tmp_path / "ckpt" / "latest").write_text(planted.name)
+    with pytest.raises(UnsafeCheckpointError, match=r"step_0000004\.pt' holds an object that is not a tensor or a "
+                                                    r"plain Python type \(.*GLOBAL posix\.mkdir.*\), and was not "
+                                                    r"loaded") as e:
+        load_checkpoint(tmp_path / "ckpt")
+    assert "truncated or corrupt" not in str(e.value) and "delete it, or resume from another checkpoint" in str(e.value)
+    path, info, skipped = find_complete_checkpoint(tmp_path / "ckpt")
+    assert path.name == "step_0000002.pt" and "holds an object" in skipped[0]
+    assert not marker.exists()
+    pickle.loads(planted.read_bytes())  # the plant is real: an unsafe load runs it
+    assert marker.exists()
+
+
+def test_a_torch_save_zip_with_a_raw_pickle_inside_is_refused_as_unsafe(tmp_path):
+    """torch.save's zip with its data.pkl swapped for a protocol-4 pickle: unsafe, naming the global."""
+    import zipfile
+
+    marker = tmp_path / "payload_ran"
+    buffer = io.BytesIO()
+    torch.save({"step": 1, "w": torch.ones(2)}, buffer)
+    path = tmp_path / "step_0000001.pt"
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as src, zipfile.ZipFile(path, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            dst.writestr(item, pickle.dumps(Plant(marker), protocol=4) if item.filename.endswith("data.pkl") else data)
+    with pytest.raises(UnsafeCheckpointError, match=r"GLOBAL posix\.mkdir"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.6, 0.9])
+def test_a_truncated_legacy_checkpoint_is_corrupt_not_unsafe(tmp_path, cut):
+    """torch.save's legacy (non-zip) format names torch's own rebuild globals: cut short, it is reported as
+    corrupt, not as unsafe; whole, it loads."""
+    from cp_attention.training.checkpoint import CorruptCheckpointError
+
+    buffer = io.BytesIO()
+    torch.save({"step": 3, "w": torch.arange(6.0), "nested": {"b": torch.ones(2, dtype=torch.bfloat16)}}, buffer,
+               _use_new_zipfile_serialization=False)
+    whole, path = buffer.getvalue(), tmp_path / "step_0000003.pt"
+    path.write_bytes(whole)
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(6.0))
+    path.write_bytes(whole[:int(len(whole) * cut)])
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt") as e:
+        load_checkpoint(path)
+    assert not isinstance(e.value, UnsafeCheckpointError), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["filesystem.FileSystemWriter", "filesystem.FileSystemReader", "planner.LoadPlan",
+                                  "metadata.StorageMeta"])
+def test_dcp_metadata_naming_a_dcp_class_a_metadata_is_not_made_of_is_refused_unbuilt(tmp_path, monkeypatch, name):
+    """A ``.metadata`` whose planner_data would construct a DCP writer, reader or plan: refused by name, the
+    class never called. StorageMeta (a class Metadata is made of) is the control: it is built and loads."""
+    import importlib
+
+    module, cls_name = name.split(".")
+    cls = getattr(importlib.import_module(f"torch.distributed.checkpoint.{module}"), cls_name)
+    built = []
+    init = cls.__init__
+
+    def spy(self, *args, **kwargs):
+        built.append(args)
+        init(self, *args, **kwargs)
+
+    args = {"filesystem": (str(tmp_path / "elsewhere"),), "planner": ([],), "metadata": ()}[module]
+    path, model, _ = _sharded(tmp_path)
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    metadata.planner_data = {**metadata.planner_data, "planted": Construct(cls, *args)}
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    monkeypatch.setattr(cls, "__init__", spy)
+    if name == "metadata.StorageMeta":
+        assert torch.equal(_load_sharded(path)["model"].weight, model.weight) and built == [()]
+        return
+    with pytest.raises(UnsafeCheckpointError, match=rf"its DCP metadata names torch\.distributed\.checkpoint\."
+                                                    rf"{name}, which is not one of torch\.distributed\.checkpoint's "
+                                                    "metadata types"):
+        _load_sharded(path)
+    assert built == [], f"{name} was constructed from the checkpoint: {built}"
+    pickle.loads((path / ".metadata").read_bytes())  # the plant is real: an unrestricted load builds it
+    assert built
+
+
+def test_a_dcp_checkpoint_of_every_dtype_and_nested_state_loads(tmp_path):
+    """DCP's own metadata for tensors of several dtypes, nested dicts, lists and non-tensor items, saved to
+    a str and to a Path checkpoint_id, passes the narrowed unpickler (every global it names is allowed)."""
+    import torch.distributed.checkpoint as dcp
+
+    from cp_attention.training.sharded_checkpoint import _read_dcp_metadata
+
+    state = {"a": torch.arange(6, dtype=torch.int64).reshape(2, 3), "b": {"c": torch.ones(3, dtype=torch.bfloat16),
+             "d": [torch.zeros(2, dtype=torch.float64), 3, "text"]}, "e": torch.ones(2, 2).t(), "f": 0.5}
+    for where in (tmp_path / "as_path", str(tmp_path / "as_str")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=where)
+        metadata = _read_dcp_metadata(Path(where))
+        assert metadata == pickle.loads((Path(where) / ".metadata").read_bytes())
