@@ -42,6 +42,7 @@ from cp_attention.layouts.documents import longest_document
 from cp_attention.transport import cp_group, group_rank_and_size, mesh_group, transport_for
 from cp_attention.transport.eager import eager_only
 from cp_attention.transport.mesh import is_two_level
+from cp_attention.versions import require_version
 
 from .batch import IGNORE_INDEX
 from .checks import ForwardChecks, check_positions, documents
@@ -208,11 +209,13 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
     ``"a2a"`` (Ulysses; heads divisible by the group's size), ``"a2a+p2p"`` (``group`` a 2-D DeviceMesh:
     all-to-all inside dim 1, the ring across dim 0; shard with the flattened mesh rank) or ``"auto"``.
 
-    Raises ``ValueError`` for an unknown layout, kernel or ``cp_comm_type``. A feature the ring cannot honour is
-    refused by name when the model first runs (see the module docstring). What depends on a rank's own
+    Raises ``RuntimeError`` for a transformers older than ``cp_attention.versions.FLOORS`` (first, before any
+    communication), ``ValueError`` for an unknown layout, kernel or ``cp_comm_type``. A feature the ring
+    cannot honour is refused by name when the model first runs (see the module docstring). What depends on a rank's own
     data (its position ids, padding, document boundaries) is checked once per forward, before any layer,
     and agreed across the group in one small collective: every rank raises the same error.
     """
+    require_version("transformers", "cp_attention's HuggingFace adapter (apply_context_parallel)")
     given = group  # a (dp, cp) mesh: the model's loss cannot tell which mean it should be (see .loss)
     group = group if is_two_level(group) else cp_group(group)  # a DeviceMesh: its "cp" dim, or both levels
     lay = cpa.get_layout(layout)

@@ -27,6 +27,9 @@ from .gen_state import active_generation
 __all__ = ["ForwardChecks", "documents", "expected_positions", "check_positions"]
 
 _KINDS = (ValueError, NotImplementedError)
+# The forwards' KV cache argument: transformers before 5.24 names it past_key_values, 5.24 on cache (the old
+# name still taken, renamed inside the forward, after this check sees the call).
+CACHE_ARGUMENTS = ("past_key_values", "cache")
 
 
 def documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
@@ -105,14 +108,18 @@ class ForwardChecks:
             return self.cu, True
         return None, False
 
-    def _problem(self, kwargs: dict[str, Any], local: int) -> "tuple[int, str] | None":
+    def _problem(self, kwargs: dict[str, Any], local: int, own_cache: Any) -> "tuple[int, str] | None":
         total = local * self.world_size
         try:
-            cache = kwargs.get("past_key_values")
-            if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
-                raise NotImplementedError(
-                    "generation with a KV cache is not supported on a CP-patched model (the cache would hold only "
-                    "this rank's shard); generate with an unpatched copy of the model")
+            for name in CACHE_ARGUMENTS:  # generate's own sharded cache (``own_cache``) already holds the prompt
+                cache = kwargs.get(name)
+                if cache is not None and cache is not own_cache and (
+                        not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
+                    raise NotImplementedError(
+                        f"{name}= got a KV cache that holds tokens: decoding from a KV cache is not supported on a "
+                        "CP-patched model's forward (the cache would hold only this rank's shard); call "
+                        "cp_attention.integrations.huggingface.generate(model, input_ids, group=..., layout=...), "
+                        f"which shards the prompt and the cache, or drop {name}=")
             if self.loss is not None:  # labels: the exact CP loss, or refused here by name
                 self.loss.check(kwargs)
             mask = kwargs.get("attention_mask")
@@ -153,19 +160,20 @@ class ForwardChecks:
                 gen.step += 1
                 return None
             args, kwargs = (), gen.prefill_inputs(kwargs)
-            self._check(args, kwargs)
+            self._check(args, kwargs, gen.cache)
             return args, kwargs
         self._check(args, kwargs)
         return None
 
-    def _check(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Check one forward's data, agreed over the group; on success build the forward's plan."""
+    def _check(self, args: tuple, kwargs: dict[str, Any], own_cache: Any = None) -> None:
+        """Check one forward's data, agreed over the group; on success build the forward's plan.
+        ``own_cache``: a generation's sharded cache, which its prefill may be given (under either name)."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         problem = None
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2:  # else the layers check what they get
-            problem = self._problem(kwargs, ids.shape[1])
+            problem = self._problem(kwargs, ids.shape[1], own_cache)
         # Every rank takes part in the all-gather, whatever it found, so none is left waiting. It also
         # carries the input's shape and a fingerprint of the documents, which must agree across ranks.
         header = shape_header(ids) + documents_header(self.cu if problem is None else None)

@@ -25,6 +25,7 @@ import torch
 import cp_attention as cpa
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import CP_DIM, is_device_mesh
+from cp_attention.versions import require_version
 
 from ..agree import agree
 from .attention import apply_context_parallel
@@ -117,7 +118,8 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     as in ``fully_shard`` for the decoder layers. ``cp_comm_type`` as in ``apply_context_parallel``, but
     ``"a2a+p2p"``, which needs a CP dim of two levels (a (dp, cp) mesh's is one).
 
-    Raises, before any communication: ``TypeError`` if ``mesh`` is no DeviceMesh; ``ValueError`` for a
+    Raises, before any communication: ``RuntimeError`` for a transformers older than
+    ``cp_attention.versions.FLOORS``; ``TypeError`` if ``mesh`` is no DeviceMesh; ``ValueError`` for a
     mesh without a ``"cp"`` dim, one whose cp does not divide the world or that does not span it, an
     unknown layout, kernel or ``cp_comm_type``, or an ``activation_checkpointing``, ``mlp_chunks`` or
     ``offload_optimizer`` value outside those above; ``NotImplementedError`` for more than two mesh
@@ -126,6 +128,7 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     (parameter count, sizes or values), the model cannot checkpoint activations when asked to, or its
     MLPs cannot run over sequence chunks exactly (mixture-of-experts blocks: see ``save_memory``).
     """
+    require_version("transformers", "cp_attention's HuggingFace adapter (parallelize)")
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
     check_savers(activation_checkpointing, mlp_chunks, ("activation_checkpointing", "mlp_chunks"))

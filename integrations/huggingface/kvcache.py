@@ -75,7 +75,11 @@ class ShardedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: "int | torch.Tensor") -> tuple[int, int]:
+        """(kv length, kv offset) for ``query_length`` queries; transformers before 5.4 passes the queries'
+        ``cache_position`` (``[q_length]``) instead, whose length is read (its shape: no host sync)."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.length + query_length, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

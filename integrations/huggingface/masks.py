@@ -65,11 +65,15 @@ _MASK_OPTIONS = frozenset({"allow_is_causal_skip", "dtype", "device", "mask_func
 _ABSENT = object()
 
 
-def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-              attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
+def ring_mask(batch_size: int, q_length: Optional[int] = None, kv_length: Any = None, q_offset: Any = 0,
+              kv_offset: Any = 0, attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
               allow_is_bidirectional_skip: Any = _ABSENT, config: Any = None, use_vmap: bool = False,
-              **options: Any) -> Optional[RingMask]:
+              cache_position: Optional[torch.Tensor] = None, **options: Any) -> Optional[RingMask]:
     """``AttentionMaskInterface`` entry: the ring applies its masks itself, so no mask is built.
+
+    transformers >= 5.4 describes the queries as ``q_length``/``q_offset``, 5.0-5.3 as ``cache_position``
+    (``[q_length]``: the queries' indices in the cache); exactly one form must come (else ``TypeError``).
+    Neither is read beyond that: both only place the queries in a KV cache (see ``q_offset`` below).
 
     Returns None for transformers' plain causal mask, and a :class:`RingMask` naming a sliding window
     (``create_sliding_window_causal_mask``, ``local_size`` = the window) or a bidirectional mask (its
@@ -87,6 +91,11 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     attention layer. Inside :func:`~.generation.generate`'s decoding steps the left padding is allowed:
     the sharded cache holds no padding.
     """
+    if (q_length is None) == (cache_position is None):
+        given = ("both q_length and cache_position" if q_length is not None
+                 else "neither q_length (transformers >= 5.4) nor cache_position (5.0-5.3)")
+        raise TypeError(f"the attention mask was asked with {given}; expected exactly one: a transformers version "
+                        "cp_attention does not know")
     unknown = sorted(name for name, val in options.items() if val is not None and name not in _MASK_OPTIONS)
     if unknown:
         raise NotImplementedError(f"the attention mask was asked with argument(s) context-parallel attention does "

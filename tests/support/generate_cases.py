@@ -128,6 +128,10 @@ def refusals(world: int, case: str, timeout_s: float = 60.0) -> list[dict]:
                 kwargs["max_time"] = 60.0
             elif case == "group_beam_search":
                 kwargs.update(num_beams=2, num_beam_groups=2, diversity_penalty=0.5)
+            elif case in ("own_past_key_values", "own_cache"):  # either name transformers has had for it
+                from transformers import DynamicCache
+
+                kwargs[case[len("own_"):]] = DynamicCache()
             call = lambda: cphf.generate(model, prompt, group=group, layout=layout, **kwargs)  # noqa: E731
         try:
             call()

@@ -97,6 +97,10 @@ def test_sampling_on_loopback_equals_one_process(world, kwargs):
     ("max_time", "NotImplementedError: context-parallel generate does not support max_time=60.0"),
     ("group_beam_search", "NotImplementedError: context-parallel generate does not support the generation mode "
                           "'group_beam_search'"),
+    ("own_past_key_values", "NotImplementedError: context-parallel generate does not support past_key_values: a "
+                            "cache of your own (generation uses the sharded KV cache); drop past_key_values"),
+    ("own_cache", "NotImplementedError: context-parallel generate does not support cache: a cache of your own "
+                  "(generation uses the sharded KV cache); drop cache"),
 ], ids=lambda v: v if " " not in v else "")
 def test_refusals_alike_on_every_rank(case, expected):
     """The same error on every rank, before any forward (the prefill never starts); never a rank left

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from tests.support.hf_cases import build  # noqa: E402
+from tests.support.hf_versions import checkpointing_on  # noqa: E402
 from tests.support.savers_cases import cp_step, difference, make_batch  # noqa: E402
 
 TOL = 1e-10
@@ -101,8 +102,9 @@ def test_re_calling_switches_and_undoes():
     for savers in (SAVERS["offload+mlp_chunks"], SAVERS["offload+mlp_chunks"], dict(checkpoint=True, mlp_chunks=2),
                    dict(checkpoint="offload"), dict(checkpoint=False)):
         cphf.save_memory(saved, **savers)
+        assert checkpointing_on(saved) is (savers["checkpoint"] is not False)  # either name's enable/disable
         _check(base, cp_step(saved, 2, full, None), savers, 2)  # cp_step deep-copies the saved model
-    assert not saved.is_activation_checkpointing
+    assert not checkpointing_on(saved)
     assert all("forward" not in m.__dict__ and not any(k.startswith("_cp_mlp") for k in m.__dict__)
                for m in saved.modules())
     cphf.save_memory(saved, mlp_chunks=4)
@@ -132,7 +134,7 @@ def test_refusals_change_nothing():
     with pytest.raises(ValueError, match="Qwen2MoeDecoderLayer.mlp.gate .* records as 'router_logits'"):
         cphf.save_memory(moe, checkpoint="offload", mlp_chunks=2)
     for m in (model, moe):  # refused before anything changed
-        assert not m.is_activation_checkpointing and not any("forward" in x.__dict__ for x in m.modules())
+        assert not checkpointing_on(m) and not any("forward" in x.__dict__ for x in m.modules())
 
 
 def test_an_mlp_that_returns_more_than_one_tensor_is_refused_at_its_first_call():

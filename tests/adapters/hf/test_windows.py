@@ -12,6 +12,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 import cp_attention as cpa  # noqa: E402
 
 from tests.support import hf_cases, hf_window_cases  # noqa: E402
+from tests.support.hf_versions import BIDIRECTIONAL_CONFIG, needs  # noqa: E402
 from tests.adapters.hf.test_equivalence import FP64, PLAIN_LAYOUTS, _assert_equivalent  # noqa: E402
 
 # Every layer, max_window_layers, mask-only windows (Qwen2-MoE), alternating with softcap (Gemma2),
@@ -63,6 +64,10 @@ def test_noncausal_layer_window_is_flash_attentions(pools, layout):
         assert r["window_effect"] > WINDOW_MATTERS, (rank, r)
 
 
+_BIDIRECTIONAL = needs(BIDIRECTIONAL_CONFIG, "config.is_causal=False (before, the model stays causal)")
+
+
+@_BIDIRECTIONAL
 @pytest.mark.parametrize("layout", PLAIN_LAYOUTS)
 def test_bidirectional_config_matches_model_without_cp(pools, layout):
     """config.is_causal=False: transformers asks the mask interface for a bidirectional mask and passes
@@ -82,6 +87,22 @@ def _tiny_config(**attrs):
     return cfg
 
 
+def _creator_kwargs(creator) -> dict:
+    """A first forward's arguments for one of transformers' mask creators, under the names the installed
+    version's takes (``input_embeds`` before 5.2, a required ``cache_position`` before 5.4, ``cache`` for
+    ``past_key_values`` from 5.24)."""
+    import inspect
+
+    import torch
+
+    names = inspect.signature(creator).parameters
+    kwargs = {"inputs_embeds" if "inputs_embeds" in names else "input_embeds": torch.zeros(1, 6, 8),
+              "cache" if "cache" in names else "past_key_values": None, "attention_mask": None, "position_ids": None}
+    if "cache_position" in names:
+        kwargs["cache_position"] = torch.arange(6)
+    return kwargs
+
+
 def test_mask_interface_hands_windows_on_and_refuses_what_it_cannot_honour():
     """transformers' own mask creators, asked for a patched model's masks (no process group needed)."""
     import torch
@@ -90,13 +111,10 @@ def test_mask_interface_hands_windows_on_and_refuses_what_it_cannot_honour():
     from cp_attention.integrations.huggingface import attention as hf_attention, masks as hf_masks
 
     hf_attention._register()
-    embeds = torch.zeros(1, 6, 8)
-    kwargs = dict(inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=None)
+    kwargs = _creator_kwargs(mu.create_causal_mask)
     assert mu.create_causal_mask(config=_tiny_config(), **kwargs) is None
     assert mu.create_sliding_window_causal_mask(config=_tiny_config(sliding_window=3), **kwargs) == \
         hf_masks.RingMask(causal=True, window=3)
-    assert mu.create_causal_mask(config=_tiny_config(is_causal=False), **kwargs) == \
-        hf_masks.RingMask(causal=False, window=None)
     with pytest.raises(NotImplementedError, match="chunked attention"):
         mu.create_chunked_causal_mask(config=_tiny_config(attention_chunk_size=4), **kwargs)
     with pytest.raises(NotImplementedError, match="lays its own mask functions"):
@@ -112,3 +130,15 @@ def test_mask_interface_hands_windows_on_and_refuses_what_it_cannot_honour():
         hf_masks.layer_window(hf_masks.RingMask(True, 4), 5, True)
     with pytest.raises(NotImplementedError, match="bidirectional sliding-window"):
         hf_masks.layer_window(hf_masks.RingMask(False, 4), 4, False)
+
+
+@_BIDIRECTIONAL
+def test_mask_interface_hands_a_bidirectional_config_on():
+    """config.is_causal=False: transformers asks the mask interface for a bidirectional mask, handed on."""
+    from transformers import masking_utils as mu
+
+    from cp_attention.integrations.huggingface import attention as hf_attention, masks as hf_masks
+
+    hf_attention._register()
+    assert mu.create_causal_mask(config=_tiny_config(is_causal=False), **_creator_kwargs(mu.create_causal_mask)) == \
+        hf_masks.RingMask(causal=False, window=None)
