@@ -106,7 +106,7 @@ def ring_attention(
     kernel: str = "auto",
     return_lse: bool = False,
     sinks: "torch.Tensor | None" = None,
-    softcap: float = 0.0,
+    softcap: "float | None" = 0.0,
     cu_seqlens: "torch.Tensor | None" = None,
     window_size: "tuple[int, int]" = _WINDOW,
     plan: "AttentionPlan | None" = None,
@@ -125,13 +125,14 @@ def ring_attention(
         softmax_scale: defaults to ``head_dim ** -0.5``.
         kernel: ``"auto"`` (the fastest kernel for the device, dtype and head dim), ``"cpu_flash"`` (alias
             ``"sdpa"``), ``"flash"``, ``"flash_attn"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
-        return_lse: also return the log-sum-exp, which is differentiable like ``out``.
+        return_lse: also return the log-sum-exp, which is differentiable like ``out`` (a bool, the same on
+            every rank: an all-to-all strategy sends it back only when asked).
         sinks: ``[heads]``, one learned logit per query head added to every softmax denominator
             (attention sinks: GPT-OSS ``s_aux``; a zero tensor is the "off-by-one" softmax). It is
             differentiable; each rank's gradient is its own queries' share, so summing it over the
             group (as for every other parameter) gives the gradient without CP.
         softcap: flash-attn's logit softcapping (Gemma2's ``attn_logit_softcapping``): scaled scores
-            become ``softcap * tanh(scores / softcap)``; 0 disables it. ``kernel="auto"`` picks a
+            become ``softcap * tanh(scores / softcap)``; 0 or None disables it. ``kernel="auto"`` picks a
             kernel that supports it; a named kernel that cannot raises, naming one that can.
         cu_seqlens: packed documents, flash-attn's ``[0, l1, l1+l2, ..., T]`` over the full packed
             sequence (the same on every rank; an int tensor or sequence, read on the host). A token
@@ -164,8 +165,9 @@ def ring_attention(
         ValueError: bad shapes, dtypes, devices, head ratio, a length the layout cannot split,
             an unknown layout or kernel, sinks of the wrong shape, a negative softcap or a kernel that
             cannot apply it, bad ``cu_seqlens`` or a batch larger than 1 with them, a bad ``window_size``,
-            arguments that differ between ranks, ``plan=`` together with an argument the plan fixes, an
-            unknown ``cp_comm_type``, or one the group or the head count cannot run.
+            arguments that differ between ranks (the plan's ``needs_only`` and ``return_lse`` too),
+            ``plan=`` together with an argument the plan fixes, an unknown ``cp_comm_type``, or one the
+            group or the head count cannot run.
             Raised on every rank of the group alike, before any ring communication.
     """
 
@@ -177,7 +179,8 @@ def ring_attention(
     else:
         _refuse_contradictions(plan, group, layout, causal, cu_seqlens, window_size)
     transport = plan.transport
-    codes = tensor_codes(q, k, v, softmax_scale, kernel, sinks, softcap, cp_comm_type)
+    codes = tensor_codes(q, k, v, softmax_scale, kernel, sinks, softcap, cp_comm_type, return_lse)
+    softcap = 0.0 if softcap is None else softcap  # transformers' and flash-attn's "no softcap"
     # A plan the group agreed on needs no new agreement for a new batch's boundaries: see trust_key.
     trusted = (*codes, *plan.trust_key) if plan.agreed else None
     validate_call(codes + list(plan.codes), plan.layout, transport, in_agreed_forward(transport), trusted, sinks)

@@ -3,41 +3,31 @@
 Each rank encodes what it was called with as a short integer signature. The ranks all-gather the
 signatures (one tiny collective) and every rank checks the whole table with the same pure function,
 so a bad input on any one rank raises the same ``ValueError`` on all of them instead of leaving
-the others waiting in a receive.
+the others waiting in a receive. The encoding is :mod:`.signature`'s; the judging is here.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from ..kernels import KERNEL_NAMES, get_kernel
 from ..kernels.dtypes import FLOAT_DTYPES
 from ..layouts.base import Layout
-from ..layouts.documents import check_cu_seqlens
 from ..layouts.registry import get_layout, layout_names
-from ..schedules.windows import check_window_size
 from ..transport.base import Transport
 from ..transport.comm_types import CP_COMM_TYPES
 from .agreement import VERDICTS, cache_enabled, digests_agree
-from ..transport.codec import Codec, Field, agree_rows, raise_differing, raise_first
+from ..transport.codec import Codec, agree_rows, decode_text, raise_differing, raise_first
+# the rows this module judges: encoded by .signature, re-exported here where they have always been
+from .signature import (CALL_FIELDS, GATHERED_FIELDS, PLAN_FIELDS, TENSOR_FIELDS, _DEVICE_TYPES, _NOT_A_TENSOR,
+                        _UNKNOWN, _bits_float, layout_code, plan_codes, sink_values_code, tensor_codes,
+                        trusted_plan_key)
 
-__all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call",
+__all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call", "agree_plan",
            "TENSOR_FIELDS", "PLAN_FIELDS", "CALL_FIELDS", "GATHERED_FIELDS", "trusted_plan_key"]
-
-_DEVICE_TYPES = ("cpu", "cuda")
-_UNKNOWN = -1
-_NOT_A_TENSOR = -1  # in place of a tensor's dim
-# The bits of a float argument that float() cannot convert (a quiet NaN with a payload of its own).
-_NOT_A_FLOAT = 0x7FF8_0000_DEAD_BEEF
-# Window sides beyond this are all "no bound" to any real sequence: clamped, so the int64 signature
-# holds them (two ranks that pass different such sides get the same result anyway).
-_HUGE = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -62,160 +52,15 @@ class CallSpec:
     # A fingerprint of the sinks' values (0: none, or not read): gathered with the signature when the
     # group agrees a call, never part of its cache key (trained sinks change every step).
     sink_values: int = 0
-
-
-def _documents_trusted(documents: int) -> int:
-    return min(documents, 1)  # packed or not: an agreed plan's new batch may hold other documents
-
-
-# The rows ranks compare (see :mod:`.codec`): a call's tensors and per-call arguments, a plan's fields,
-# and the sinks' values' fingerprint, gathered with them but never part of a cache key.
-TENSOR_FIELDS = Codec(
-    Field("q", 5, "tensor shapes"), Field("k", 5, "tensor shapes"), Field("v", 5, "tensor shapes"),
-    Field("dtype", label="dtype"), Field("device", label="device type"), Field("kernel", label="kernel"),
-    Field("scale", label="softmax_scale"), Field("needs_grad", label="requires_grad of q, k, v"),
-    Field("sinks", label="sinks (given or not, and their length)"), Field("softcap", label="softcap"),
-    Field("comm_type", label="cp_comm_type"))
-PLAN_FIELDS = Codec(
-    Field("layout", label="layout"), Field("causal", label="causal"),
-    Field("documents", label="cu_seqlens (given or not, and how many documents)", trusted=_documents_trusted),
-    Field("packed_len", label="cu_seqlens (packed length)"),
-    Field("cu_hash", label="cu_seqlens (document boundaries)", trusted=None),
-    Field("window", 2, label="window_size"))
-CALL_FIELDS = TENSOR_FIELDS + PLAN_FIELDS
-GATHERED_FIELDS = CALL_FIELDS + Codec(Field(
-    "sink_values", label="sinks values (the same learned logits on every rank, as for any replicated weight)",
-    trusted=None))
-
-
-def sink_values_code(sinks) -> int:
-    """A fingerprint of ``sinks``' values that every process computes alike (0 for no sinks, for a
-    tensor validation refuses anyway, or one with no values to read, such as a fake tensor). Reads
-    the values to the host: called only when the group gathers a new call signature."""
-    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or not sinks.is_floating_point():
-        return 0
-    if is_fake(sinks):
-        return 0
-    bits = tuple(sinks.detach().double().cpu().view(torch.int64).tolist())  # NaN's hash is per object
-    return (hash(bits) & ((1 << 62) - 1)) or 1
-
-
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_float(b: int) -> "float | None":
-    return None if b == _NOT_A_FLOAT else struct.unpack("<d", struct.pack("<q", b))[0]
-
-
-def _float_code(x) -> int:
-    """The bits of ``float(x)``, or :data:`_NOT_A_FLOAT` when it cannot be converted."""
-    try:
-        return _float_bits(float(x))
-    except Exception:  # noqa: BLE001 - TypeError, ValueError, OverflowError, a tensor of several values...
-        return _NOT_A_FLOAT
-
-
-def _sinks_code(q: torch.Tensor, sinks) -> int:
-    if sinks is None:
-        return 0
-    ok = (isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.numel() > 0
-          and sinks.is_floating_point() and sinks.device == getattr(q, "device", None))
-    return sinks.numel() if ok else _UNKNOWN
-
-
-def _cu_codes(cu_seqlens) -> list[int]:
-    if cu_seqlens is None:
-        return [0, 0, 0]
-    try:
-        cu = check_cu_seqlens(cu_seqlens)
-    except ValueError:
-        return [_UNKNOWN, 0, 0]
-    return [len(cu) - 1, cu[-1], hash(cu) & ((1 << 62) - 1)]
-
-
-def _window_codes(window_size) -> list[int]:
-    if window_size is None:
-        return [-1, -1]
-    try:
-        left, right = check_window_size(window_size)
-    except ValueError:
-        return [-2, -2]
-    return [min(left, _HUGE), min(right, _HUGE)]
-
-
-def trusted_plan_key(codes) -> tuple:
-    """The part of a plan's :func:`plan_codes` a call's trusted cache key holds: everything but the
-    document boundaries' count and fingerprint (see :class:`~cp_attention.engine.plan.AttentionPlan`)."""
-    return PLAN_FIELDS.trusted_key(PLAN_FIELDS.decode(codes))
-
-
-def layout_code(name: str) -> int:
-    """A layout's name as an int every process computes alike: a registered layout and a Layout object
-    known to no registry are told apart by name, not by a registry index."""
-    return zlib.crc32(name.encode()) & ((1 << 62) - 1)
+    return_lse: "bool | int" = False  # -1 when not a bool
+    needs_only: "bool | int" = True  # the plan's traffic: only the needed rows, or whole shards; -1 not a bool
+    given: str = ""  # the first argument this rank could not encode, as repr() shows it (see tensor_codes)
+    plan_given: str = ""  # the same for the plan's arguments (see plan_codes)
 
 
 def _layout_label(code: int) -> str:
     """The name behind a :func:`layout_code`, for messages (the code itself for an unregistered one)."""
     return next((n for n in layout_names() if layout_code(n) == code), f"a layout of code {code}")
-
-
-def plan_codes(layout, causal, cu_seqlens=None, window_size=None) -> list[int]:
-    """What is fixed for a batch, as ints: layout, causal, packed documents (count, length,
-    fingerprint) and window. Never raises (see :func:`tensor_codes`)."""
-    try:
-        code = layout_code(get_layout(layout).name)
-    except (ValueError, TypeError):
-        code = _UNKNOWN
-    documents, packed_len, cu_hash = _cu_codes(cu_seqlens)
-    return PLAN_FIELDS.encode(dict(layout=code, causal=_causal_code(causal), documents=documents,
-                                   packed_len=packed_len, cu_hash=cu_hash, window=_window_codes(window_size)))
-
-
-def _causal_code(causal) -> int:
-    """0 or 1 for a bool (or the int 0 or 1), else unknown: a truthy string such as ``"no"`` is not a
-    mask choice (``bool("no")`` is True), nor is a tensor (reading it would sync the device)."""
-    if isinstance(causal, bool) or (type(causal) is int and causal in (0, 1)):
-        return int(causal)
-    return _UNKNOWN
-
-
-def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: "float | None", kernel: str,
-                 sinks: "torch.Tensor | None" = None, softcap: float = 0.0, cp_comm_type: str = "p2p") -> list[int]:
-    """This rank's tensors and per-call arguments as a fixed-length list of ints (see :class:`CallSpec`).
-
-    Never raises: whatever is wrong with the arguments is encoded, so the rank still takes part in
-    the all-gather and every rank reaches the same verdict (a rank raising here would leave the
-    others waiting in the collective).
-    """
-    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
-    values: dict = {}
-    for name, t in zip("qkv", (q, k, v)):
-        if not isinstance(t, torch.Tensor):
-            values[name] = [_NOT_A_TENSOR, 0, 0, 0, 0]
-            continue
-        shape = list(t.shape)[:4] if t.dim() == 4 else []
-        values[name] = [t.dim(), *(shape + [0] * (4 - len(shape)))]
-    values["dtype"] = values["device"] = _UNKNOWN
-    if tensors:
-        dt = q.dtype
-        if dt == k.dtype == v.dtype and dt in FLOAT_DTYPES:
-            values["dtype"] = FLOAT_DTYPES.index(dt)
-        dev = q.device
-        values["device"] = (-2 if not dev == k.device == v.device else
-                            _DEVICE_TYPES.index(dev.type) if dev.type in _DEVICE_TYPES else _UNKNOWN)
-    values["kernel"] = KERNEL_NAMES.index(kernel) if isinstance(kernel, str) and kernel in KERNEL_NAMES else _UNKNOWN
-    if scale is None:
-        scale = q.shape[-1] ** -0.5 if tensors and q.dim() == 4 and q.shape[-1] > 0 else float("nan")
-    values["scale"] = _float_code(scale)
-    values["needs_grad"] = int(torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                               for t in (q, k, v)))
-    values["sinks"] = _sinks_code(q, sinks)
-    values["softcap"] = _float_code(softcap)
-    values["comm_type"] = (CP_COMM_TYPES.index(cp_comm_type)
-                           if isinstance(cp_comm_type, str) and cp_comm_type in CP_COMM_TYPES else _UNKNOWN)
-    return TENSOR_FIELDS.encode(values)
 
 
 def _spec(row: dict) -> CallSpec:
@@ -226,7 +71,8 @@ def _spec(row: dict) -> CallSpec:
     return CallSpec(shapes, row["dtype"], row["device"], row["layout"], row["kernel"], causal,
                     _bits_float(row["scale"]), bool(row["needs_grad"]), row["sinks"], _bits_float(row["softcap"]),
                     row["comm_type"], row["documents"], row["packed_len"], row["cu_hash"], row["window"],
-                    row["sink_values"])
+                    row["sink_values"], return_lse=_causal(row["return_lse"]), needs_only=_causal(row["needs_only"]),
+                    given=decode_text(row["given"]), plan_given=decode_text(row["plan_given"]))
 
 
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
@@ -258,17 +104,17 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return "q, k and v must be on the same device"
     if c.device == _UNKNOWN:
         return f"unsupported device type; expected one of {', '.join(_DEVICE_TYPES)}"
-    problem = _plan_problem(c.layout, c.causal, c.documents, c.window)
+    problem = _plan_problem(c.layout, c.causal, c.documents, c.window, c.needs_only, c.plan_given)
     if problem is not None:
         return problem
     if c.kernel == _UNKNOWN:
-        return f"unknown kernel; expected one of {', '.join(KERNEL_NAMES)}"
+        return f"unknown kernel {c.given}; expected one of {', '.join(KERNEL_NAMES)}"
     if c.comm_type == _UNKNOWN:
-        return (f"unknown cp_comm_type; expected one of {', '.join(CP_COMM_TYPES)} ('a2a+p2p' takes a 2-D "
-                "DeviceMesh as group: outer dim the ring, inner dim the all-to-all)")
+        return (f"unknown cp_comm_type {c.given}; expected one of {', '.join(CP_COMM_TYPES)} ('a2a+p2p' takes a "
+                "2-D DeviceMesh as group: outer dim the ring, inner dim the all-to-all)")
     if c.scale is None:
-        return ("softmax_scale must be a finite non-zero float or None (head_dim ** -0.5), got a value float() "
-                "cannot convert")
+        return (f"softmax_scale must be a finite non-zero float or None (head_dim ** -0.5), got {c.given}, which "
+                "float() cannot convert")
     if not math.isfinite(c.scale) or c.scale == 0.0:
         return f"softmax_scale must be a finite non-zero float, got {c.scale}"
     if c.sinks == _UNKNOWN:
@@ -282,9 +128,12 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
         return (f"cu_seqlens must end at the packed length T = local length {sq} x world_size {world_size} = "
                 f"{sq * world_size}, got {c.packed_len}")
     if c.softcap is None:
-        return "softcap must be a finite float >= 0 (0 disables it), got a value float() cannot convert"
+        return (f"softcap must be a finite float >= 0 (0 or None disables it), got {c.given}, which float() "
+                "cannot convert")
     if not math.isfinite(c.softcap) or c.softcap < 0:
-        return f"softcap must be a finite float >= 0 (0 disables it), got {c.softcap}"
+        return f"softcap must be a finite float >= 0 (0 or None disables it), got {c.softcap}"
+    if c.return_lse == _UNKNOWN:
+        return f"return_lse must be a bool (True or False), got {c.given}"
     try:
         get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype],
                    softcap=c.softcap > 0, mask=c.window != (-1, -1), head_dim=dq, v_head_dim=dv)
@@ -293,18 +142,23 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     return None
 
 
-def _plan_problem(layout: int, causal: "bool | int", documents: int, window: tuple[int, int]) -> "str | None":
-    """What is wrong with the fields of a call that a plan fixes, or None."""
+def _plan_problem(layout: int, causal: "bool | int", documents: int, window: tuple[int, int],
+                  needs_only: "bool | int", given: str) -> "str | None":
+    """What is wrong with the fields of a call that a plan fixes, or None (``given``: the refused
+    argument as this rank's :func:`plan_codes` saw it)."""
     if layout == _UNKNOWN:
-        return f"unknown layout; expected one of {', '.join(layout_names())} (or an alias)"
+        return f"unknown layout {given}; expected one of {', '.join(layout_names())} (or an alias)"
     if causal == _UNKNOWN:
-        return "causal must be a bool (True or False), got another type; pass causal=True or causal=False"
+        return f"causal must be a bool (True or False), got {given}; pass causal=True or causal=False"
     if documents == _UNKNOWN:
-        return ("cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T] of document boundaries: "
-                "starting at 0 and strictly increasing (no empty document)")
+        return ("cu_seqlens must be a 1-D integer tensor, numpy array or sequence [0, l1, l1+l2, ..., T] of document "
+                f"boundaries: starting at 0 and strictly increasing (no empty document), got {given}")
     if window == (-2, -2):
         return ("window_size must be (left, right), two ints >= -1 (flash-attn's convention: -1 = unbounded, "
-                "(-1, -1) = no window)")
+                f"(-1, -1) = no window), got {given}")
+    if needs_only == _UNKNOWN:
+        return ("needs_only must be a bool (True: send only the K/V rows each rank needs; False: whole shards), got "
+                f"{given}; pass cp_attention.plan(..., needs_only=True or False)")
     return None
 
 
@@ -328,6 +182,8 @@ def _show(field: str, value) -> str:
         return {0: "none", _UNKNOWN: "not a 1-D float tensor"}.get(value, f"[{value}]")
     if field == "sink_values":
         return f"fingerprint {value}"
+    if field in ("return_lse", "needs_only"):
+        return "not a bool" if value == _UNKNOWN else str(bool(value))
     return str(value)
 
 
@@ -335,7 +191,8 @@ def check_plan_table(rows: list[dict], layout: "Layout | None") -> None:
     """Check every rank's decoded :data:`PLAN_FIELDS` row; raise one deterministic ``ValueError`` for the
     whole group when any rank's are bad, they differ, or the layout cannot split the packed length."""
     world_size = len(rows)
-    raise_first("cp_attention.plan", [_plan_problem(r["layout"], _causal(r["causal"]), r["documents"], r["window"])
+    raise_first("cp_attention.plan", [_plan_problem(r["layout"], _causal(r["causal"]), r["documents"], r["window"],
+                                                    _causal(r["needs_only"]), decode_text(r["plan_given"]))
                                       for r in rows])
     raise_differing("cp_attention.plan", rows, _labels(PLAN_FIELDS, _PLAN_FIELDS), _show)
     if rows[0]["documents"]:
@@ -347,10 +204,30 @@ def check_plan_table(rows: list[dict], layout: "Layout | None") -> None:
                              f"{world_size}: {e}") from None
 
 
-_PLAN_FIELDS = ("layout", "causal", "documents", "cu_hash", "window")
+def agree_plan(transport: Transport, codes: "tuple[int, ...]", layout: "Layout | None") -> None:
+    """Agree a plan's :func:`plan_codes` across the group (:func:`~cp_attention.engine.plan.build_plan`'s
+    agreement); raise the same ``ValueError`` on every rank for bad or differing ones.
+
+    One all-gather, skipped when the group agreed on the same codes before; on gloo and the loopback
+    only once their fingerprints, compared over P2P as :func:`validate_call` compares a call's, show
+    every rank holding the same codes: a rank that agreed its codes before must not skip the
+    all-gather that a rank holding others (one rank's ``needs_only``, say) waits in.
+    """
+    key = ("plan", transport.token, tuple(codes), layout) if cache_enabled() else None
+    same = True
+    if key is not None and transport.world_size > 1 and transport.host_agreement:
+        same = digests_agree(transport, _digest(list(codes)))
+    if key is not None and same and key in VERDICTS:
+        return
+    check_plan_table(agree_rows(transport, PLAN_FIELDS, PLAN_FIELDS.decode(codes)), layout)
+    if key is not None:
+        VERDICTS.add(key)
+
+
+_PLAN_FIELDS = ("layout", "causal", "documents", "cu_hash", "window", "needs_only")
 # What a call's ranks must agree on, in the order differences are reported: the CallSpec's fields.
 _CALL_FIELDS = ("shapes", "dtype", "device", "layout", "kernel", "causal", "scale", "needs_grad", "sinks", "softcap",
-                "comm_type", "documents", "cu_hash", "window", "sink_values")
+                "comm_type", "documents", "cu_hash", "window", "sink_values", "return_lse", "needs_only")
 
 
 def _labels(codec: Codec, names: tuple) -> dict[str, str]:

@@ -15,9 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..checks.agreement import VERDICTS, cache_enabled
-from ..transport.codec import agree_rows, raise_first
-from ..checks.validation import PLAN_FIELDS, check_plan_table, plan_codes, trusted_plan_key
+from ..transport.codec import raise_first
+from ..checks.validation import PLAN_FIELDS, agree_plan, check_plan_table, plan_codes, trusted_plan_key
 from ..kernels import AttentionKernel, get_kernel
 from ..layouts.base import Layout
 from ..layouts.documents import cu_seqlens_tuple
@@ -50,6 +49,11 @@ def host_cu_seqlens(cu_seqlens: Any) -> Any:
         return cu_seqlens
 
 
+def _setting(name: str, doc: str) -> property:
+    """A plan setting as given: reading it is free; assigning it re-derives the plan (:meth:`AttentionPlan._reset`)."""
+    return property(lambda plan: plan._given[name], lambda plan, value: plan._reset(**{name: value}), doc=doc)
+
+
 class AttentionPlan:
     """What is fixed for a batch of attention calls on one rank. Build it with :func:`build_plan`
     (``cp_attention.plan``) and pass it to every call: ``ring_attention(q, k, v, plan=plan)``.
@@ -57,40 +61,80 @@ class AttentionPlan:
     Constructing one never raises and never communicates: bad arguments are encoded in
     :attr:`codes` and judged by the group together (:func:`build_plan` does it at once, a call
     without a plan in its validation).
+
+    Every setting that decides what travels (layout, causal, cu_seqlens, window_size, needs_only) is
+    in :attr:`codes`, which the group agrees on when the plan is built or bound and which every call's
+    signature carries. Assigning one (``plan.needs_only = False``) re-encodes the codes, drops what
+    was derived from the old value and marks the plan unagreed: the next call agrees the new codes
+    (one all-gather, as a new plan's first call), and ranks that assigned differently get the same
+    ``ValueError`` there instead of exchanging different sizes.
     """
 
     def __init__(self, layout: Any, transport: Transport, causal: Any = True, cu_seqlens: Any = None,
-                 window_size: Any = (-1, -1), *, agreed: bool = False) -> None:
-        self.transport = transport
-        self.cu_seqlens = host_cu_seqlens(cu_seqlens)
-        self.codes: tuple[int, ...] = tuple(plan_codes(layout, causal, self.cu_seqlens, window_size))
-        try:
-            self.layout: Optional[Layout] = get_layout(layout)
-        except (ValueError, TypeError):
-            self.layout = None  # refused by validation, on every rank alike
-        self.causal = causal
-        self.window_size = window_size
+                 window_size: Any = (-1, -1), *, agreed: bool = False, needs_only: Any = True) -> None:
+        self._transport = transport
+        self._given: dict[str, Any] = {}
+        self._settle(layout=layout, causal=causal, cu_seqlens=cu_seqlens, window_size=window_size,
+                     needs_only=needs_only)
         # The group agreed on these fields: by build_plan, or by an adapter's per-forward check.
         self.agreed = agreed
+
+    layout = property(lambda plan: plan._layout, lambda plan, value: plan._reset(layout=value),
+                      doc="The resolved :class:`Layout` (None for one validation refuses).")
+    causal = _setting("causal", "Causal mask over global positions, as given.")
+    cu_seqlens = _setting("cu_seqlens", "Packed documents' boundaries as a host tuple (or as given, if unreadable).")
+    window_size = _setting("window_size", "The sliding window ``(left, right)``, as given.")
+    needs_only = _setting("needs_only", "Send only the K/V rows another rank needs (see schedules.needs); False "
+                                        "sends whole shards, as the ring did before: a benchmark's baseline.")
+
+    @property
+    def transport(self) -> Transport:
+        """This rank's handle on its group (a :class:`~cp_attention.transport.base.Seat` until :meth:`bind`)."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: Any) -> None:
+        raise AttributeError("a plan's group is fixed when it is built: build a plan for the other group "
+                             "(cp_attention.plan(..., group=)), or put one built ahead to work with plan.bind(group)")
+
+    def _settle(self, **changes: Any) -> None:
+        """Take ``changes`` to the settings: re-encode :attr:`codes` and drop what was derived from them."""
+        if "cu_seqlens" in changes:
+            changes["cu_seqlens"] = host_cu_seqlens(changes["cu_seqlens"])
+        given = self._given = {**self._given, **changes}
+        self.codes: tuple[int, ...] = tuple(plan_codes(given["layout"], given["causal"], given["cu_seqlens"],
+                                                       given["window_size"], given["needs_only"]))
+        if "layout" in changes:
+            try:
+                self._layout: Optional[Layout] = get_layout(given["layout"])
+            except (ValueError, TypeError):
+                self._layout = None  # refused by validation, on every rank alike
         # The cache key of a call's agreed verdict, beyond its tensors: the plan's fields but the
         # document boundaries' fingerprint, so a new batch of the same length needs no new agreement.
         self.trust_key = trusted_plan_key(self.codes)
-        # Caches, built lazily: per local length, (length, lowering mode, device), kernel query.
-        self._windows: dict[int, Optional[Window]] = {}
-        self._steps: dict[tuple, Steps] = {}
-        self._kernels: dict[tuple, AttentionKernel] = {}
+        # Derived lazily: the needs-only rows per (length, device, steps), plans per (causal, window)
+        # (:meth:`variant`), and the agreed cp_comm_type="auto" pick per call shape (strategies.auto).
         self._traffic: dict[tuple, tuple] = {}
-        # Send only the K/V rows another rank needs (see schedules.needs). False sends whole shards, as
-        # the ring did before: a benchmark's baseline. Set it alike on every rank, or the sizes disagree.
-        self.needs_only = True
-        # Plans derived from this one: per (causal, window) (:meth:`variant`), and per seat, a group
-        # rank or "alone", for the strategies' virtual ranks (strategies.dispatch).
         self._variants: dict[tuple, "AttentionPlan"] = {}
-        self._seats: dict[Any, "AttentionPlan"] = {}
-        # The strategies' caches: all-to-all sequence orders per (local length, device)
-        # (strategies.dispatch) and the agreed cp_comm_type="auto" pick per call shape (strategies.auto).
-        self._orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._auto_picks: dict[tuple, str] = {}
+        if set(changes) != {"needs_only"}:  # the rest depends on the mask and the layout only
+            # per local length, (length, lowering mode, device), kernel query
+            self._windows: dict[int, Optional[Window]] = {}
+            self._steps: dict[tuple, Steps] = {}
+            self._kernels: dict[tuple, AttentionKernel] = {}
+            # per seat, a group rank or "alone", for the strategies' virtual ranks, and the all-to-all
+            # sequence orders per (local length, device) (strategies.dispatch)
+            self._seats: dict[Any, "AttentionPlan"] = {}
+            self._orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _reset(self, **changes: Any) -> None:
+        """An assigned setting: the plan as if built with it, to be agreed again by its next call (its
+        codes changed, so no verdict of the old ones covers them; see
+        :func:`~cp_attention.checks.validation.validate_call`)."""
+        codes = self.codes
+        self._settle(**changes)
+        if self.codes != codes:
+            self.agreed = False
 
     @property
     def rank(self) -> int:
@@ -106,8 +150,9 @@ class AttentionPlan:
 
     def __repr__(self) -> str:
         docs = f", documents={len(self.cu_seqlens) - 1}" if self.packed else ""
+        whole = "" if self.needs_only is True else f", needs_only={self.needs_only!r}"
         return (f"AttentionPlan(layout={getattr(self.layout, 'name', self.layout)!r}, rank={self.rank}, "
-                f"world_size={self.world_size}, causal={self.causal}{docs}, window_size={self.window_size})")
+                f"world_size={self.world_size}, causal={self.causal}{docs}, window_size={self.window_size}{whole})")
 
     def variant(self, causal: Any = None, window_size: Any = None) -> "AttentionPlan":
         """The same batch with another ``causal`` or sliding window (a model whose layers differ), built
@@ -122,7 +167,7 @@ class AttentionPlan:
         found = self._variants.get(key)
         if found is None:
             found = self._variants[key] = AttentionPlan(self.layout, self.transport, causal, self.cu_seqlens, window_size,
-                                                  agreed=self.agreed)
+                                                        agreed=self.agreed, needs_only=self.needs_only)
         return found
 
     def window(self, local_len: int) -> Optional[Window]:
@@ -207,7 +252,7 @@ class AttentionPlan:
                                            f"not for its place in the group; build it with plan_ahead(rank=, "
                                            f"world_size=) of the group" for r in rows])
         check_plan_table([PLAN_FIELDS.decode(r[:width]) for r in rows], self.layout)
-        self.transport, self.agreed = transport, True
+        self._transport, self.agreed = transport, True
         if device is not None and _device(device).type != "cpu":  # host-built entries already run on the CPU
             device, memo = _device(device), {}
             self._steps = {(n, mode, device if dev.type == "cpu" else dev):
@@ -273,19 +318,21 @@ def _moved(obj: Any, device: torch.device, memo: "dict[int, Any] | None" = None)
 def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int = 1, causal: bool = True,
            cu_seqlens=None, window_size: "tuple[int, int]" = (-1, -1), *, local_len: int,
            kernel: str = "auto", device: "torch.device | str" = "cuda", dtype: torch.dtype = torch.bfloat16,
-           head_dim: int = 128, v_head_dim: "int | None" = None, softcap: bool = False) -> AttentionPlan:
+           head_dim: int = 128, v_head_dim: "int | None" = None, softcap: bool = False,
+           needs_only: bool = True) -> AttentionPlan:
     """Build rank ``rank``'s plan of one batch ahead of the step, with no process group (in a data
     loader's worker or a collator): the ring steps, their lowering and index tensors, and the
     needs-only rows are built on the host, for calls of ``local_len`` tokens on ``device`` with the
     kernel ``kernel`` resolves to for ``dtype`` and the head dims. The plan pickles, so a worker
     can return it with the batch. In the step, ``plan.bind(group, device)`` (one agreement) makes
-    it the batch's plan: ``ring_attention(q, k, v, plan=plan)`` then builds nothing.
+    it the batch's plan: ``ring_attention(q, k, v, plan=plan)`` then builds nothing. ``needs_only``
+    as for :func:`build_plan` (bind agrees it with the rest).
 
     Raises ``ValueError`` for arguments :func:`build_plan` refuses (checked here on this rank; the
     group judges them together in :meth:`AttentionPlan.bind`).
     """
     seat = Seat(rank, world_size)
-    plan = AttentionPlan(layout, seat, causal, cu_seqlens, window_size)
+    plan = AttentionPlan(layout, seat, causal, cu_seqlens, window_size, needs_only=needs_only)
     check_plan_table([PLAN_FIELDS.decode(plan.codes)] * seat.world_size, plan.layout)
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     kern = plan.kernel(kernel, torch.device(device), dtype, softcap, head_dim, v_head_dim, local_len)
@@ -296,24 +343,22 @@ def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int
 
 
 def build_plan(layout: "str | Layout" = "zigzag", group=None, causal: bool = True, cu_seqlens=None,
-               window_size: "tuple[int, int]" = (-1, -1)) -> AttentionPlan:
+               window_size: "tuple[int, int]" = (-1, -1), *, needs_only: bool = True) -> AttentionPlan:
     """The plan of one batch on this rank, agreed across ``group``: build it once per batch and pass
     it to every attention call (``ring_attention(q, k, v, plan=plan)``).
 
     Args mean what they mean for :func:`~cp_attention.ring_attention`. ``cu_seqlens`` is read to the
-    host here, once (one device sync for a CUDA tensor).
+    host here, once (one device sync for a CUDA tensor). ``needs_only=False`` sends whole K/V shards
+    (and dK/dV partials) instead of only the rows each rank needs: the benchmarks' baseline.
 
     Raises ``ValueError`` on every rank of the group alike, after one small all-gather (skipped when
-    the group agreed on the same plan fields before), for an unknown layout, a non-bool ``causal``,
-    bad ``cu_seqlens`` or ``window_size``, a packed length the layout cannot split, or arguments that
-    differ between ranks.
+    the group agreed on the same plan fields before; on gloo only once a fingerprint of every rank's
+    fields, compared over P2P, shows them the same), for an unknown layout, a non-bool ``causal`` or
+    ``needs_only``, bad ``cu_seqlens`` or ``window_size``, a packed length the layout cannot split, or
+    arguments that differ between ranks.
     """
     transport = transport_for(group)
-    plan = AttentionPlan(layout, transport, causal, cu_seqlens, window_size)
-    key = ("plan", transport.token, plan.codes, plan.layout) if cache_enabled() else None
-    if key is None or key not in VERDICTS:
-        check_plan_table(agree_rows(transport, PLAN_FIELDS, PLAN_FIELDS.decode(plan.codes)), plan.layout)
-        if key is not None:
-            VERDICTS.add(key)
+    plan = AttentionPlan(layout, transport, causal, cu_seqlens, window_size, needs_only=needs_only)
+    agree_plan(transport, plan.codes, plan.layout)
     plan.agreed = True
     return plan

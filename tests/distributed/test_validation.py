@@ -15,7 +15,8 @@ CASES = {
     # name: (kwargs for every rank, per-rank overrides, expected message fragment)
     "zigzag_odd_local_len": (dict(local_len=3), None,
                              r"local sequence length 3 x world_size 3 = 9 tokens: zigzag layout needs seq_len "
-                             r"divisible by 2\*world_size=6, got 9; pad the sequence or use layout='contiguous'"),
+                             r"divisible by 2\*world_size=6, got 9; pad the sequence to a multiple of 6 \(12 tokens; packed "
+                             r"documents: cp_attention\.pad_cu_seqlens\(cu_seqlens, 6\)\) or use layout='contiguous'"),
     "head_ratio": (dict(heads=3, kv_heads=2), None, "multiple of the K/V heads"),
     "one_rank_other_head_dim": (dict(), {1: dict(head_dim=6, v_dim=6)}, "same tensor shapes"),
     "3d_input": (dict(ndim=3), None, r"must be 4-D \[batch, seq, heads, head_dim\]"),

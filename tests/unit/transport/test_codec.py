@@ -52,7 +52,7 @@ def test_the_call_signature_is_one_row_read_by_name():
     assert trusted_plan_key(plan_codes("zigzag", True, [0, 5, 16])) == \
         trusted_plan_key(plan_codes("zigzag", True, [0, 9, 11, 16]))
     assert trusted_plan_key(plan_codes("zigzag", True, [0, 16])) != trusted_plan_key(plan_codes("zigzag", True))
-    assert PLAN_FIELDS.size == 7
+    assert PLAN_FIELDS.size == 16  # 8 ints of fields, 8 of the refused argument's text
 
 
 def test_agree_rows_gives_every_rank_every_row_and_one_verdict():
