@@ -46,7 +46,12 @@ class Layout:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         d = self.divisor(world_size)
         if seq_len <= 0 or seq_len % d != 0:
-            hint = "pad the sequence" + ("" if self.name == "contiguous" else " or use layout='contiguous'")
+            padded = max(d, -(-seq_len // d) * d)
+            hint = (f"pad the sequence to a multiple of {d} ({padded} tokens; packed documents: "
+                    f"cp_attention.pad_cu_seqlens(cu_seqlens, {d}))")
+            # contiguous splits any positive multiple of world_size: suggest it only where it does
+            if self.name != "contiguous" and seq_len > 0 and seq_len % world_size == 0:
+                hint += " or use layout='contiguous'"
             raise ValueError(
                 f"{self.name} layout needs seq_len divisible by {self._divisor_expr}={d}, "
                 f"got {seq_len}; {hint}"

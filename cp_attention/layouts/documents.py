@@ -8,6 +8,7 @@ attends only to tokens of its own document. Only ``T`` must split over the ranks
 from __future__ import annotations
 
 import array
+import operator
 from typing import Iterable, Sequence, Union
 
 import torch
@@ -47,17 +48,42 @@ def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
     if isinstance(cu_seqlens, (str, bytes)):
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence [0, l1, l1+l2, ..., T], got "
                          f"{type(cu_seqlens).__name__} {cu_seqlens!r}")
+    dtype, ndim = getattr(cu_seqlens, "dtype", None), getattr(cu_seqlens, "ndim", 1)
+    if ndim != 1:  # a numpy array (or alike) of another rank
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence [0, l1, l1+l2, ..., T], got a "
+                         f"{ndim}-D {type(cu_seqlens).__name__} of {dtype}")
+    kind = getattr(dtype, "kind", None)
+    if kind is not None and kind not in ("i", "u"):  # a numpy array of floats or bools
+        raise ValueError(f"cu_seqlens must hold integers [0, l1, l1+l2, ..., T], got {dtype} values "
+                         f"({type(cu_seqlens).__name__}); pass ints, an integer tensor or an integer numpy array")
+    if kind is not None and callable(getattr(cu_seqlens, "tolist", None)):
+        cu_seqlens = cu_seqlens.tolist()  # a numpy integer array: Python ints in one call
     try:
         values = tuple(cu_seqlens)
     except TypeError:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {type(cu_seqlens).__name__}"
                          ) from None
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
-        raise ValueError("cu_seqlens must hold integers [0, l1, l1+l2, ..., T]")
+    if not all(type(x) is int for x in values):
+        values = tuple(_as_index(i, x) for i, x in enumerate(values))
     if any(not _INT64_MIN <= x <= _INT64_MAX for x in values):
         raise ValueError(f"cu_seqlens must hold 64-bit integers [0, l1, l1+l2, ..., T], got a value outside "
                          f"[{_INT64_MIN}, {_INT64_MAX}]")
     return values
+
+
+def _as_index(i: int, x: object) -> int:
+    """Boundary ``i`` as a Python int: any integer (numpy's, a 0-d integer tensor) but a bool.
+
+    Raises ``ValueError`` naming the value given otherwise (a float, a bool, a string...)."""
+    is_bool = isinstance(x, bool) or type(x).__name__ in ("bool", "bool_") or (
+        isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+    try:
+        if not is_bool:
+            return operator.index(x)
+    except TypeError:
+        pass
+    raise ValueError(f"cu_seqlens must hold integers [0, l1, l1+l2, ..., T], got {x!r} ({type(x).__name__}) at "
+                     f"index {i}; pass ints, an integer tensor or an integer numpy array")
 
 
 def cu_seqlens_from_lengths(lengths: Iterable[int]) -> tuple[int, ...]:
