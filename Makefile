@@ -8,7 +8,7 @@ PYTHON ?= python3
 # install your torch first and run `make ... TORCH=` to keep it.
 TORCH ?= torch==2.13.0
 PIP = $(PYTHON) -m pip install --quiet
-# test-floor's venv: torch at its floor comes from PyPI as a CUDA build (about 3 GB with its libraries).
+# test-floor's venv: torch at its floor comes from PyPI as a CUDA build (about 5 GB in the venv with its libraries).
 FLOOR_VENV ?= .venv-floor
 
 .PHONY: train test test-fast test-floor install-train install-test

@@ -17,7 +17,7 @@ __all__ = ["FLOORS", "TESTED", "parse_version", "installed_version", "require_ve
 
 # The lowest release of each that the code supports and ``make test-floor`` tests.
 FLOORS: dict[str, str] = {
-    "torch": "2.6.0",
+    "torch": "2.9.1",
     "transformers": "5.0.0",
     "accelerate": "1.10.0",
     "trl": "1.0.0",

@@ -14,7 +14,6 @@ import functools
 
 import torch
 
-from ..versions import parse_version
 from .base import KernelBase, MaskCache, pad_last, positive_scale
 from .dtypes import FLOAT_DTYPES
 
@@ -27,22 +26,6 @@ def _to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 _additive = MaskCache(_to_additive).get
-
-# The op reads GQA/MQA K/V (fewer heads than Q) from torch 2.9 on; before, it returns NaN forward and corrupts
-# memory backward, so older releases get K/V repeated to Q's heads and dK/dV summed back over each group.
-_NATIVE_GQA = parse_version(torch.__version__) >= (2, 9)
-
-
-def _q_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``x`` [B, S, Hkv, D] with its heads repeated to ``heads`` (each K/V head serves a group of Q heads)."""
-    return x if _NATIVE_GQA or x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
-
-
-def _kv_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
-    """A gradient [B, S, H, D] over repeated heads, summed back to ``heads`` K/V heads."""
-    if grad.shape[2] == heads:
-        return grad
-    return grad.unflatten(2, (heads, grad.shape[2] // heads)).sum(3)
 
 # Causal squares of these sizes run as row chunks. Below its 512-key block the op skips no keys for
 # a causal mask, so a causal square costs as much as a full one; chunk i of m (rows a:b) against
@@ -104,7 +87,6 @@ class CpuFlashKernel(KernelBase):
         q, scale, _ = positive_scale(q, scale)
         d = max(q.shape[-1], v.shape[-1])
         dv = v.shape[-1]
-        k, v = _q_heads(k, q.shape[2]), _q_heads(v, q.shape[2])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             pad_last(q, d).transpose(1, 2), pad_last(k, d).transpose(1, 2), pad_last(v, d).transpose(1, 2),
             0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale,
@@ -116,12 +98,9 @@ class CpuFlashKernel(KernelBase):
         dqk, dvd = q.shape[-1], v.shape[-1]
         d = max(dqk, dvd)
         t = lambda x: pad_last(x, d).transpose(1, 2)  # noqa: E731
-        kv_heads = k.shape[2]
-        k, v = _q_heads(k, q.shape[2]), _q_heads(v, q.shape[2])
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             t(dout.to(q.dtype)), t(q), t(k), t(v), t(out.to(q.dtype)), lse, 0.0, causal,
             attn_mask=_additive(mask, q.dtype), scale=scale,
         )
         dq = dq.transpose(1, 2)[..., :dqk]
-        dk, dv = _kv_heads(dk.transpose(1, 2)[..., :dqk], kv_heads), _kv_heads(dv.transpose(1, 2)[..., :dvd], kv_heads)
-        return (dq if sign > 0 else -dq), dk, dv
+        return (dq if sign > 0 else -dq), dk.transpose(1, 2)[..., :dqk], dv.transpose(1, 2)[..., :dvd]

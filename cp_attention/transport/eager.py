@@ -11,7 +11,6 @@ later calls replay. So each public entry point is wrapped by :func:`eager_only`:
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -22,8 +21,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 EAGER_REASON = ("context-parallel attention talks to the other ranks and decides on the host (agreement checks, "
                 "plans, collectives), so it runs eagerly: a graph break under torch.compile; see docs/guides/compile.md")
-# torch.compiler.disable takes a reason from torch 2.7 on; before, fullgraph's error names the function only.
-_TAKES_REASON = "reason" in inspect.signature(torch.compiler.disable).parameters
 
 
 def eager_only(fn: F) -> F:
@@ -36,6 +33,4 @@ def eager_only(fn: F) -> F:
     would with torch's lazy variant). Outside compilation a call costs about a microsecond more and
     never syncs with the device.
     """
-    if not _TAKES_REASON:
-        return torch.compiler.disable(fn)
     return torch.compiler.disable(fn, reason=EAGER_REASON)

@@ -51,7 +51,7 @@ NOT_RUN: dict[str, str] = {
     "make train": f"{_INSTALLS}, then {_TRAIN}",
     "make test": f"{_INSTALLS}, then runs the whole suite",
     "make test-fast": "the fast tier (no dist, slow or gpu mark) of the suite this test (dist) is part of",
-    "make test-floor": f"{_INSTALLS} (every oldest supported version, torch a CUDA build of ~3 GB), then tests",
+    "make test-floor": f"{_INSTALLS} (every oldest supported version, torch a CUDA build of ~5 GB), then tests",
     "python -m pytest": "the whole test suite, this test included",
     # docs/guides/training.md (and README.md)
     "python scripts/train.py": _TRAIN,

@@ -26,6 +26,7 @@ import torch
 
 import cp_attention
 from cp_attention.transport.loopback import LoopbackGroup
+from cp_attention.versions import parse_version
 
 SEQ, VOCAB = 16, 64
 # What a fullgraph compile's error must say: why a context-parallel entry point is a graph break.
@@ -169,6 +170,10 @@ def test_patched_llama_compiled_at_world_size_1():
     _hf_compiled_vs_eager(None, _llama(), _batches()[:1], "aot_eager")  # untouched at world size 1
 
 
+@pytest.mark.skipif(parse_version(torch.__version__) < (2, 13), reason=(
+    "Dynamo compiling in two threads at once (the loopback ring's ranks) fails in torch's own metrics context "
+    "('Metric(s) ... have already been set in the current context') on torch 2.9.1; 2.13 is the first release "
+    "the suite ran it on. Ranks in processes compile on every supported torch (test_compiled_on_gloo_ranks)"))
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
     not _has_cxx(), reason="inductor on CPU needs a C++ compiler (g++, c++ or clang++; $CXX names another)"))])
 def test_patched_llama_compiled_on_loopback(backend):

@@ -33,20 +33,6 @@ SHAPES = [  # (Sq, Sk, H, Hkv, D, Dv, causal)
 @pytest.mark.parametrize("name", ["math", "cpu_flash"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_forward_backward_fp64(name, shape):
-    _check_kernel(name, shape)
-
-
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] != s[3]], ids=str)
-def test_cpu_flash_repeats_kv_heads_where_the_op_has_no_gqa(monkeypatch, shape):
-    """Before torch 2.9 the CPU op has no GQA (NaN forward, corrupt backward): K/V heads are repeated and
-    dK/dV summed back, exactly as the native path (run here on any torch)."""
-    from cp_attention.kernels import cpu_flash
-
-    monkeypatch.setattr(cpu_flash, "_NATIVE_GQA", False)
-    _check_kernel("cpu_flash", shape)
-
-
-def _check_kernel(name, shape):
     sq, sk, h, hkv, d, dv, causal = shape
     g = torch.Generator().manual_seed(sq * 100 + sk)
     # strided inputs: slices along the sequence of a longer tensor, as the ring hands them over
