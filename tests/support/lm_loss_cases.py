@@ -199,11 +199,13 @@ def fsdp_equivalence(rank: int, world_size: int, *, chunk_tokens: int, mode: str
     return {"loss": abs(want.item() - got.item()), "grads": diff, "grad_scale": scale, "value": got.item()}
 
 
-def fsdp_root_only(rank: int, world_size: int, *, chunk_tokens: int) -> dict:
+def fsdp_root_only(rank: int, world_size: int, *, chunk_tokens: int, head_too: bool = False) -> dict:
     """In a gloo worker: plain data parallelism with ``fully_shard`` on the root module alone (no CP, each
     rank its own row, the loss's mean over the world, ``group=None``). Its gradients reach the shards only
     through the hooks on the model's output (FSDP2's root post-backward), which lm_loss must run though it
-    never uses those logits."""
+    never uses those logits. ``head_too``: ``fully_shard`` on the LM head first as well
+    (``reshard_after_forward=False``: its full weight stays after the forward), so the head carries FSDP2's
+    own hooks, which only gather and free its parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -211,7 +213,11 @@ def fsdp_root_only(rank: int, world_size: int, *, chunk_tokens: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world_size,))
     base = model("llama")
-    ref, mine = fully_shard(copy.deepcopy(base), mesh=mesh), fully_shard(copy.deepcopy(base), mesh=mesh)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    for m in (ref, mine):
+        if head_too:
+            fully_shard(m.lm_head, mesh=mesh, reshard_after_forward=False)
+        fully_shard(m, mesh=mesh)
     ids = batch(size=world_size)[rank:rank + 1]  # this rank's row, whole (no CP); the loss's mean spans the world
     local = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None],
              "shift_labels": torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)}
@@ -222,4 +228,5 @@ def fsdp_root_only(rank: int, world_size: int, *, chunk_tokens: int) -> dict:
     sharded = all(type(q.grad).__name__ == "DTensor" for q in mine.parameters())
     diff = max((p.grad.full_tensor() - q.grad.full_tensor()).abs().max().item() if sharded else float("inf")
                for p, q in zip(ref.parameters(), mine.parameters()))
-    return {"loss": abs(want.item() - got.item()), "grads": diff, "sharded": sharded}
+    return {"loss": abs(want.item() - got.item()), "grads": diff, "sharded": sharded,
+            "hooks": len(mine.lm_head._forward_hooks)}

@@ -154,37 +154,9 @@ def test_a_tensor_count_that_is_not_positive_and_finite_is_refused_on_every_rank
         assert f"got {counts[rank]!r} here" in str(e), str(e)
 
 
-def fsdp_on_the_head(rank: int, world_size: int, *, chunk_tokens: int) -> dict:
-    """In a gloo worker: ``fully_shard`` on the LM head (``reshard_after_forward=False``: its full weight
-    stays after the forward) and on the root, each rank its own row. The head then carries FSDP2's own
-    forward hooks, which only gather and free its parameters: lm_loss runs, equal to the full logits' loss."""
-    import copy
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from cp_attention.integrations import huggingface as cphf
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    base = lm_loss_cases.model("llama")
-    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
-    for m in (ref, mine):
-        fully_shard(m.lm_head, mesh=mesh, reshard_after_forward=False)
-        fully_shard(m, mesh=mesh)
-    ids = lm_loss_cases.batch(size=world_size)[rank:rank + 1]
-    local = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None],
-             "shift_labels": torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)}
-    want = cphf.causal_lm_loss(ref(**cphf.model_inputs(local)).logits, local["shift_labels"])
-    want.backward()
-    got = cphf.lm_loss(mine, local, chunk_tokens=chunk_tokens)
-    got.backward()
-    diff = max((p.grad.full_tensor() - q.grad.full_tensor()).abs().max().item()
-               for p, q in zip(ref.parameters(), mine.parameters()))
-    return {"loss": abs(want.item() - got.item()), "grads": diff, "hooks": len(mine.lm_head._forward_hooks)}
-
-
 def test_fsdp2s_own_hooks_on_the_head_are_not_refused(pools):
     """The hooks FSDP2 puts on a head it shards on its own are not the user's: lm_loss runs, exactly."""
-    for rank, r in enumerate(pools(2).run(fsdp_on_the_head, chunk_tokens=3, timeout=180)):
+    runs = pools(2).run(lm_loss_cases.fsdp_root_only, chunk_tokens=3, head_too=True, timeout=180)
+    for rank, r in enumerate(runs):
         assert r["hooks"] >= 1, f"rank {rank}: FSDP2 put no forward hook on the head, the test cannot fail: {r}"
         assert r["loss"] < 1e-10 and r["grads"] < 1e-10, f"rank {rank}: {r}"
