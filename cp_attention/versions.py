@@ -19,8 +19,8 @@ __all__ = ["FLOORS", "TESTED", "parse_version", "installed_version", "require_ve
 FLOORS: dict[str, str] = {
     "torch": "2.9.1",
     "transformers": "5.0.0",
-    "accelerate": "1.10.0",
-    "trl": "1.0.0",
+    "accelerate": "1.4.0",
+    "trl": "1.3.0",
     "megatron-core": "0.16.0",
 }
 # The newest release of each that the suite ran on (``make test`` on CI installs the newest).

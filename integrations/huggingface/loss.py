@@ -23,6 +23,9 @@ through :func:`causal_lm_loss`'s ``group``.
 A head that computes its loss without ``loss_function`` is not caught (none of the supported families
 does; TRL's fused LM head does, and its trainer takes the loss from its log-probabilities and the CP
 Trainer's ``num_items_in_batch`` instead).
+
+:func:`trainer_label_count` is that ``num_items_in_batch`` as the installed transformers' Trainer counts it
+(the rule changed in 5.10), so the CP Trainer divides by what one process divides by.
 """
 
 from __future__ import annotations
@@ -33,12 +36,39 @@ import torch
 
 from cp_attention.transport import is_device_mesh
 from cp_attention.transport.mesh import is_two_level
+from cp_attention.versions import parse_version
 
-__all__ = ["CPModelLoss", "model_loss"]
+__all__ = ["CPModelLoss", "model_loss", "trainer_label_count"]
 
 _IGNORE_INDEX = -100
 _FIX = ("pass the batch from shard_batch through model_inputs, model(**model_inputs(local)), and take the loss as "
         "causal_lm_loss(out.logits, local['shift_labels'], group=...)")
+
+
+# transformers' Trainer counts num_items_in_batch over labels[..., 1:] (the causal LM loss's targets) from 5.10 on;
+# before, over every label, position 0 of each row too: its loss, divided by that count, is that much smaller
+_TRAINER_COUNTS_SHIFTED = (5, 10)
+
+
+def trainer_label_count(trainer: Any, batch: dict) -> torch.Tensor:
+    """The label tokens of ``batch`` (a whole, unsharded batch as the collator made it) that the installed
+    ``transformers.Trainer`` counts for ``num_items_in_batch`` (``_get_num_items_in_batch``), as a 0-d tensor:
+    the value the one process divides its loss by, which the CP Trainer must divide by too.
+
+    transformers < 5.10: every label that is not -100, position 0 of each row included (one more per row
+    than the loss's targets where that label is real); from 5.10: the collator's ``shift_labels`` if it
+    gives them, else ``labels[..., 1:]`` for a loss that shifts the labels (the Trainer's
+    ``_loss_shifts_labels``), else every label. Raises ``AttributeError`` if a transformers >= 5.10 Trainer
+    has no ``_loss_shifts_labels`` (its rule changed again: this function must learn it)."""
+    import transformers
+
+    labels = batch["labels"]
+    if parse_version(transformers.__version__) >= _TRAINER_COUNTS_SHIFTED:
+        if "shift_labels" in batch:
+            labels = batch["shift_labels"]
+        elif trainer._loss_shifts_labels:
+            labels = labels[..., 1:]
+    return labels.ne(_IGNORE_INDEX).sum()
 
 
 def _causal_lm_base() -> Callable:

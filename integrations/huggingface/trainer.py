@@ -7,9 +7,10 @@ The Trainer stays in charge of everything it does; the subclass changes five thi
   shard, re-pointed from the world to dp), so every CP rank of a dp group draws the same batch;
   :func:`shard_batch` then takes this rank's share and agrees a fingerprint of it across the CP group;
 - **the loss's token count**: each optimizer step's ``num_items_in_batch`` is counted from the
-  sharded ``shift_labels`` and summed over the world (one all-reduce, as the Trainer's own gather),
-  so the Trainer's own loss (``sum / num_items_in_batch``, times the world size that DDP's average
-  divides by again) weighs every label token of the global batch alike. The model gets
+  unsharded batches as the installed Trainer counts them (:func:`.loss.trainer_label_count`: before
+  transformers 5.10 position 0 of each row too) and summed over the dp groups (one all-reduce, as the
+  Trainer's own gather), so the Trainer's own loss (``sum / num_items_in_batch``, times the world size
+  that DDP's average divides by again) is one process's on the global batch. The model gets
   ``labels=shift_labels`` and ``shift_labels``: transformers' loss and TRL's fused head then do not
   shift again. The same all-reduce counts each batch's real tokens for TRL's ``num_tokens`` (TRL's own
   count would include the layout's padding);
@@ -45,12 +46,15 @@ import torch
 import cp_attention as cpa
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import transport_for
+from cp_attention import versions
 
 from .attention import apply_context_parallel, gather_sequence
 from .batch import model_inputs, shard_batch
 from .lm_loss import head_kind, lm_loss
+from .loss import trainer_label_count
 from .savers import check_savers, save_memory
-from .trainer_eval import EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, world_gathers
+from .trainer_eval import (EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, unpack_logits,
+                           world_gathers)
 
 __all__ = ["context_parallel_trainer"]
 
@@ -59,14 +63,16 @@ def _refusals(trainer, cp_size: int, world: int) -> None:
     """What a CP Trainer cannot honour exactly; raised before any communication (the same on every
     rank: the Trainer's arguments are)."""
     args = trainer.args
-    theirs = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
-    if trainer.cp_activation_checkpointing and theirs:
+    # transformers 5.23 renamed gradient_checkpointing (an alias since) to activation_checkpointing
+    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    if trainer.cp_activation_checkpointing and getattr(args, name, None):
         raise ValueError(f"cp_activation_checkpointing={trainer.cp_activation_checkpointing!r} and the Trainer's own "
-                         "activation_checkpointing=True (gradient_checkpointing) both checkpoint the decoder layers, "
-                         "and the Trainer's, switched on when train() starts, would replace ours: set one of them "
-                         "(cp_activation_checkpointing='offload' holds the saved inputs in CPU memory with no host "
-                         "syncs; TrainingArguments(activation_checkpointing=False) to use it)")
-    if cp_size > 1 and trainer.cp_loss_chunk_tokens is not None and trainer._base_loss_is_the_trainers():
+                         f"{name}=True both checkpoint the decoder layers, and the Trainer's, switched on when "
+                         "train() starts, would replace ours: set one of them (cp_activation_checkpointing='offload' "
+                         f"holds the saved inputs in CPU memory with no host syncs; TrainingArguments({name}=False) "
+                         "to use it)")
+    chunked = trainer.cp_loss_chunk_tokens is not None and trainer._base_method_is_the_trainers("compute_loss")
+    if cp_size > 1 and chunked:
         try:  # lm_loss applies the head only as the forwards it has read do: refused now, not at the first step
             head_kind(trainer.model)
         except NotImplementedError as e:
@@ -89,6 +95,11 @@ def _refusals(trainer, cp_size: int, world: int) -> None:
     if args.n_gpu > 1:
         raise NotImplementedError("torch.nn.DataParallel (n_gpu > 1 in one process) cannot run context parallelism; "
                                   "run one process per GPU under torchrun")
+
+
+def _is_trls(cls: Any) -> bool:
+    """Whether ``cls`` is one of TRL's classes or a subclass of one (TRL is not imported to tell)."""
+    return any(c.__module__.partition(".")[0] == "trl" for c in getattr(cls, "__mro__", ()))
 
 
 def _shard_over_dp(loader, dp: int, dp_rank: int):
@@ -129,8 +140,14 @@ def context_parallel_trainer(base: type) -> type:
     apply (where it would run: pass ``cp_loss_chunk_tokens=None``), label
     smoothing, ``compute_loss_func``, a model whose forward takes no loss kwargs or ``n_gpu > 1``;
     ``evaluate``/``predict`` raise ``NotImplementedError`` where the eval loader's repeated examples
-    cannot be told apart (see :mod:`.trainer_eval`).
+    cannot be told apart (see :mod:`.trainer_eval`). Raises ``RuntimeError`` first, before anything else, for a
+    transformers, accelerate or (for a TRL trainer) TRL older than ``cp_attention.versions.FLOORS``.
     """
+    what = "cp_attention's CP Trainer (context_parallel_trainer)"
+    for package in ("transformers", "accelerate"):
+        versions.require_version(package, what)
+    if _is_trls(base):
+        versions.require_version("trl", what)
     from transformers import Trainer
 
     if not (isinstance(base, type) and issubclass(base, Trainer)):
@@ -229,13 +246,13 @@ class _ContextParallelMixin:
         # TRL's SFTTrainer counts the tokens it trains on; counted once shard_batch has checked the batches
         tokens = [_real_tokens(b) for b in full] if refused is None and hasattr(self, "_total_train_tokens") else None
         counting = refused is None and bool(batches) and "labels" in batches[0] and self.model_accepts_loss_kwargs
-        # [this rank's label tokens, whether its batch was refused, each batch's real tokens] summed over the
-        # world, in the one collective the Trainer's own count takes: a refusal stops every rank, none waits
-        # in DDP's all-reduce
+        # [the dp group's label tokens as one process's Trainer counts them (on each of its CP ranks), whether its
+        # batch was refused, each batch's real tokens] summed over the world, in the one collective the Trainer's
+        # own count takes: a refusal stops every rank, none waits in DDP's all-reduce
         stats = torch.zeros(2 + num_batches, dtype=torch.int64, device=device)
         if counting:
-            stats[0] = sum((b["shift_labels"] != -100).sum() for b in batches)
-        local_count = stats[0].clone()
+            stats[0] = sum(trainer_label_count(self, b) for b in full)
+        group_count = stats[0].clone()
         stats[1] = refused is not None
         if tokens:
             stats[2:2 + len(tokens)] = torch.stack([t.to(device) for t in tokens])
@@ -247,10 +264,9 @@ class _ContextParallelMixin:
         if not counting:
             return batches, None
         if self.args.average_tokens_across_devices:  # the Trainer then multiplies the loss by the world size
-            return batches, stats[0]
+            return batches, stats[0] // self.cp_size  # each dp group's count once
         # each dp group's token mean, times cp (DDP averages over dp x cp ranks): the group's count / cp
-        transport_for(self._cp_group).all_reduce_sum_(local_count)
-        return batches, local_count / self.cp_size
+        return batches, group_count / self.cp_size
 
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The Trainer's own loss through :func:`lm_loss` in chunks (see :meth:`_chunked_loss`: the same
@@ -287,15 +303,24 @@ class _ContextParallelMixin:
             return False
         if "shift_labels" not in inputs or self.label_smoother is not None or self.compute_loss_func is not None:
             return False
-        return self._base_loss_is_the_trainers()
+        return self._base_method_is_the_trainers("compute_loss")
 
-    def _base_loss_is_the_trainers(self) -> bool:
-        """Whether the base's ``compute_loss`` is ``transformers.Trainer``'s own (not TRL's, not a subclass's)."""
+    def _base_method_is_the_trainers(self, method: str) -> bool:
+        """Whether the base's ``method`` is ``transformers.Trainer``'s own (not TRL's, not a subclass's)."""
         from transformers import Trainer
 
         mro = type(self).__mro__
-        owner = next(c for c in mro[mro.index(_ContextParallelMixin) + 1:] if "compute_loss" in vars(c))
+        owner = next(c for c in mro[mro.index(_ContextParallelMixin) + 1:] if method in vars(c))
         return owner is Trainer
+
+    def _eval_count_is_the_trainers(self) -> bool:
+        """Whether one process's evaluation divides the loss by the Trainer's count (its ``prediction_step``,
+        which TRL's SFTTrainer before 1.15 calls) or by the loss's own targets (TRL's from 1.15, which hands
+        ``compute_loss`` no count; a subclass's own)."""
+        if self._base_method_is_the_trainers("prediction_step"):
+            return True
+        trl = versions.installed_version("trl") if _is_trls(type(self)) else None
+        return trl is not None and versions.parse_version(trl) < (1, 15)
 
     # ---------------------------------------------------------------------------- evaluation
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None):
@@ -313,20 +338,24 @@ class _ContextParallelMixin:
         except (ValueError, NotImplementedError, TypeError) as e:
             refused = e
         labelled = local is not None and "labels" in local
-        if labelled and real is not None and real[self._dp_rank] == 0:  # a filler batch: no token of it counts
+        filler = real is not None and real[self._dp_rank] == 0
+        if labelled and filler:  # no token of it counts
             local["labels"] = local["shift_labels"] = torch.full_like(local["shift_labels"], -100)
-        # [this rank's label tokens, whether its batch was refused] summed over the world
-        stats = torch.zeros(2, dtype=torch.int64, device=self.args.device)
-        if labelled:
-            stats[0] = (local["shift_labels"] != -100).sum()
-        stats[1] = refused is not None
+        # [the dp group's label tokens as the Trainer's prediction_step counts them (on every CP rank of the
+        # group), this rank's loss targets, whether its batch was refused] summed over the world
+        stats = torch.zeros(3, dtype=torch.int64, device=self.args.device)
+        if labelled and not filler:
+            stats[0], stats[1] = trainer_label_count(self, inputs), (local["shift_labels"] != -100).sum()
+        stats[2] = refused is not None
         transport_for(None).all_reduce_sum_(stats)
-        _stop_if_refused(refused, int(stats[1]))
+        _stop_if_refused(refused, int(stats[2]))
         loss = outputs = None
         if labelled:
+            # what one process divides by (the Trainer's count or the loss's targets: see the method)
+            count = stats[0] // self.cp_size if self._eval_count_is_the_trainers() else stats[1]
             with torch.no_grad(), self.compute_loss_context_manager():
                 result = self.compute_loss(model, local, return_outputs=not prediction_loss_only,
-                                           num_items_in_batch=stats[0])
+                                           num_items_in_batch=count)
             loss, outputs = (result, None) if prediction_loss_only else result
             # Each rank's loss is its share's sum over the step's count (times the world size the base
             # multiplies by for DDP's average when averaging tokens across devices): sum the shares
@@ -341,7 +370,7 @@ class _ContextParallelMixin:
                 outputs = model(**local)
         full = gather_sequence(outputs["logits"], group=self._cp_group, layout=self.cp_layout,
                                cu_seqlens=local.get("cu_seq_lens_q"))
-        return loss, _unpack(full, inputs), inputs.get("labels")
+        return loss, unpack_logits(full, inputs), inputs.get("labels")
 
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: Optional[bool] = None,
                         ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"):
@@ -383,18 +412,3 @@ def _real_tokens(batch: dict) -> torch.Tensor:
     token of a padding-free batch (the layout's padding comes later, in shard_batch)."""
     mask = batch.get("attention_mask")
     return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel())
-
-
-def _unpack(stream: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Gathered logits ``[1, T, ...]`` of :func:`shard_batch`'s packed row (or ``[b, s, ...]``, unpacked)
-    back to the batch's ``[b, s, ...]``: padding (``attention_mask`` zeros) filled with zeros."""
-    b, s = batch["input_ids"].shape
-    if stream.shape[:2] == (b, s):
-        return stream
-    mask = batch.get("attention_mask")
-    if mask is None or bool(mask.all()):
-        return stream[0, : b * s].reshape(b, s, *stream.shape[2:])
-    out = stream.new_zeros(b, s, *stream.shape[2:])
-    real = mask.bool()
-    out[real] = stream[0, : int(real.sum())]  # rows of real tokens, in order, are the stream's start
-    return out

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 __all__ = ["EvalBatches", "EvalSteps", "fill_eval_loader", "gather_real_rows", "world_gathers",
-           "refuse_rows_not_examples"]
+           "refuse_rows_not_examples", "unpack_logits"]
 
 
 class EvalBatches:
@@ -161,3 +161,18 @@ def world_gathers(accelerator) -> Iterator[None]:
             accelerator.gather_for_metrics = saved
         else:
             del accelerator.gather_for_metrics  # the class's method again
+
+
+def unpack_logits(stream: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Gathered logits ``[1, T, ...]`` of :func:`shard_batch`'s packed row (or ``[b, s, ...]``, unpacked)
+    back to the batch's ``[b, s, ...]``: padding (``attention_mask`` zeros) filled with zeros."""
+    b, s = batch["input_ids"].shape
+    if stream.shape[:2] == (b, s):
+        return stream
+    mask = batch.get("attention_mask")
+    if mask is None or bool(mask.all()):
+        return stream[0, : b * s].reshape(b, s, *stream.shape[2:])
+    out = stream.new_zeros(b, s, *stream.shape[2:])
+    real = mask.bool()
+    out[real] = stream[0, : int(real.sum())]  # rows of real tokens, in order, are the stream's start
+    return out

@@ -81,11 +81,27 @@ def examples(seq: int, varied: bool, seed: int = 5) -> list:
     return out
 
 
+def has_argument(name: str) -> bool:
+    """Whether the installed transformers' ``TrainingArguments`` takes ``name``."""
+    import dataclasses
+
+    import transformers as tf
+
+    return any(f.name == name for f in dataclasses.fields(tf.TrainingArguments))
+
+
+def sequential_sampling() -> dict:
+    """The TrainingArguments for sequential training batches: ``train_sampling_strategy`` from transformers 5.2;
+    before it, none: the Trainer's random sampler, which accelerate seeds alike in one process and on every
+    rank (the same permutation: each global batch holds the same examples either way)."""
+    return {"train_sampling_strategy": "sequential"} if has_argument("train_sampling_strategy") else {}
+
+
 def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, steps: int, cp: int, layout: str,
              eval_dataset=None, save_steps: int = 0, average_tokens: bool = True, cp_comm_type: str = "p2p",
-             savers: "dict | None" = None):
+             savers: "dict | None" = None, packing: bool = True):
     """The Trainer of ``kind`` (``trainer``: default collator; ``flatten``: DataCollatorWithFlattening;
-    ``sft``: SFTTrainer with packing), CP when ``cp`` > 1 (with the CP Trainer's memory arguments
+    ``sft``: SFTTrainer, with ``packing`` or padded rows), CP when ``cp`` > 1 (with the CP Trainer's memory arguments
     ``savers``); sequential sampling, constant-lr SGD."""
     import transformers as tf
 
@@ -94,16 +110,16 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
     common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
                   gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5, lr_scheduler_type="constant",
                   optim="sgd", weight_decay=0.0, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True,
-                  train_sampling_strategy="sequential", seed=0, save_strategy="steps" if save_steps else "no",
-                  save_steps=save_steps or 500, dataloader_num_workers=0, disable_tqdm=True,
-                  average_tokens_across_devices=average_tokens)
+                  seed=0, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+                  dataloader_num_workers=0, disable_tqdm=True, average_tokens_across_devices=average_tokens,
+                  **sequential_sampling())
     extra = {"cp_size": cp, "cp_layout": layout, "cp_comm_type": cp_comm_type, **(savers or {})} if cp > 1 else {}
     if kind == "sft":
         import datasets
         import trl
 
         base = trl.SFTTrainer
-        args = trl.SFTConfig(**common, bf16=False, packing=True, max_length=SEQ)
+        args = trl.SFTConfig(**common, bf16=False, packing=packing, max_length=SEQ)
         ds = datasets.Dataset.from_list([{"input_ids": e["input_ids"]} for e in dataset.examples])  # SFT labels: all
         tokenizer = id_tokenizer(VOCAB, pad_id=VOCAB - 2, eos_id=VOCAB - 1)
         kwargs = dict(args=args, train_dataset=ds, processing_class=tokenizer,
@@ -178,19 +194,22 @@ def evaluate_refused(rank: int, world_size: int, *, cp: int) -> str:
     return "nothing raised"
 
 
-def sft_metrics(rank: int, world_size: int, *, cp: int, batch: int, eval_rows: int, steps: int = 2) -> dict:
-    """TRL's SFTTrainer with packing: ``steps`` training steps, then ``evaluate()`` on ``eval_rows`` held-out
-    examples (packed too); every rank's logged training metrics and evaluation metrics."""
+def sft_metrics(rank: int, world_size: int, *, cp: int, batch: int, eval_rows: int, steps: int = 2,
+                packing: bool = True) -> dict:
+    """TRL's SFTTrainer with ``packing`` (else padded rows): ``steps`` training steps, then ``evaluate()`` on
+    ``eval_rows`` held-out examples (packed too); every rank's logged training metrics and evaluation metrics."""
     model = build("qwen2")
     model.config.use_cache = False
     data = Rows(examples(SEQ, varied=True))
     held_out = Rows([{"input_ids": e["input_ids"]} for e in examples(SEQ, varied=True, seed=9)[:eval_rows]])
     with torchrun_env(rank, world_size), tempfile.TemporaryDirectory() as out:
         trainer = _trainer("sft", model, data, out, batch=batch, accum=1, steps=steps, cp=cp, layout="zigzag",
-                           eval_dataset=held_out)
+                           eval_dataset=held_out, packing=packing)
         trainer.train()
-        logged = [log for log in trainer.state.log_history if "loss" in log]
-        metrics = trainer.evaluate()
+        trainer.evaluate()
+    # What TRL logs: some versions (1.0) log their metrics without adding them to evaluate()'s result
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    metrics = next(log for log in reversed(trainer.state.log_history) if "eval_loss" in log)
     return {"train": logged, "eval": metrics}
 
 
