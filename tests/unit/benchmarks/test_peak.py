@@ -49,8 +49,10 @@ def _tiny_llama(checkpointing: bool):
                       num_attention_heads=4, num_key_value_heads=2, use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).train()
-    if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # the adapter's own switch: activation_ or gradient_checkpointing_enable by version
+        from cp_attention.integrations.huggingface.savers import checkpoint_activations
+
+        checkpoint_activations(model)
     return model
 
 
