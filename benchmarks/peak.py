@@ -84,7 +84,13 @@ def module_scopes(model: torch.nn.Module) -> Iterator[None]:
         if stack:
             stack.pop().__exit__(None, None, None)
 
+    # No hooks on the LM head: lm_loss applies the head itself and refuses hooks it cannot run. Its
+    # allocations then fall in the root's scope, which term_of maps to "logits/loss" as it does "lm_head".
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     for name, module in model.named_modules():
+        if module is head:
+            continue
         handles.append(module.register_forward_pre_hook(pre(name)))
         handles.append(module.register_forward_hook(post, always_call=True))
     try:
