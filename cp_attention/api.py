@@ -123,8 +123,11 @@ def ring_attention(
         layout: name or :class:`Layout` the caller used to shard q, k and v.
         causal: causal mask over GLOBAL positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
-        kernel: ``"auto"`` (the fastest kernel for the device, dtype and head dim), ``"cpu_flash"`` (alias
-            ``"sdpa"``), ``"flash"``, ``"flash_attn"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
+        kernel: ``"auto"`` (each block on the fastest kernel that takes it, by the declared table of
+            :mod:`cp_attention.kernels.choice`: cuDNN for dense blocks from sm90 on, flash's varlen op for
+            packed documents, its own windows), ``"cpu_flash"`` (alias ``"sdpa"``), ``"flash"``,
+            ``"flash_attn"``, ``"efficient"``, ``"cudnn"`` or ``"math"``. A named kernel runs every block,
+            so one that would be given a block it refuses (cuDNN and a one-token side) raises.
         return_lse: also return the log-sum-exp, which is differentiable like ``out`` (a bool, the same on
             every rank: an all-to-all strategy sends it back only when asked).
         sinks: ``[heads]``, one learned logit per query head added to every softmax denominator

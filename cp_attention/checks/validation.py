@@ -20,6 +20,7 @@ from ..layouts.registry import get_layout, layout_names
 from ..transport.base import Transport
 from ..transport.comm_types import CP_COMM_TYPES
 from .agreement import VERDICTS, cache_enabled, digests_agree
+from .blocks import named_kernel_problem
 from ..transport.codec import Codec, agree_rows, decode_text, raise_differing, raise_first
 # the rows this module judges: encoded by .signature, re-exported here where they have always been
 from .signature import (CALL_FIELDS, GATHERED_FIELDS, PLAN_FIELDS, TENSOR_FIELDS, _DEVICE_TYPES, _NOT_A_TENSOR,
@@ -258,6 +259,15 @@ def check_table(rows: list[dict], layout: "Layout | None" = None) -> None:
     except ValueError as e:
         raise ValueError(f"ring_attention: local sequence length {sq} x world_size {world_size} = "
                          f"{sq * world_size} tokens: {e}") from None
+    c = specs[0]
+    if KERNEL_NAMES[c.kernel] != "auto":
+        kernel = get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype],
+                            softcap=c.softcap > 0, mask=c.window != (-1, -1), head_dim=c.shapes[0][3],
+                            v_head_dim=c.shapes[2][3])
+        problem = named_kernel_problem(KERNEL_NAMES[c.kernel], kernel, layout, bool(c.causal), world_size, sq,
+                                       bool(c.documents), c.window != (-1, -1), CP_COMM_TYPES[c.comm_type])
+        if problem is not None:
+            raise ValueError(f"ring_attention: {problem}")
 
 
 def validate_call(sig: list[int], layout: "Layout | None", transport: Transport, in_forward: bool = False,

@@ -4,12 +4,11 @@ the same tasks with K/V from elsewhere."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels.base import AttentionKernel
+from ..kernels.base import AttentionKernel, band_mask
 from ..schedules.blocks import BlockTask
 from .merge import merge_at, merge_block
 
@@ -90,17 +89,11 @@ def merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "sl
     return out, lse
 
 
-@functools.lru_cache(maxsize=256)
-def band_mask(rows: int, cols: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-    """``[1, rows, cols]`` bool: query ``i`` may see key ``b`` iff ``lo <= b - i <= hi`` (cached, so
-    kernels that convert masks do it once)."""
-    offset = torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
-    return ((offset >= lo) & (offset <= hi))[None]
-
-
 def _block_kwargs(settings: KernelSettings, t: BlockTask, q: torch.Tensor) -> dict:
     if t.band is None:
         return settings.kernel_kwargs
+    if settings.kernel.supports_band:  # the kernel's own window: no mask in memory
+        return {**settings.kernel_kwargs, "band": t.band}
     mask = band_mask(t.q_stop - t.q_start, t.kv_stop - t.kv_start, *t.band, q.device)
     return {**settings.kernel_kwargs, "mask": mask}
 

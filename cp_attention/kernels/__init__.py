@@ -8,13 +8,19 @@
 | ``efficient`` | CUDA | fp16, bf16, fp32 | ``aten._efficient_attention_forward/backward`` (any head dim, masks) |
 | ``cudnn`` | CUDA | fp16, bf16 | ``aten._scaled_dot_product_cudnn_attention(_backward)`` (head dim <= 128) |
 | ``math`` | any | all float | plain PyTorch, the reference |
+
+``auto`` routes each block to the fastest kernel that takes it, by the declared table in
+:mod:`.choice` (cuDNN for dense blocks from sm90 on, FA2's varlen op for packed documents, FA2's
+native windows, ...).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._cuda import device_capability
 from .base import AttentionKernel, KernelBase, accumulation_dtype
+from .choice import AUTO_TABLE, BLOCK_KINDS, KernelChoice, table_row
 from .cpu_flash import CpuFlashKernel
 from .cuda_cudnn import CudnnKernel
 from .cuda_efficient import EfficientKernel
@@ -24,7 +30,7 @@ from .reference import MathKernel
 
 SdpaCpuKernel = CpuFlashKernel  # the old class name (``cp_attention.kernels.sdpa`` is gone)
 
-__all__ = ["AttentionKernel", "KernelBase", "accumulation_dtype", "check_kernel_name", "CpuFlashKernel",
+__all__ = ["AUTO_TABLE", "AttentionKernel", "BLOCK_KINDS", "KernelBase", "KernelChoice", "accumulation_dtype", "check_kernel_name", "CpuFlashKernel",
            "CudnnKernel", "EfficientKernel", "FlashAttnKernel", "FlashKernel", "get_kernel", "KERNEL_NAMES", "MathKernel",
            "resolve_kernel_name", "SdpaCpuKernel"]
 
@@ -32,10 +38,6 @@ _KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
     CpuFlashKernel(), FlashKernel(), FlashAttnKernel(), EfficientKernel(), CudnnKernel(), MathKernel())}
 # Old names still accepted; each resolves to the kernel it names.
 _ALIASES: dict[str, str] = {"sdpa": "cpu_flash"}
-# "auto" tries these in order: fastest first, the reference last. On CUDA with fp16/bf16, PyTorch's
-# flash comes first (the package's FA2 runs the same algorithm; it is picked for softcap); cuDNN is
-# after the memory-efficient op, so auto never picks it today: decide by measurement on Hopper.
-_AUTO_ORDER = ("cpu_flash", "flash", "flash_attn", "efficient", "cudnn", "math")
 # Every accepted name, aliases included: validation encodes a kernel as an index into this tuple.
 KERNEL_NAMES: tuple[str, ...] = ("auto", *_KERNELS, *_ALIASES)
 
@@ -63,37 +65,41 @@ def _shape_ok(kernel: AttentionKernel, head_dim: "int | None", v_head_dim: "int 
 def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, softcap: bool = False,
                mask: bool = False, head_dim: "int | None" = None, v_head_dim: "int | None" = None
                ) -> AttentionKernel:
-    """The kernel called ``name`` ("auto" = the fastest that supports ``device``, ``dtype`` and, with
-    ``softcap``, logit softcapping, with ``mask``, masked blocks (sliding windows), and with
-    ``head_dim``/``v_head_dim`` (None: not considered), q/k and v head dims of that size).
-    Needs no CUDA: ``get_kernel("auto", "cuda", torch.bfloat16)`` resolves on any machine.
+    """The kernel called ``name`` for ``device`` and ``dtype``, with ``softcap`` logit softcapping, with
+    ``mask`` sliding windows, and q/k and v head dims ``head_dim``/``v_head_dim`` (None: not considered).
+
+    ``"auto"`` returns a :class:`~cp_attention.kernels.choice.KernelChoice`: each block runs on the
+    fastest kernel of :data:`~cp_attention.kernels.choice.AUTO_TABLE` that takes it (its ``picks`` name
+    them per block kind). Needs no CUDA: ``get_kernel("auto", "cuda", torch.bfloat16)`` resolves on any
+    machine (as the newest GPU row until CUDA is initialised).
 
     Raises ``ValueError`` for an unknown name, or a kernel that does not support the device, dtype,
-    softcapping, masks or head dims (the message names one that does).
+    softcapping, windows or head dims (the message names one that does).
     """
     device = torch.device(device)
 
     def fits(kernel: AttentionKernel) -> bool:
         return (kernel.supports(device, dtype) and (not softcap or kernel.supports_softcap)
-                and (not mask or kernel.supports_mask) and _shape_ok(kernel, head_dim, v_head_dim))
+                and _shape_ok(kernel, head_dim, v_head_dim))
+
+    def windowed(kernel: AttentionKernel) -> bool:
+        return not mask or kernel.supports_mask or kernel.supports_band
 
     if name == "auto":
-        for n in _AUTO_ORDER:
-            if fits(_KERNELS[n]):
-                return _KERNELS[n]
-        raise ValueError(f"no attention kernel supports device {device.type} with dtype {dtype}"
-                         + (" and softcap" if softcap else "") + (" and sliding windows" if mask else ""))
+        return KernelChoice(_KERNELS, device, dtype, softcap, head_dim, v_head_dim, fits)
     kernel = _KERNELS[resolve_kernel_name(name)]
-    able = next((n for n in _AUTO_ORDER if fits(_KERNELS[n])), "math")
+    row = table_row(device, dtype, device_capability(device))
+    able = next((n for n in row.order("window" if mask else "causal")
+                 if fits(_KERNELS[n]) and windowed(_KERNELS[n])), "math")
     if not kernel.supports(device, dtype):
         raise ValueError(
             f"kernel {name!r} does not support device {device.type} with dtype {dtype} (on this GPU); "
             f"use kernel={able!r} (or kernel='auto')"
         )
-    if not fits(kernel):
+    if not (fits(kernel) and windowed(kernel)):
         if softcap and not kernel.supports_softcap:
             problem = "cannot apply softcap"
-        elif mask and not kernel.supports_mask:
+        elif not windowed(kernel):
             problem = "cannot apply sliding windows (masks)"
         else:
             problem = f"does not take head dim {head_dim}" + (f" with v head dim {v_head_dim}" if v_head_dim else "")

@@ -11,6 +11,7 @@ Nothing here assumes a CPU: a kernel declares the devices and dtypes it supports
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, Protocol, runtime_checkable
 
@@ -18,8 +19,8 @@ import torch
 
 import torch.nn.functional as F
 
-__all__ = ["AttentionKernel", "KernelBase", "MaskCache", "accumulation_dtype", "pad_last", "positive_scale",
-           "unit_stride"]
+__all__ = ["AttentionKernel", "KernelBase", "MaskCache", "accumulation_dtype", "band_mask", "pad_last",
+           "positive_scale", "unit_stride"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,6 +70,14 @@ class AttentionKernel(Protocol):
     # True if the kernel has ``forward_varlen``/``backward_varlen`` (variable-length batches of packed
     # documents, one call per mask kind) for the head dims :meth:`supports_shape` takes.
     supports_varlen: bool
+    # True if forward and backward take ``band=(lo, hi)`` (query i sees key j iff lo <= j - i <= hi)
+    # natively, instead of a materialised mask (flash's window_size_left/right).
+    supports_band: bool
+
+    def block_refusal(self, sq: int, sk: int, causal: bool) -> "str | None":
+        """Why the kernel cannot run a ``[Sq, Sk]`` block (causal: top-left), or None if it can. Judged from
+        host ints only: the plan asks once per block shape, so a refused block goes to the next kernel."""
+        ...
 
     def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
         """Whether the kernel takes these q/k and v head dims; ``get_kernel(..., head_dim=...)`` consults it."""
@@ -104,10 +113,15 @@ class KernelBase:
     supports_softcap: bool = False
     supports_mask: bool = False
     supports_varlen: bool = False
+    supports_band: bool = False
 
     def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
         """Every head dim, unless the kernel says otherwise."""
         return True
+
+    def block_refusal(self, sq: int, sk: int, causal: bool) -> "str | None":
+        """Every block shape, unless the kernel says otherwise."""
+        return None
 
 
 class MaskCache:
@@ -130,3 +144,11 @@ class MaskCache:
         if dtype not in per_dtype:
             per_dtype[dtype] = self._build(mask, dtype)
         return per_dtype[dtype]
+
+
+@functools.lru_cache(maxsize=256)
+def band_mask(rows: int, cols: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """``[1, rows, cols]`` bool: query ``i`` may see key ``b`` iff ``lo <= b - i <= hi`` (cached, so
+    kernels that convert masks do it once)."""
+    offset = torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+    return ((offset >= lo) & (offset <= hi))[None]

@@ -19,7 +19,16 @@ cuDNN's ``set_causal_mask``; its alignment for Sq != Sk is not relied on). ``out
 get identical strides (cuDNN < 9.5.1 assumes it). The backward's ``attn_bias``/``cum_seq_q/k`` are
 None (undefined: the dense path) and the dropout seed/offset valid int64 zeros (read only with dropout).
 
-Registered, but ``auto`` does not prefer it over ``flash``: decide by measurement on Hopper.
+Refusals (:meth:`~cp_attention.kernels._cuda.FusedKernel.block_refusal`, ``min_block = 2``): cuDNN
+rejects one-token blocks (``cuDNN Frontend error: s_q = s_kv = 1 is not supported``, seen on an H200 in
+``tests/unit/kernels/test_cuda.py``), and its backward gives NaN dK/dV for Sq = 1 with a very negative
+LSE (cudnn-frontend #1072); so a call with a one-token side (a 1-token shard, a zigzag half of one
+token, decode-sized queries) never reaches it: ``auto`` gives such a block to the next kernel of its
+table, and a call that names ``cudnn`` for it is refused before any communication. No mask ever
+reaches it (pytorch #196678: NaN in dQ with an explicit mask when the length is 64 mod 128).
+
+``auto`` prefers it for dense blocks from sm90 on (``kernels.choice``): 0.88-0.98x SDPA forward on
+an H200, against 0.47-0.57x for ``flash``.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class CudnnKernel(FusedKernel):
     dtypes = (torch.float16, torch.bfloat16)
     wide_fallback = EfficientKernel()
     max_head_dim = 128
+    min_block = 2  # no one-token query or key side (see the module docstring)
 
     def _fwd(self, q, k, v, causal, scale):
         b, sq, h, _ = q.shape

@@ -17,7 +17,9 @@ checks both: "this is ensured by padding"), GQA native (dK/dV come back with K/V
 ``[B, H, Sq]`` fp32 natural log; the backward reads it as a contiguous buffer. With no dropout the
 backward never reads ``rng_state`` (as ``torch.nn.attention.varlen`` does, it gets zeros). Causal is
 bottom-right aligned: :class:`~cp_attention.kernels._cuda.FusedKernel` only ever asks for square
-causal blocks.
+causal blocks. Sliding-window bands run natively through ``window_size_left/right`` (same alignment,
+each side clamped to unbounded from Sk on, in both mha_fwd and mha_bwd): ``_cuda.band_pieces`` turns a
+top-left band into calls the clamp cannot break.
 """
 
 from __future__ import annotations
@@ -43,24 +45,33 @@ class FlashKernel(FusedKernel):
     max_head_dim = 256
     # Takes variable-length batches (forward_varlen/backward_varlen) for head dims supports_shape takes.
     supports_varlen = True
+    # Sliding-window bands through the op's window_size_left/right (FusedKernel._band_forward).
+    supports_band = True
 
-    def _fwd(self, q, k, v, causal, scale):
-        return self._op_forward(q, k, v, None, None, q.shape[1], k.shape[1], causal, scale)
+    def _fwd(self, q, k, v, causal, scale, window: "tuple[int, int] | None" = None):
+        return self._op_forward(q, k, v, None, None, q.shape[1], k.shape[1], causal, scale, window)
 
-    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-        return self._op_backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], causal, scale)
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale, window: "tuple[int, int] | None" = None):
+        return self._op_backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], causal, scale, window)
 
     @staticmethod
-    def _op_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    def _window(window: "tuple[int, int] | None") -> dict:
+        # passed only when in use, so calls without a window stay what they were
+        return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+    @staticmethod
+    def _op_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                    window: "tuple[int, int] | None" = None):
         # Dense bshd (cu_q None) or varlen [T, H, D]; head dims padded to one multiple of 8.
         d = round_up(max(q.shape[-1], v.shape[-1]), 8)
         out, lse = _aten._flash_attention_forward(
             pad_head(q, d), pad_head(k, d), pad_head(v, d), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-            scale=scale)[:2]
+            scale=scale, **FlashKernel._window(window))[:2]
         return out[..., :v.shape[-1]], lse
 
     @staticmethod
-    def _op_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    def _op_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                     window: "tuple[int, int] | None" = None):
         dqk, dvd = q.shape[-1], v.shape[-1]
         d = round_up(max(dqk, dvd), 8)
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
@@ -68,7 +79,7 @@ class FlashKernel(FusedKernel):
         dq, dk, dv = _aten._flash_attention_backward(
             pad_head(dout.to(q.dtype), d), pad_head(q, d), pad_head(k, d), pad_head(v, d),
             pad_head(out.to(q.dtype), d), lse.float().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal,
-            rng_state, unused, scale=scale)
+            rng_state, unused, scale=scale, **FlashKernel._window(window))
         return dq[..., :dqk], dk[..., :dqk], dv[..., :dvd]
 
     def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,

@@ -164,8 +164,8 @@ def test_softcap_matches_the_reference(pools, world_size, layout, causal):
 def test_softcap_changes_the_result_and_auto_picks_a_kernel_that_can():
     from cp_attention.kernels import get_kernel
 
-    assert get_kernel("auto", "cpu", torch.float32, softcap=True).name == "math"
-    assert get_kernel("auto", "cpu", torch.float32).name == "cpu_flash"
+    assert get_kernel("auto", "cpu", torch.float32, softcap=True).picks['causal'] == "math"
+    assert get_kernel("auto", "cpu", torch.float32).picks['causal'] == "cpu_flash"
     with pytest.raises(ValueError, match="kernel 'sdpa' cannot apply softcap; use kernel='math'"):  # the old name
         get_kernel("sdpa", "cpu", torch.float32, softcap=True)
     q = torch.randn(1, 8, 2, 16, dtype=torch.float64) * 3

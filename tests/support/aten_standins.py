@@ -77,6 +77,17 @@ def _mask_type(kind: int, sq: int, sk: int, device):
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(0 if kind == 1 else sk - sq)
 
 
+def _flash_allowed(a: dict, causal: bool, sq: int, sk: int):
+    """What a dense flash call lets each query see, as flash_api.cpp's mha_fwd/mha_bwd decide it: a
+    window side >= Sk becomes unbounded (-1), then ``is_causal`` sets the right side to 0; bottom-right
+    aligned."""
+    left, right = a.get("window_size_left"), a.get("window_size_right")
+    left, right = (-1 if w is None or w >= sk else w for w in (left, right))
+    if causal:
+        right = 0
+    return band(sq, sk, left, right)
+
+
 def _scale(a: dict, d: int) -> float:
     return a["scale"] if a["scale"] is not None else d ** -0.5
 
@@ -113,7 +124,7 @@ class AtenStandIns:
         self._flash_checks(q, k, v)
         sq, sk = q.shape[1], k.shape[1]
         causal = a["is_causal"] and sq > 1  # mha_fwd: causal is the same as non-causal for one query row
-        out, lse = attend(q, k, v, _scale(a, q.shape[-1]), band(sq, sk, -1, 0) if causal else None)
+        out, lse = attend(q, k, v, _scale(a, q.shape[-1]), _flash_allowed(a, causal, sq, sk))
         return out.to(q.dtype), lse.float(), torch.zeros(2, dtype=torch.int64), torch.empty(0), torch.empty(0)
 
     def _flash_attention_backward(self, *args, **kwargs):
@@ -128,7 +139,7 @@ class AtenStandIns:
         _require(out.dtype == q.dtype and dout.dtype == q.dtype, "out and dout must have q's dtype")
         _require(lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.is_contiguous(),
                  "softmax_lse is read as a contiguous fp32 [B, H, Sq] buffer")
-        allowed = band(sq, k.shape[1], -1, 0) if a["is_causal"] else None
+        allowed = _flash_allowed(a, a["is_causal"], sq, k.shape[1])
         grads = attend_grads(dout, q, k, v, out, lse, _scale(a, q.shape[-1]), allowed)
         return tuple(g.to(q.dtype) for g in grads)
 
@@ -233,6 +244,8 @@ class AtenStandIns:
         _require(q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0, "equal head dims, multiple of 8")
         _require(all(t.stride(-1) == 1 for t in (q, k, v)), "last dimension must be contiguous")
         _require(not causal or q.shape[2] == k.shape[2], "causal alignment for Sq != Sk is not relied on")
+        _require(min(q.shape[2], k.shape[2]) >= 2, "cuDNN Frontend error: s_q = s_kv = 1 is not supported "
+                 "(and NaN dK/dV for Sq = 1, cudnn-frontend #1072): no one-token side")
 
     def _scaled_dot_product_cudnn_attention(self, *args, **kwargs):
         a = self._bind("_scaled_dot_product_cudnn_attention", args, kwargs)

@@ -68,6 +68,17 @@ def _varlen_checks(a, q, k, cu_q_name, cu_k_name, max_q_name, max_k_name, values
         yield dq == dk, "causal varlen sequences square (top-left == bottom-right only there)"
 
 
+def _window_checks(a, k):
+    # a window only with is_causal False (mha_fwd/bwd then set the right side to 0), each side -1 or a
+    # size the op does not clamp to "unbounded" (>= Sk): band_pieces never relies on the clamp
+    left, right = a["window_size_left"], a["window_size_right"]
+    if left is None and right is None:
+        return
+    yield not a["is_causal"] and left is not None and right is not None, "a window: both sides, not causal"
+    sk = k.shape[-3]
+    yield all(w == -1 or 0 <= w < sk for w in (left, right)), f"window ({left}, {right}) within Sk={sk} or -1"
+
+
 def _flash_fwd_checks(a, values):
     # flash_api.cpp mha_fwd / mha_varlen_fwd
     q, k, v = a["query"], a["key"], a["value"]
@@ -80,6 +91,7 @@ def _flash_fwd_checks(a, values):
     yield h % k.shape[-2] == 0, "H % Hkv == 0"
     yield k.shape[-1] == d and tuple(v.shape) == tuple(k.shape), \
         f"CHECK_SHAPE k/v == (..., Hkv, {d}): k {tuple(k.shape)} v {tuple(v.shape)}"
+    yield from _window_checks(a, k)
     if a["cum_seq_q"] is None and a["cum_seq_k"] is None:
         yield all(t.dim() == 4 for t in (q, k, v)) and q.shape[0] == k.shape[0], "dense: 4-D, one batch"
         yield a["max_q"] == q.shape[1] and a["max_k"] == k.shape[1], "max_q/max_k are the dense lengths"
@@ -105,6 +117,7 @@ def _flash_bwd_checks(a, values):
         f"lse fp32 {list(rows)} ([B,H,Sq] dense, [H,Tq] varlen), got {tuple(lse.shape)}"
     yield lse.is_contiguous(), "lse read as a contiguous buffer (raw pointer)"
     yield a["rng_state"].device.type == "cuda" and a["rng_state"].numel() == 2, "rng_state: 2 values on the device"
+    yield from _window_checks(a, k)
     if a["cum_seq_q"] is None and a["cum_seq_k"] is None:
         yield q.dim() == 4 and a["max_q"] == q.shape[1] and a["max_k"] == k.shape[1], "dense: 4-D, dense lengths"
     else:
@@ -158,6 +171,9 @@ def _cudnn_common(q, k, v, causal):
     yield q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128, \
         f"equal head dims, multiple of 8, <= 128: {q.shape[-1]},{k.shape[-1]},{v.shape[-1]}"
     yield not causal or q.shape[2] == k.shape[2], "causal only on square blocks"
+    # "cuDNN Frontend error: s_q = s_kv = 1 is not supported" (an H200), and NaN dK/dV for Sq = 1 in the
+    # backward (cudnn-frontend #1072): no one-token side ever reaches it
+    yield min(q.shape[2], k.shape[2]) >= 2, f"no one-token block side: Sq={q.shape[2]}, Sk={k.shape[2]}"
 
 
 def _cudnn_fwd_checks(a, values):

@@ -79,8 +79,10 @@ def refusal(kernel: str, kw: dict) -> "str | None":
     """The ValueError a named kernel must raise for these features (a regex), or None if it runs them."""
     if kw.get("softcap") and kernel != "flash_attn":
         return rf"kernel '{kernel}' cannot apply softcap; use kernel='flash_attn'"
-    if kw.get("window") and kernel != "efficient":
-        return rf"kernel '{kernel}' cannot apply sliding windows \(masks\); use kernel='efficient'"
+    if kw.get("window") and kernel not in ("efficient", "flash"):  # flash: its own window_size_left/right
+        return rf"kernel '{kernel}' cannot apply sliding windows \(masks\); use kernel='flash'"
+    if kernel == "cudnn" and kw.get("lengths"):  # one-token documents (or pieces) would reach it
+        return r"kernel 'cudnn' cannot run packed documents.*use kernel='auto'"
     if kernel == "cudnn" and max(kw.get("d", 64), kw.get("dv") or 0) > 128:
         return r"kernel 'cudnn' does not take head dim"
     return None
@@ -157,10 +159,11 @@ def test_flash_attn_2_6(env, flash_attn_2_6, world, layout, kw):
     check_clean(res, "flash_attn")
 
 
-AUTO = [  # (label, kwargs, the kernel auto must pick, with the flash-attn stand-in installed)
-    ("plain", {}, "flash"),
+AUTO = [  # (label, kwargs, the kernel auto must pick on an sm90 GPU, with the flash-attn stand-in installed)
+    ("plain", {}, "cudnn"),
     ("softcap 30", dict(softcap=30.0, use_lse=True), "flash_attn"),
-    ("window (16,16) non-causal", dict(window=(16, 16), causal=False), "efficient"),
+    ("window (16,16) non-causal", dict(window=(16, 16), causal=False), "flash"),
+    ("packed", dict(lengths="odd"), "flash"),
     ("packed + window (20,-1)", dict(lengths="odd", window=(20, -1)), "efficient"),
     ("head dim 320", dict(d=320), "efficient"),
 ]
@@ -174,8 +177,9 @@ def test_auto_picks_a_capable_kernel(env, dname, label, kw, picks):
     kw = _kwargs(kw, world)
     d, dv = kw.get("d", 64), kw.get("dv")
     masked = kw.get("window", (-1, -1)) != (-1, -1)
-    assert get_kernel("auto", "cuda", dtype, softcap=bool(kw.get("softcap")), mask=masked, head_dim=d,
-                      v_head_dim=dv).name == picks
+    choice = get_kernel("auto", "cuda", dtype, softcap=bool(kw.get("softcap")), mask=masked, head_dim=d, v_head_dim=dv)
+    kind = ("masked" if masked else "varlen") if "lengths" in kw else "window" if masked else "causal"
+    assert choice.picks[kind] == picks, choice.picks
     res = ring_case(env, world, "auto", "interleaved" if dname == "fp16" else "zigzag", dtype, **kw)
     check_clean(res, picks)
 
@@ -212,7 +216,7 @@ def _calls_per_step(env, kernel: str, docs: int) -> tuple[int, int]:
         mp.setattr(RingSchedule, "_step_forward", counting(RingSchedule._step_forward, fwd_steps))
         mp.setattr(RingSchedule, "_step_backward", counting(RingSchedule._step_backward, bwd_steps))
         res = ring_case(env, 2, kernel, "zigzag", torch.bfloat16, n=docs * 16 // 2, lengths=[16] * docs, layers=1)
-    check_clean(res, kernel)
+    check_clean(res, "flash" if kernel == "auto" else kernel)
     print(f"\n[issue 23] {kernel}: {docs} documents x 16 tokens, N=2: fused-op calls per ring step on rank 0: "
           f"forward {dict(sorted(fwd_steps.items()))}, backward {dict(sorted(bwd_steps.items()))}; "
           f"all ranks: {res['calls']}")
@@ -222,10 +226,29 @@ def _calls_per_step(env, kernel: str, docs: int) -> tuple[int, int]:
 @pytest.mark.parametrize("kernel, few, many", [
     ("efficient", 16, 64),  # masked padded batches (DocBatch): one call per size bucket
     ("flash", 16, 64),  # variable-length batches (VarlenBatch, cum_seq_q/k): one call per mask kind
-    pytest.param("cudnn", 4, 16, marks=pytest.mark.xfail(
-        strict=True, reason="issue 23: cudnn (no varlen, no masks) runs one call per document block")),
+    ("auto", 16, 64),  # packed blocks go to flash's variable-length op (cudnn refuses packed documents by name)
 ])
 def test_packed_calls_per_step_do_not_grow_with_documents(env, kernel, few, many):
     at_few, at_many = _calls_per_step(env, kernel, few), _calls_per_step(env, kernel, many)
     assert at_many <= at_few, (f"{kernel}: fused-op calls per ring step (forward, backward) grew from {at_few} "
                                f"({few} documents) to {at_many} ({many} documents)")
+
+
+# ------------------------------------------------------------------ one-token blocks (issue 41)
+@pytest.mark.parametrize("layout, n, mixed", [("contiguous", 1, False), ("zigzag", 2, True)])
+def test_one_token_blocks_never_reach_cudnn(env, layout, n, mixed):
+    """A one-token shard (or zigzag half): naming cudnn is refused on every rank before any exchange,
+    naming a kernel that can; auto runs those blocks on flash (CheckedAten fails any cuDNN call with a
+    one-token side), with no host sync. zigzag's 2x2 causal diagonal still runs on cuDNN."""
+    with pytest.raises(ValueError, match=r"kernel 'cudnn' cannot run a 1x\d block.*use kernel='auto'"):
+        ring_case(env, 2, "cudnn", layout, torch.bfloat16, n=n, layers=1)
+    res = ring_case(env, 2, "auto", layout, torch.bfloat16, n=n, layers=1)
+    check_clean(res, "flash")
+    assert any(op.startswith("_scaled_dot_product_cudnn") for op in res["calls"]) == mixed, res["calls"]
+
+
+def test_auto_runs_cudnn_and_flash_blocks_in_one_call(env):
+    """zigzag at 6 tokens per rank: 3x3 halves go to cuDNN; none is refused, so flash never runs."""
+    res = ring_case(env, 2, "auto", "zigzag", torch.bfloat16, n=6, layers=1)
+    check_clean(res, "cudnn")
+    assert not any(op.startswith("_flash") for op in res["calls"]), res["calls"]

@@ -23,7 +23,8 @@ CASES = [  # (cp_comm_type, world, mesh shape, kernel, ring_case-like options)
     ("all_gather", 4, None, "flash", dict(layout="zigzag")),
     ("all_gather", 2, None, "efficient", dict(layout="interleaved", lengths=(1, 70, 57), window=(20, -1))),
     ("a2a", 4, None, "flash", dict(layout="zigzag", hkv=2, sinks=True)),
-    ("a2a", 2, None, "cudnn", dict(layout="contiguous", lengths=(1, 70, 57))),
+    # a 1-token document: auto runs the packed batch on flash's varlen op (cudnn named is refused below)
+    ("a2a", 2, None, "auto", dict(layout="contiguous", lengths=(1, 70, 57))),
     ("a2a+p2p", 4, (2, 2), "flash", dict(layout="interleaved", hkv=1)),
     ("a2a+p2p", 4, (2, 2), "efficient", dict(layout="zigzag", window=(24, -1))),
 ]
@@ -87,7 +88,15 @@ def test_strategies_on_fake_cuda(env, monkeypatch, comm, world, mesh, kernel, kw
     monkeypatch.setattr(dispatch, "AttentionFunction", function)
     monkeypatch.setattr(env, "ring_function", function)
     res = strategy_case(env, comm, world, mesh, kernel, **kw)
-    check_clean(res, kernel)
+    check_clean(res, "flash" if kernel == "auto" else kernel)
+
+
+def test_cudnn_named_for_packed_documents_is_refused_before_any_exchange(env, monkeypatch):  # noqa: F811
+    function = ManualRingFunction(AttentionFunction)
+    monkeypatch.setattr(dispatch, "AttentionFunction", function)
+    monkeypatch.setattr(env, "ring_function", function)
+    with pytest.raises(ValueError, match=r"kernel 'cudnn' cannot run packed documents.*kernel='auto'"):
+        strategy_case(env, "a2a", 2, None, "cudnn", layout="contiguous", lengths=(1, 70, 57))
 
 
 @pytest.mark.parametrize("comm, world, mesh", [("all_gather", 2, None), ("a2a", 2, None), ("a2a+p2p", 4, (2, 2))])
