@@ -37,42 +37,14 @@ import torch.distributed as dist
 
 from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.launch import spawn
-from cp_attention.layouts import Layout, get_layout
-from cp_attention import ring_attention
-from benchmarks.measure import Row, measure, memory_method, print_bytes, sent_bytes, sweep
+from cp_attention.layouts import get_layout
+from benchmarks.measure import Row, make_inputs, measure, memory_method, ours, print_bytes, sent_bytes, sweep
 from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
 from benchmarks import gpu
 
 __all__ = ["make_inputs", "ours", "torch_ring", "baseline_worker", "ring_worker", "measure_seq", "run"]
 
 CHECK_SEQ = 1024  # the torch-ring correctness check runs once, at this small length
-
-
-def make_inputs(args, seq: int) -> tuple[torch.Tensor, ...]:
-    """Full-sequence q, k, v, dout ``[B, S, H, D]``; the same on every rank (seeded)."""
-    g = torch.Generator().manual_seed(1234 + seq)
-    dt = dtype_from_name(args.dtype)
-    b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
-    shapes = ((b, seq, h, d), (b, seq, hkv, d), (b, seq, hkv, d), (b, seq, h, d))
-    return tuple(torch.randn(s, generator=g).to(dt) for s in shapes)
-
-
-def ours(q, k, v, dout, group, layout: "str | Layout", kernel: str, causal: bool = True, cu_seqlens=None,
-         window_size: "tuple[int, int]" = (-1, -1)) -> tuple[Callable, Callable]:
-    """Forward-only and forward+backward closures for cp_attention.ring_attention (packed documents
-    with ``cu_seqlens``, a sliding window with ``window_size``)."""
-    kw = dict(layout=layout, causal=causal, kernel=kernel, window_size=window_size,
-              cu_seqlens=None if cu_seqlens is None else torch.as_tensor(cu_seqlens))
-
-    def fwd():
-        with torch.no_grad():
-            return ring_attention(q, k, v, group, **kw)
-
-    def fwdbwd():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # fresh leaves: no grad accumulation
-        ring_attention(*leaves, group, **kw).backward(dout)
-        return leaves
-    return fwd, fwdbwd
 
 
 def torch_ring(q, k, v, dout, group, causal: bool = True) -> tuple[Callable, Callable]:

@@ -10,7 +10,12 @@ per rank, causal, world sizes N in {2, 4, 8, 16}. For each N, on the full sequen
   ideal = SDPA's time on the full sequence / N (ring-flash-attention's "% of theoretical flash_attn").
   A rank's schedule is replayed alone on the GPU with its real plan, kernels and merges; its ring
   exchanges become local copies, so this is compute only (on NCCL the transfers overlap it);
-- **peak memory per rank**: the most any rank's forward+backward replay allocated beyond its inputs.
+- **peak memory per rank**: the most any rank's forward+backward replay allocated beyond its inputs;
+- **packed replay** (``--packed``, the default; benchmarks/gpu_packed.py): lognormal documents of mean
+  ``--doc-mean`` in T = N x tokens per rank, every layout with needs-only rows on and off, the busiest
+  rank against the single-GPU varlen kernel on the whole batch / N.
+
+The ``auto`` kernel row names the kernel ``auto`` picked for each block kind (``picks`` in the JSON).
 
 Timings are CUDA-event medians after a warm-up. FLOPs count causal pairs only: 4·B·H·D·S(S+1)/2 for
 the forward, 2.5x that for the backward.
@@ -20,22 +25,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_common import ReplayComm, fmt, fwd_and_fwdbwd, time_cuda
+from benchmarks.gpu_packed import packed_rows, print_packed
 from benchmarks.layout_comparison.analysis import AttentionShape, comm_bytes_per_rank, flops_per_pair, min_pairs
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import rank_plan
 
-__all__ = ["add_arguments", "resolve_defaults", "KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda", "run"]
+__all__ = ["add_arguments", "resolve_defaults", "KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda",
+           "fwd_and_fwdbwd", "fmt", "kernel_picks", "run"]
 
-CUDA_KERNELS = ("flash", "cudnn", "efficient", "flash_attn")
+CUDA_KERNELS = ("auto", "flash", "cudnn", "efficient", "flash_attn")
 # Defaults that differ by device: (CPU, CUDA). The CUDA ones are Llama-3-8B's attention.
 _DEVICE_DEFAULTS = {"heads": (8, 32), "kv_heads": (None, 8), "head_dim": (64, 128), "dtype": ("float32", "bfloat16")}
 
@@ -51,7 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="CUDA: the N to measure")
     p.add_argument("--tokens-per-rank", type=int, default=8192, help="CUDA: S = N x this")
-    p.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS), help="CUDA: kernels timed on the full sequence")
+    p.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS),
+                   help="CUDA: kernels timed on the full sequence (auto: also the kernel it picks per block kind)")
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: the packed replay (lognormal documents, every layout, needs-only on and off)")
+    p.add_argument("--doc-mean", type=float, default=2048.0, help="CUDA packed replay: mean document length (tokens)")
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
@@ -73,6 +85,7 @@ class KernelRow:
     fwd_vs_sdpa: Optional[float] = None  # our TFLOP/s / SDPA's (> 1: faster)
     fwdbwd_vs_sdpa: Optional[float] = None
     error: Optional[str] = None
+    picks: Optional[dict] = None  # auto only: block kind -> the kernel it runs
 
 
 @dataclass
@@ -92,76 +105,12 @@ class ScheduleRow:
     error: Optional[str] = None
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-class ReplayComm:
-    """A :class:`~cp_attention.transport.base.Transport` for one rank replayed alone: rank ``rank`` of
-    ``world_size`` whose exchanges copy what it sends into what it receives, so its schedule runs with
-    the memory traffic of a real receive. Collectives see only this rank (its own values).
-
-    ``sent_bytes`` counts what the rank would have put on the wire, as every transport does (each
-    exchange's send tensors; a collective's tensor once per other rank). With needs-only traffic a rank
-    sends other rows than it receives, so the sizes differ: each receive buffer is filled with the first
-    elements of the matching send tensor, and zeros past its end (or where nothing is sent). Only the
-    memory traffic matters here, not the values."""
-
-    host_agreement = False  # statuses are never exchanged: there is no one to agree with
-    token = None
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.sent_bytes = 0
-
-    def exchange(self, send, recv, hop: int = 1) -> _Done:
-        self.sent_bytes += sum(t.numel() * t.element_size() for t in send)
-        for i, r in enumerate(recv):
-            s = send[i] if i < len(send) else None
-            if s is not None and s.shape == r.shape:
-                r.copy_(s)
-                continue
-            flat = r.view(-1)  # the engine's receive buffers are fresh, contiguous tensors
-            m = 0 if s is None else min(s.numel(), flat.numel())
-            if m:
-                flat[:m].copy_(s.reshape(-1)[:m])
-            flat[m:].zero_()
-        return _Done()
-
-    def all_gather_ints(self, values) -> "list[list[int]]":
-        return [list(values)] * self.world_size
-
-    def all_gather_tensor(self, tensor: torch.Tensor) -> "list[torch.Tensor]":
-        self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world_size - 1)
-        return [tensor] * self.world_size
-
-    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world_size - 1)
-        return tensor.mul_(self.world_size)
-
-
 def causal_flops(batch: int, heads: int, head_dim: int, seq: int, backward: bool) -> float:
     """FLOPs of causal attention over its S(S+1)/2 pairs, by the work model's per-pair count
     (:func:`~.analysis.flops_per_pair`): forward, or forward+backward (3.5x for equal head dims)."""
     shape = AttentionShape(batch=batch, heads=heads, kv_heads=heads, head_dim=head_dim)
     per_pair = flops_per_pair(shape, False) + (flops_per_pair(shape, True) if backward else 0.0)
     return per_pair * batch * heads * min_pairs(seq, True)
-
-
-def time_cuda(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` calls after one warm-up, timed with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _inputs(args, seq: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -171,25 +120,20 @@ def _inputs(args, seq: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
 
 
-def _fwd_and_fwdbwd(call: Callable[..., torch.Tensor], q, k, v, dout) -> tuple[Callable, Callable]:
-    def fwd():
-        with torch.no_grad():
-            call(q, k, v)
-
-    def fwdbwd():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        call(*leaves).backward(dout)
-    return fwd, fwdbwd
-
-
 def _sdpa(q, k, v):
     # bshd -> bhsd, K/V heads repeated for GQA (enable_gqa where this torch has it)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
-def _kernel_call(name: str, scale: float, dtype: torch.dtype, head_dim: int) -> Callable[..., torch.Tensor]:
-    kernel = get_kernel(name, "cuda", dtype, head_dim=head_dim)
+def kernel_picks(kernel) -> dict:
+    """Block kind -> the kernel name ``kernel`` runs for it: an ``auto`` kernel's ``picks``; a kernel
+    without them runs every block itself (``{"all": name}``)."""
+    picks = getattr(kernel, "picks", None)
+    return dict(picks) if picks is not None else {"all": kernel.name}
+
+
+def _kernel_call(kernel, scale: float) -> Callable[..., torch.Tensor]:
 
     class _One(torch.autograd.Function):
         @staticmethod
@@ -213,7 +157,10 @@ def _kernel_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[K
     for name in args.kernels:
         row = KernelRow(n, seq, name)
         try:
-            fwd, fwdbwd = _fwd_and_fwdbwd(_kernel_call(name, scale, q.dtype, args.head_dim), q, k, v, dout)
+            kernel = get_kernel(name, "cuda", q.dtype, head_dim=args.head_dim, v_head_dim=args.head_dim)
+            if name == "auto":
+                row.picks = kernel_picks(kernel)
+            fwd, fwdbwd = fwd_and_fwdbwd(_kernel_call(kernel, scale), q, k, v, dout)
             row.fwd_ms, row.fwdbwd_ms = time_cuda(fwd, args.repeats), time_cuda(fwdbwd, args.repeats)
             for key, ms, back, base in (("fwd", row.fwd_ms, False, sdpa_ms[0]), ("fwdbwd", row.fwdbwd_ms, True,
                                                                                      sdpa_ms[1])):
@@ -238,7 +185,7 @@ def _replay(args, layout, rank: int, n: int, kernel) -> tuple[float, float, floa
     plan = RingSchedule(comm, rank_plan(layout, True, rank, n, local),
                         KernelSettings.of(kernel, args.head_dim ** -0.5))
     call = lambda a, b, c: AttentionFunction.apply(a, b, c, plan, None)[0]  # noqa: E731
-    fwd, fwdbwd = _fwd_and_fwdbwd(call, q, k, v, dout)
+    fwd, fwdbwd = fwd_and_fwdbwd(call, q, k, v, dout)
     t_fwd, t_fb = time_cuda(fwd, args.repeats), time_cuda(fwdbwd, args.repeats)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -270,22 +217,24 @@ def _schedule_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list
     return rows
 
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def run(args: argparse.Namespace) -> dict:
-    """Measure and print every table; returns (and with ``args.json`` writes) the rows as JSON."""
+    """Measure and print every table; returns (and with ``args.json`` writes, after every N) the rows as
+    JSON: ``device`` (the GPU's name), ``torch``, ``command``, ``args``, ``complete``, ``wall_s``, ``sdpa``,
+    ``kernels``, ``schedules``, ``packed_baselines`` and ``packed``."""
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device; run without it for the CPU benchmark")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  {args.dtype}  heads {args.heads}/"
           f"{args.kv_heads}  head_dim {args.head_dim}  {args.tokens_per_rank} tokens per rank  causal")
-    kernel_rows, schedule_rows = [], []
+    from benchmarks.measure import command_text
+
+    started = time.perf_counter()
+    kernel_rows, schedule_rows, sdpa, packed, bases = [], [], [], [], []
     for n in args.world_sizes:
         seq = n * args.tokens_per_rank
         q, k, v, dout = _inputs(args, seq)
-        sdpa_ms = tuple(time_cuda(f, args.repeats) for f in _fwd_and_fwdbwd(_sdpa, q, k, v, dout))
+        sdpa_ms = tuple(time_cuda(f, args.repeats) for f in fwd_and_fwdbwd(_sdpa, q, k, v, dout))
         del q, k, v, dout
+        sdpa.append({"world_size": n, "seq": seq, "fwd_ms": sdpa_ms[0], "fwdbwd_ms": sdpa_ms[1]})
         print(f"\nN={n}  S={seq}  SDPA fwd {sdpa_ms[0]:.2f} ms "
               f"({causal_flops(1, args.heads, args.head_dim, seq, False) / sdpa_ms[0] / 1e9:.0f} TFLOP/s), "
               f"fwd+bwd {sdpa_ms[1]:.2f} ms "
@@ -293,23 +242,35 @@ def run(args: argparse.Namespace) -> dict:
         rows = _kernel_rows(args, n, seq, sdpa_ms)
         print(f"{'kernel':<11}{'fwd ms':>9}{'TFLOP/s':>9}{'xSDPA':>7}{'f+b ms':>9}{'TFLOP/s':>9}{'xSDPA':>7}")
         for r in rows:
-            print(f"{r.kernel:<11}{_fmt(r.fwd_ms, '9.2f')}{_fmt(r.fwd_tflops, '9.0f')}{_fmt(r.fwd_vs_sdpa, '7.2f')}"
-                  f"{_fmt(r.fwdbwd_ms, '9.2f')}{_fmt(r.fwdbwd_tflops, '9.0f')}{_fmt(r.fwdbwd_vs_sdpa, '7.2f')}"
+            print(f"{r.kernel:<11}{fmt(r.fwd_ms, '9.2f')}{fmt(r.fwd_tflops, '9.0f')}{fmt(r.fwd_vs_sdpa, '7.2f')}"
+                  f"{fmt(r.fwdbwd_ms, '9.2f')}{fmt(r.fwdbwd_tflops, '9.0f')}{fmt(r.fwdbwd_vs_sdpa, '7.2f')}"
                   + (f"  {r.error}" if r.error else ""))
+            if r.picks:
+                print(f"{'':<11}auto picks: "
+                      + ", ".join(f"{kind} -> {name or 'none'}" for kind, name in r.picks.items()))
         kernel_rows += rows
         rows = _schedule_rows(args, n, seq, sdpa_ms)
         print(f"{'layout':<12}{'ideal fwd':>10}{'busiest':>9}{'eff':>7}{'ideal f+b':>10}{'busiest':>9}{'eff':>7}"
               f"{'peak MiB/rank':>15}{'sent MiB/rank':>15}{'model MiB':>11}")
         for r in rows:
-            print(f"{r.layout:<12}{r.ideal_fwd_ms:10.2f}{_fmt(r.busiest_fwd_ms, '9.2f')}"
-                  f"{_fmt(r.fwd_efficiency, '7.1%')}{r.ideal_fwdbwd_ms:10.2f}{_fmt(r.busiest_fwdbwd_ms, '9.2f')}"
-                  f"{_fmt(r.fwdbwd_efficiency, '7.1%')}{_fmt(r.peak_mib_per_rank, '15.0f')}"
-                  f"{_fmt(r.sent_mib_per_rank, '15.1f')}{_fmt(r.model_mib_per_rank, '11.1f')}"
+            print(f"{r.layout:<12}{r.ideal_fwd_ms:10.2f}{fmt(r.busiest_fwd_ms, '9.2f')}"
+                  f"{fmt(r.fwd_efficiency, '7.1%')}{r.ideal_fwdbwd_ms:10.2f}{fmt(r.busiest_fwdbwd_ms, '9.2f')}"
+                  f"{fmt(r.fwdbwd_efficiency, '7.1%')}{fmt(r.peak_mib_per_rank, '15.0f')}"
+                  f"{fmt(r.sent_mib_per_rank, '15.1f')}{fmt(r.model_mib_per_rank, '11.1f')}"
                   + (f"  {r.error}" if r.error else ""))
         schedule_rows += rows
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
-              "kernels": [asdict(r) for r in kernel_rows], "schedules": [asdict(r) for r in schedule_rows]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        if args.packed:
+            base, rows = packed_rows(args, n)
+            print_packed(base, rows)
+            bases.append(base)
+            packed += rows
+        # written after every N, so a run cut short (a time limit) still leaves what it measured
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": command_text(),
+                  "args": vars(args), "complete": n == args.world_sizes[-1], "wall_s": time.perf_counter() - started,
+                  "sdpa": sdpa, "kernels": [asdict(r) for r in kernel_rows],
+                  "schedules": [asdict(r) for r in schedule_rows], "packed_baselines": [asdict(b) for b in bases],
+                  "packed": [asdict(r) for r in packed]}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     return result

@@ -16,8 +16,12 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from cp_attention import ring_attention
+from cp_attention.kernels.dtypes import dtype_from_name
+from cp_attention.layouts import Layout
+
 __all__ = ["Row", "memory_method", "measure", "limit_malloc_caching", "print_table", "sweep", "sent_bytes", "print_bytes",
-           "command_text"]
+           "command_text", "make_inputs", "ours"]
 
 _REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -249,3 +253,30 @@ def print_bytes(measured: "dict[str, Optional[int]]", model: "dict[str, tuple[Op
         print(f"{name:<24}{mb(got):>13}{mb(want):>10}{mb(whole):>10}{_fmt(ratio, '.3f'):>18}")
     if any(b is None for b in measured.values()):
         print("(-: the transport has no sent_bytes counter)")
+
+
+def make_inputs(args, seq: int) -> tuple[torch.Tensor, ...]:
+    """Full-sequence q, k, v, dout ``[B, S, H, D]``; the same on every rank (seeded)."""
+    g = torch.Generator().manual_seed(1234 + seq)
+    dt = dtype_from_name(args.dtype)
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
+    shapes = ((b, seq, h, d), (b, seq, hkv, d), (b, seq, hkv, d), (b, seq, h, d))
+    return tuple(torch.randn(s, generator=g).to(dt) for s in shapes)
+
+
+def ours(q, k, v, dout, group, layout: "str | Layout", kernel: str, causal: bool = True, cu_seqlens=None,
+         window_size: "tuple[int, int]" = (-1, -1)) -> tuple[Callable, Callable]:
+    """Forward-only and forward+backward closures for cp_attention.ring_attention (packed documents
+    with ``cu_seqlens``, a sliding window with ``window_size``)."""
+    kw = dict(layout=layout, causal=causal, kernel=kernel, window_size=window_size,
+              cu_seqlens=None if cu_seqlens is None else torch.as_tensor(cu_seqlens))
+
+    def fwd():
+        with torch.no_grad():
+            return ring_attention(q, k, v, group, **kw)
+
+    def fwdbwd():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # fresh leaves: no grad accumulation
+        ring_attention(*leaves, group, **kw).backward(dout)
+        return leaves
+    return fwd, fwdbwd

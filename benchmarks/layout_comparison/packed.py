@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import random
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -26,6 +25,7 @@ from typing import Callable, Iterable, Optional
 from benchmarks.layout_comparison.analysis import (
     AttentionShape, document_padding, document_pairs, flops_per_pair, imbalance, model_bytes, step_sync_efficiency,
 )
+from benchmarks.documents import lognormal_lengths  # noqa: F401 (re-exported: the study imports it from here)
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import work_model
@@ -58,27 +58,6 @@ class PackedStream:
     def tokens(self) -> int:
         """T, the packed length every layout splits: real tokens plus the padding document."""
         return self.real_tokens + self.pad
-
-
-def lognormal_lengths(total_tokens: int, mean_doc_len: float, sigma: float, seed: int, min_doc_len: int = 1,
-                      max_doc_len: Optional[int] = None) -> list[int]:
-    """Document lengths drawn until they cover ``total_tokens``; the last one overshoots (or ends exactly).
-
-    Each length is ``round(X)`` for ``X ~ lognormal(mu, sigma)`` with ``mu = ln(mean_doc_len) - sigma²/2``
-    (so the mean before rounding and clipping is ``mean_doc_len``), clipped to ``[min_doc_len,
-    max_doc_len]``. Python's ``random.Random(seed)``: the same seed gives the same documents everywhere.
-    """
-    if total_tokens < 1 or mean_doc_len <= 0 or sigma < 0 or min_doc_len < 1:
-        raise ValueError("need total_tokens >= 1, mean_doc_len > 0, sigma >= 0 and min_doc_len >= 1")
-    rng = random.Random(seed)
-    mu = math.log(mean_doc_len) - sigma * sigma / 2
-    hi = max_doc_len or total_tokens
-    lengths, total = [], 0
-    while total < total_tokens:
-        n = min(max(min_doc_len, round(rng.lognormvariate(mu, sigma))), hi)
-        lengths.append(n)
-        total += n
-    return lengths
 
 
 def packed_stream(p: dict, seed: int, divisor: int, total_tokens: Optional[int] = None) -> PackedStream:
@@ -235,7 +214,7 @@ def _baseline_worker(args, cu: tuple[int, ...]) -> dict:
     """One process, the whole packed stream (spawn with ``threads`` = the ring's total)."""
     import torch
 
-    from benchmarks.attention import make_inputs, ours
+    from benchmarks.measure import make_inputs, ours
     from benchmarks.measure import measure
 
     full = make_inputs(args, cu[-1])
@@ -249,7 +228,7 @@ def _ring_worker(args, cu: tuple[int, ...], te_cu: tuple[int, ...]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.attention import make_inputs, ours
+    from benchmarks.measure import make_inputs, ours
     from benchmarks.measure import measure
 
     rank, ws, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD

@@ -23,7 +23,7 @@ from cp_attention.strategies import batch_model
 from cp_attention.strategies.cost import HARDWARE, Hardware, Workload, estimate
 
 from benchmarks.layout_comparison.analysis import AttentionShape, model_bytes, training_bytes  # noqa: F401 (re-exported)
-from benchmarks.layout_comparison.packed import lognormal_lengths
+from benchmarks.documents import fit_lengths as _fit, lognormal_lengths
 
 __all__ = ["Batch", "H100_SHAPE", "training_bytes", "model_bytes", "kernel_calls", "batch_figures", "lognormal_batch",
            "giant_batch", "stdlib_lengths", "corpus_batches"]
@@ -95,17 +95,6 @@ def batch_figures(layout: str, batch: Batch, world_size: int, shape: AttentionSh
         "step_ms": est.total_s * 1e3, "compute_ms": est.compute_s * 1e3, "comm_ms": est.exposed_comm_s * 1e3,
         "step_ms_whole": old.total_s * 1e3,
     }
-
-
-def _fit(lengths: list[int], total: int) -> tuple[int, ...]:
-    """``lengths`` trimmed so they sum to ``total`` exactly (the last crossing document cut)."""
-    out, used = [], 0
-    for x in lengths:
-        if used >= total:
-            break
-        out.append(min(x, total - used))
-        used += out[-1]
-    return cu_seqlens_from_lengths(out)
 
 
 def lognormal_batch(total: int, seed: int, mean: float = 1024, sigma: float = 1.5) -> Batch:
