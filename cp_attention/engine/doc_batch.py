@@ -8,12 +8,26 @@ result is exact. Padding rows are discarded in forward and get an LSE of +inf (p
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from ..schedules.lowering import BatchSpec
 from .doc_index import Bucket, build_buckets, upload
 
-__all__ = ["DocBatch", "upload"]
+__all__ = ["DocBatch", "upload", "compact_index"]
+
+
+def compact_index(recv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` (rows of a shard, each one of the increasing rows ``recv``) as positions in ``recv``: the
+    rows of a compact tensor holding only the ``recv`` rows. On the device without a host read; on
+    the CPU it is checked (``RuntimeError`` naming the internal error otherwise)."""
+    pos = torch.searchsorted(recv, idx).clamp_(max=recv.numel() - 1)
+    if recv.device.type == "cpu" and not torch.equal(recv[pos], idx):
+        raise RuntimeError("internal error: a packed batch reads a held K/V row that needs-only traffic does not "
+                           "send; please report it (plan.needs_only = False is a workaround)")
+    return pos
 
 
 def _valid(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
@@ -48,6 +62,23 @@ class DocBatch:
             self.buckets = built[spec.index]
         self.spec = spec
         self.first = spec.first
+        self._compacted = None  # (recv, this batch reading a compact held shard of the rows recv)
+
+    def compact(self, recv: torch.Tensor) -> "DocBatch":
+        """This batch reading the held shard from a compact tensor of only its rows ``recv`` (increasing,
+        on the device; the keys of the shard held, their row lists included, remapped to positions in
+        it): needs-only rows are then received in place, never copied into a full-length shard. Made
+        once per plan and step (device ops only, no host read)."""
+        found = getattr(self, "_compacted", None)
+        if found is not None and found[0] is recv:
+            return found[1]
+        out = copy.copy(self)
+        out._compacted = None
+        out.buckets = [dataclasses.replace(b, keys=tuple(
+            k if k.own else dataclasses.replace(k, idx=compact_index(recv, k.idx), rows=compact_index(recv, k.rows))
+            for k in b.keys)) for b in self.buckets]
+        self._compacted = (recv, out)
+        return out
 
     def forward(self, kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_own: torch.Tensor,
                 v_own: torch.Tensor, scale: float, kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -25,7 +25,7 @@ import torch
 from ..transport.base import Transport
 from .fault import RingFault
 from .tasks import KernelSettings, add_rows, merge_rows, set_rows, task_backward, task_forward
-from .traffic import StepIndex, direct_view, place_rows, post_rows
+from .traffic import StepIndex, direct_view, place_rows, shaped, wire_rows
 
 __all__ = ["RingSchedule"]
 
@@ -58,17 +58,37 @@ class RingSchedule:
     def _index(self, s: int, n: int) -> StepIndex:
         return self.traffic[s] if self.traffic else StepIndex(None, None, n, n)
 
+    def _compact(self, s: int, n: int) -> bool:
+        """Whether step ``s``'s shard is held compact (only its needed rows, received in place): its
+        rows are a list, and every task reads the held shard through index lists it can remap."""
+        recv = self._index(s, n).recv if s > 0 else None
+        return isinstance(recv, torch.Tensor) and all(hasattr(t, "compact") for t in self.steps[s])
+
+    def _tasks(self, s: int, n: int) -> tuple:
+        """Step ``s``'s tasks as they read the shard held (remapped once per plan when it is compact)."""
+        if not self._compact(s, n):
+            return self.steps[s]
+        recv = self._index(s, n).recv
+        return tuple(t.compact(recv) for t in self.steps[s])
+
+    def _hop(self, s: int, n: int) -> tuple[StepIndex, bool]:
+        return self._index(s, n), self._compact(s, n)
+
+    def _hops(self, steps: range, n: int) -> list:
+        return [self._hop(s, n) for s in steps]
+
     def _step_forward(self, s: int, q, kc, vc, k, v):
         """Step ``s``'s tasks' ``(first, results)`` against the held shard ``kc``/``vc``, one task at a
         time (each folded before the next runs)."""
         tiles = self.first_step_tiles and s == 0
-        for t in self.steps[s]:
+        for t in self._tasks(s, q.shape[1]):
             yield task_forward(self.settings, t, q, kc, vc, k, v, tiles)
 
     def _step_backward(self, s: int, dout, q, kc, vc, k, v, out, lse) -> list:
         """Step ``s``'s tasks' ``(first, gradients)`` against the held shard ``kc``/``vc``."""
         tiles = self.first_step_tiles and s == 0
-        return [task_backward(self.settings, t, dout, q, kc, vc, k, v, out, lse, tiles) for t in self.steps[s]]
+        return [task_backward(self.settings, t, dout, q, kc, vc, k, v, out, lse, tiles)
+                for t in self._tasks(s, q.shape[1])]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fault: RingFault, acc: torch.dtype):
         """The ring's forward; keeps the shard held last for backward, which starts with it (see
@@ -76,11 +96,11 @@ class RingSchedule:
         n = q.shape[1]
         out = lse = None
         last = len(self.steps) - 1
-        shards = _Shards(self.comm, (k, v), self.settings.head_major)
+        shards = _Shards(self.comm, (k, v), self.settings.head_major, self._hops(range(1, last + 1), n))
         held = shards.own_views
         for s in range(last + 1):
             if s < last:
-                shards.post(self._index(s + 1, n), s + 1)
+                shards.post(*self._hop(s + 1, n), s + 1)
             if fault.ok:
                 with fault.contained():
                     for first, results in self._step_forward(s, q, *held, k, v):
@@ -109,20 +129,22 @@ class RingSchedule:
         """
         n = q.shape[1]
         last = len(self.steps) - 1
-        shards = _Shards(self.comm, (k, v), self.settings.head_major)
+        shards = _Shards(self.comm, (k, v), self.settings.head_major, self._hops(range(last - 1, 0, -1), n))
         current = held
         dq = None
         own = (None, None)  # this rank's gradients of its own shard: its own tasks', then the others' partials
-        home = _Home(self.comm, acc)
+        home = _Home(self.comm, acc, (k, v), self._hops(range(last, 0, -1), n))
         for s in range(last, -1, -1):
             if s > 1:
-                shards.post(self._index(s - 1, n), s - 1)
+                shards.post(*self._hop(s - 1, n), s - 1)
             grads = []
             if fault.ok:
                 with fault.contained():
                     kc, vc = current if s > 0 else shards.own_views
                     grads = self._step_backward(s, dout, q, kc, vc, k, v, out, lse)
             partial = (None, None)  # the held shard's gradients at this step
+            # where they start: a buffer of the call's (full length, or the compact shard's rows)
+            blank, length = home.blank(s) if s > 0 else ((None, None), n)
             for first, results in grads:
                 for q_rows, dq_blk, keys in results:
                     # Reverse order: dq rows may already hold a later step's part, so always add.
@@ -134,11 +156,11 @@ class RingSchedule:
                             update = set_rows if first else add_rows
                             own = (update(own[0], kv_rows, dk_blk, n, acc), update(own[1], kv_rows, dv_blk, n, acc))
                         else:
-                            partial = (add_rows(partial[0], kv_rows, dk_blk, n, acc),
-                                       add_rows(partial[1], kv_rows, dv_blk, n, acc))
+                            partial = (add_rows(partial[0], kv_rows, dk_blk, length, acc, blank[0]),
+                                       add_rows(partial[1], kv_rows, dv_blk, length, acc, blank[1]))
             if s > 0:
                 home.arrived()
-                home.send(partial, self._index(s, n), s, k, v)
+                home.send(partial, blank, *self._hop(s, n), s)
             if s > 1:
                 if s < last:
                     shards.release(current)
@@ -165,82 +187,144 @@ def _kernel_views(tensors: tuple[torch.Tensor, ...], head_major: bool) -> tuple[
 
 
 class _Shards:
-    """The shards this rank receives: full-length buffers (at most two in use, recycled) in which the
-    needed rows are filled, and its own shard's rows sent to the ranks that need them.
+    """The shards this rank receives in one call, and its own shard's rows sent to the ranks that
+    need them. What the rows pass through is allocated once, before the first step: at most two held
+    buffers (recycled), a scratch for own rows to send that are not one contiguous range, and one for
+    received rows that cannot land in place. ``hops``: ``(StepIndex, compact)`` of every shard the
+    call receives, in order.
 
-    ``own`` is only ever read. A buffer's rows no step has filled are zeros, so a padded batch that
-    gathers one reads finite values."""
+    A held shard is full length (the needed rows in place, so the tasks index it as a whole shard) or,
+    ``compact``, only its needed rows (the step's tasks remapped to them). ``own`` is only ever read.
+    A full-length buffer of which a step fills only some rows is zero-filled once, when made: rows
+    no step filled read zeros, rows filled earlier the earlier shard's values, finite either way (a
+    padded batch may gather them)."""
 
-    def __init__(self, comm: Transport, own: tuple[torch.Tensor, ...], head_major: bool) -> None:
+    def __init__(self, comm: Transport, own: tuple[torch.Tensor, ...], head_major: bool, hops: list) -> None:
         self.comm, self.own, self.head_major = comm, own, head_major
         self.own_views = _kernel_views(own, head_major)
-        self._free: list[tuple[torch.Tensor, ...]] = []
+        # rows travel token-major ([B, m, H, D]), picked from the call's contiguous copy where there is one
+        self._source = own if head_major else self.own_views
+        n = own[0].shape[1]
+        rows = max([n if not compact else index.recv_count for index, compact in hops], default=0)
+        fill = any(not compact and index.recv is not None for index, compact in hops)
+        make = torch.zeros if fill else torch.empty
+        self._free = [tuple(make(t.numel() // n * rows, dtype=t.dtype, device=t.device) for t in own)
+                      for _ in range(min(2, len(hops)))]
+        self._slots: dict[int, tuple] = {}
+        send = recv = 0
+        for index, compact in hops:
+            if index.send_count and any(direct_view(t, index.send) is None for t in self._source):
+                send = max(send, index.send_count)
+            if index.recv_count and not compact and self._free:
+                held = self._held(self._free[0], index, compact)
+                if self._target(held[0], index, compact) is None:
+                    recv = max(recv, index.recv_count)
+        self._send = tuple(t.new_empty(t.numel() // n * send) for t in own) if send else (None,) * len(own)
+        self._recv = tuple(t.new_empty(t.numel() // n * recv) for t in own) if recv else (None,) * len(own)
         self._pending = None
 
-    def _buffer(self, filled: bool) -> tuple[torch.Tensor, ...]:
-        if self._free:
-            return self._free.pop()
-        make = torch.empty if filled else torch.zeros
-        if self.head_major:
-            return tuple(make(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=t.dtype, device=t.device
-                              ).transpose(1, 2) for t in self.own)
-        return tuple(make(t.shape, dtype=t.dtype, device=t.device) for t in self.own)
+    def _held(self, slot: tuple, index: StepIndex, compact: bool) -> tuple[torch.Tensor, ...]:
+        """The held shard in ``slot`` as the tasks index it: ``[B, n or recv_count, H, D]`` views."""
+        out = []
+        for flat, t in zip(slot, self.own):
+            b, n, h, d = t.shape
+            if compact:
+                out.append(shaped(flat, (b, index.recv_count, h, d)))
+            elif self.head_major:
+                out.append(shaped(flat, (b, h, n, d)).transpose(1, 2))
+            else:
+                out.append(shaped(flat, (b, n, h, d)))
+        return tuple(out)
 
-    def post(self, index: StepIndex, hop: int) -> None:
+    def _target(self, held: torch.Tensor, index: StepIndex, compact: bool) -> "torch.Tensor | None":
+        """Where the received rows land in place (contiguous), or None when they need placing (rows
+        that are not one contiguous range of the buffer, and head-major buffers)."""
+        return held if compact else direct_view(held, index.recv)
+
+    def post(self, index: StepIndex, compact: bool, hop: int) -> None:
         """Send this rank's ``index.send`` rows ``hop`` ranks on; receive ``index.recv`` rows of the
-        shard ``hop`` ranks back into a free buffer."""
-        buf = self._buffer(filled=index.recv is None)
-        direct = [direct_view(b, index.recv) for b in buf] if index.recv_count else []
-        recv = tuple(d if d is not None else t.new_empty(t.shape[0], index.recv_count, *t.shape[2:])
-                     for d, t in zip(direct, self.own))
-        handle, recv, send = post_rows(self.comm, self.own, index.send, index.send_count, index.recv_count, hop, recv)
-        self._pending = (buf, recv, direct, index, handle, send)
+        shard ``hop`` ranks back into a free buffer, in place where they can land so."""
+        slot = self._free.pop()
+        held = self._held(slot, index, compact)
+        self._slots[id(held)] = slot
+        recv, place = [], []
+        for i, (h, t) in enumerate(zip(held, self.own) if index.recv_count else ()):
+            target = self._target(h, index, compact)
+            if target is None:
+                target = shaped(self._recv[i], (t.shape[0], index.recv_count, *t.shape[2:]))
+                place.append((h, target))
+            recv.append(target)
+        send = tuple(wire_rows(src, index.send, scratch)
+                     for src, scratch in zip(self._source, self._send)) if index.send_count else ()
+        handle = self.comm.exchange(send, recv, hop) if send or recv else None
+        self._pending = (held, place, index, handle, send)
 
     def finish(self) -> tuple[torch.Tensor, ...]:
-        """Wait for the posted exchange; the buffer with the received rows in place."""
-        buf, recv, direct, index, handle, _ = self._pending
+        """Wait for the posted exchange; the held shard with the received rows in place."""
+        held, place, index, handle, _ = self._pending
         self._pending = None
         if handle is not None:
             handle.wait()
-        for b, got, d in zip(buf, recv, direct):
-            if d is None:
-                place_rows(b, index.recv, got)
-        return buf
+        for h, got in place:
+            place_rows(h, index.recv, got)
+        return held
 
-    def release(self, buf: tuple[torch.Tensor, ...]) -> None:
-        """``buf``'s step is done: receive a later step into it."""
-        self._free.append(buf)
+    def release(self, held: tuple[torch.Tensor, ...]) -> None:
+        """``held``'s step is done: receive a later step into its buffer."""
+        self._free.append(self._slots.pop(id(held)))
 
 
 class _Home:
     """dK/dV partials on their way home in backward: the held shard's needed rows to its owner, this
-    rank's own rows from the ranks that held them; at most one exchange in flight."""
+    rank's own rows from the ranks that held them; at most one exchange in flight. ``hops``:
+    ``(StepIndex, compact)`` of steps ``last, ..., 1``. The partials start in two buffers made once per
+    call (one in flight, one being added up), the rows received land in one scratch, and
+    :attr:`total` is made once."""
 
-    def __init__(self, comm: Transport, acc: torch.dtype) -> None:
-        self.comm, self.acc = comm, acc
+    def __init__(self, comm: Transport, acc: torch.dtype, like: tuple[torch.Tensor, ...], hops: list) -> None:
+        self.comm, self.acc, self.like = comm, acc, like
         self._pending = None
-        self.total: tuple = (None, None)  # the partials of this rank's rows that arrived, added up
+        n = like[0].shape[1]
+        rows = max([index.recv_count if compact else n for index, compact in hops], default=0)
+        self._blank = [tuple(t.new_empty(t.numel() // n * rows, dtype=acc) for t in like)
+                       for _ in range(min(2, len(hops)))]
+        send = max([index.recv_count for index, compact in hops if not compact and index.recv is not None
+                    and index.recv_count and direct_view(shaped(self._blank[0][0], like[0].shape), index.recv)
+                    is None], default=0)
+        recv = max([index.send_count for index, _ in hops], default=0)
+        self._send = tuple(t.new_empty(t.numel() // n * send, dtype=acc) if send else None for t in like)
+        self._recv = tuple(t.new_empty(t.numel() // n * recv, dtype=acc) if recv else None for t in like)
+        # the partials of this rank's rows that arrived, added up
+        self.total: tuple = tuple(t.new_zeros(t.shape, dtype=acc) for t in like) if recv else (None, None)
+        self._hops = {len(hops) - i: hop for i, hop in enumerate(hops)}
 
-    def send(self, partial: tuple, index: StepIndex, s: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Post step ``s``'s ``partial`` (dk, dv of the held shard, full length or None) home to rank
+    def blank(self, s: int) -> tuple[tuple[torch.Tensor, ...], int]:
+        """Step ``s``'s partial buffers (``[B, length, H, D]``, contents undefined) and their ``length``."""
+        index, compact = self._hops[s]
+        length = index.recv_count if compact else self.like[0].shape[1]
+        slot = self._blank[s % len(self._blank)]
+        return tuple(shaped(f, (t.shape[0], length, *t.shape[2:])) for f, t in zip(slot, self.like)), length
+
+    def send(self, partial: tuple, blank: tuple, index: StepIndex, compact: bool, s: int) -> None:
+        """Post step ``s``'s ``partial`` (dk, dv of the held shard, in ``blank``, or None) home to rank
         r - s, and the receive of this rank's ``index.send`` rows' partial from rank r + s."""
         # no partial: no task touched the held shard (a contained failure); zeros keep the sizes agreed
-        parts = tuple(t.new_zeros(t.shape, dtype=self.acc) if p is None else p for p, t in zip(partial, (k, v)))
-        handle, recv, send = post_rows(self.comm, parts, index.recv, index.recv_count, index.send_count, -s)
-        self._pending = (handle, recv, index, send, (k, v))
+        parts = tuple(b.zero_() if p is None else p for p, b in zip(partial, blank))
+        rows = None if compact else index.recv
+        send = tuple(p if rows is None else wire_rows(p, rows, scratch)
+                     for p, scratch in zip(parts, self._send)) if index.recv_count else ()
+        recv = tuple(shaped(f, (t.shape[0], index.send_count, *t.shape[2:]))
+                     for f, t in zip(self._recv, self.like)) if index.send_count else ()
+        handle = self.comm.exchange(send, recv, -s) if send or recv else None
+        self._pending = (handle, recv, index, send)
 
     def arrived(self) -> None:
         """Wait for the exchange in flight, if any, and add the partial that arrived to :attr:`total`."""
         if self._pending is None:
             return
-        handle, recv, index, _, like = self._pending
+        handle, recv, index, _ = self._pending
         self._pending = None
         if handle is not None:
             handle.wait()
-        if recv:
-            self.total = tuple(t.new_zeros(t.shape, dtype=self.acc) if o is None else o
-                               for o, t in zip(self.total, like))
-            for o, got in zip(self.total, recv):
-                place_rows(o, index.send, got, add=True)
-
-
+        for o, got in zip(self.total, recv):
+            place_rows(o, index.send, got, add=True)

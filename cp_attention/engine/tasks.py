@@ -44,14 +44,22 @@ def _covers(rows: slice, length: int) -> bool:
 
 
 def add_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
-              dtype: torch.dtype) -> torch.Tensor:
+              dtype: torch.dtype, buffer: "torch.Tensor | None" = None) -> torch.Tensor:
     """``acc[:, rows] += block`` for a slice or a LongTensor of distinct rows. A missing accumulator
     starts as the block itself when the block covers every row (every schedule's step 0 does without
-    packed documents), saving a zero fill and a read-modify-write."""
+    packed documents), saving a zero fill and a read-modify-write. ``buffer`` (``[B, length, ...]`` of
+    ``dtype``, contiguous): where a missing accumulator starts, instead of new memory (a buffer made
+    once per call and reused at every step)."""
     if acc is None:
-        if isinstance(rows, slice) and _covers(rows, length):
+        covers = isinstance(rows, slice) and _covers(rows, length)
+        if buffer is not None:
+            acc = buffer.copy_(block) if covers else buffer.zero_()
+            if covers:
+                return acc
+        elif covers:
             return block.to(dtype).contiguous()
-        acc = block.new_zeros((block.shape[0], length, *block.shape[2:]), dtype=dtype)
+        else:
+            acc = block.new_zeros((block.shape[0], length, *block.shape[2:]), dtype=dtype)
     if isinstance(rows, slice):
         acc[:, rows] += block
     else:

@@ -16,7 +16,8 @@ import torch
 from ..schedules.needs import StepRows
 from .doc_batch import upload
 
-__all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "direct_view", "post_rows"]
+__all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "direct_view", "post_rows", "row_count",
+           "shaped", "wire_rows"]
 
 # Local rows along the sequence dim: None (all of them), a contiguous range, or an index tensor.
 Rows = Union[None, slice, torch.Tensor]
@@ -86,3 +87,29 @@ def post_rows(comm, tensors: Sequence[torch.Tensor], rows: Rows, count: int, rec
     if recv is None:
         recv = tuple(t.new_empty(t.shape[0], recv_count, *t.shape[2:]) for t in tensors) if recv_count else ()
     return (comm.exchange(send, recv, hop) if send or recv else None), tuple(recv), send
+
+
+def row_count(rows: Rows, n: int) -> int:
+    """How many of a shard's ``n`` rows ``rows`` names."""
+    return n if rows is None else rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def shaped(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The first elements of the 1-D ``flat`` as a contiguous tensor of ``shape`` (a view: scratch
+    allocated once per call, used at every step)."""
+    size = 1
+    for x in shape:
+        size *= x
+    return flat[:size].view(*shape)
+
+
+def wire_rows(t: torch.Tensor, rows: Rows, scratch: "torch.Tensor | None") -> torch.Tensor:
+    """``t [B, n, ...]``'s ``rows`` along dim 1 as one contiguous tensor to send: a view of ``t`` when
+    they are one already, else gathered into the 1-D ``scratch`` (one launch, no allocation)."""
+    view = direct_view(t, rows)
+    if view is not None:
+        return view
+    out = shaped(scratch, (t.shape[0], row_count(rows, t.shape[1]), *t.shape[2:]))
+    if isinstance(rows, torch.Tensor):
+        return torch.index_select(t, 1, rows, out=out)
+    return out.copy_(t if rows is None else t[:, rows])

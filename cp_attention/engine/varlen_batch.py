@@ -9,10 +9,12 @@ no call reads the device.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..schedules.lowering import VarlenSpec
-from .doc_batch import upload
+from .doc_batch import compact_index, upload
 
 __all__ = ["VarlenBatch", "concat_ranges"]
 
@@ -43,6 +45,19 @@ class VarlenBatch:
         self.causal = spec.causal
         self.first = spec.first
         self.spec = spec
+        self._compacted = None  # (recv, this batch reading a compact held shard of the rows recv)
+
+    def compact(self, recv: torch.Tensor) -> "VarlenBatch":
+        """This batch reading the held shard from a compact tensor of only its rows ``recv`` (see
+        :meth:`DocBatch.compact <cp_attention.engine.doc_batch.DocBatch.compact>`)."""
+        found = getattr(self, "_compacted", None)
+        if found is not None and found[0] is recv:
+            return found[1]
+        out = copy.copy(self)
+        out._compacted = None
+        out.k_rows = compact_index(recv, self.k_rows)
+        self._compacted = (recv, out)
+        return out
 
     def _streams(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return q[0].index_select(0, self.q_rows), k[0].index_select(0, self.k_rows), v[0].index_select(0, self.k_rows)
