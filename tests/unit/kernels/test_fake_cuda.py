@@ -197,9 +197,9 @@ def test_calls_without_a_plan(env, kernel):
 
 
 # ------------------------------------------------------------------- fused-op calls per ring step
-def _calls_per_step(env, kernel: str, docs: int) -> tuple[int, int]:
-    """The most fused-op calls rank 0 makes at one ring step (forward, backward), for ``docs``
-    documents of 16 tokens at N=2 (zigzag: every document has rows on both ranks)."""
+def _rank0_calls_per_step(env, **case) -> tuple[dict, dict, dict]:
+    """``ring_case(env, **case)`` counting the fused-op calls rank 0 makes at each ring step: (forward
+    calls per step, backward calls per step, the case's result)."""
     from cp_attention.engine.ring import RingSchedule
     fwd_steps, bwd_steps = {}, {}
 
@@ -215,7 +215,16 @@ def _calls_per_step(env, kernel: str, docs: int) -> tuple[int, int]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(RingSchedule, "_step_forward", counting(RingSchedule._step_forward, fwd_steps))
         mp.setattr(RingSchedule, "_step_backward", counting(RingSchedule._step_backward, bwd_steps))
-        res = ring_case(env, 2, kernel, "zigzag", torch.bfloat16, n=docs * 16 // 2, lengths=[16] * docs, layers=1)
+        res = ring_case(env, **case)
+    return fwd_steps, bwd_steps, res
+
+
+def _calls_per_step(env, kernel: str, docs: int) -> tuple[int, int]:
+    """The most fused-op calls rank 0 makes at one ring step (forward, backward), for ``docs``
+    documents of 16 tokens at N=2 (zigzag: every document has rows on both ranks)."""
+    fwd_steps, bwd_steps, res = _rank0_calls_per_step(env, world=2, kernel=kernel, layout="zigzag",
+                                                      dtype=torch.bfloat16, n=docs * 16 // 2, lengths=[16] * docs,
+                                                      layers=1)
     check_clean(res, "flash" if kernel == "auto" else kernel)
     print(f"\n[issue 23] {kernel}: {docs} documents x 16 tokens, N=2: fused-op calls per ring step on rank 0: "
           f"forward {dict(sorted(fwd_steps.items()))}, backward {dict(sorted(bwd_steps.items()))}; "
@@ -251,4 +260,18 @@ def test_auto_runs_cudnn_and_flash_blocks_in_one_call(env):
     """zigzag at 6 tokens per rank: 3x3 halves go to cuDNN; none is refused, so flash never runs."""
     res = ring_case(env, 2, "auto", "zigzag", torch.bfloat16, n=6, layers=1)
     check_clean(res, "cudnn")
+    assert not any(op.startswith("_flash") for op in res["calls"]), res["calls"]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "interleaved", "contiguous"])
+def test_a_dense_ring_step_is_one_kernel_call(env, layout):
+    """Dense causal, N=4 on sm90: every ring step's blocks are ONE fused call forward and one backward
+    on rank 0 (zigzag's halves included: its schedule gives one block per step, and each is square or
+    full, so cuDNN takes it whole), and those calls are cuDNN's."""
+    fwd_steps, bwd_steps, res = _rank0_calls_per_step(env, world=4, kernel="auto", layout=layout,
+                                                      dtype=torch.bfloat16, n=32, layers=1)
+    check_clean(res, "cudnn")
+    skipped = {1, 2, 3} if layout == "contiguous" else set()  # rank 0 of contiguous sees no later shard
+    assert fwd_steps == {s: int(s not in skipped) for s in range(4)}, fwd_steps
+    assert bwd_steps == {s: int(s not in skipped) for s in range(4)}, bwd_steps
     assert not any(op.startswith("_flash") for op in res["calls"]), res["calls"]
