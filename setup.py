@@ -26,10 +26,12 @@ EXTRAS = {
     # (its private interface is read for 2.6-2.8); transformer-engine: the Megatron adapter's
     # backend="transformer_engine" (imported by megatron-core's TE layer spec, not by us).
     "gpu": ["flash-attn>=2.6,<2.9", "transformer-engine[pytorch]>=2.0"],
-    "test": ["pytest>=7", "hypothesis>=6"],
+    # ring-flash-attn: pure Python, no requirements; the compat tests run it on CPU through a flash-attn stand-in
+    "test": ["pytest>=7", "hypothesis>=6", "ring-flash-attn==0.1.8"],
 }
 # The core's rooms (sub-packages), then the rooms above them.
-ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies", "training")
+ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies", "training",
+         "compat")
 # Everything that installs on a CPU-only machine.
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
 

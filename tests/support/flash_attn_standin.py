@@ -1,6 +1,8 @@
 """A stand-in for the flash-attn package (2.6, 2.7, 2.8), to test the ``flash_attn`` kernel's argument
 plumbing without a GPU: ``flash_attn.flash_attn_interface._flash_attn_forward`` and
-``_flash_attn_backward`` with the exact signatures and return values of each version (2.7+ as
+``_flash_attn_backward`` (and the varlen ``_flash_attn_varlen_forward`` / ``_backward``, packed sequences
+``[total, H, D]`` with int32 ``cu_seqlens``, LSE ``[H, total_q]``, as ring-flash-attention calls them)
+with the exact signatures and return values of each version (2.7+ as
 ``torch.library`` custom ops whose backward writes dq/dk/dv in place, as the real ones), computed with
 plain torch in fp64 on any device, with flash-attn's conventions and checks: bshd, causal mask and
 windows aligned BOTTOM-RIGHT, ``seqlen_q == 1`` turns causal off, softcap on the scaled scores, GQA, LSE
@@ -135,6 +137,92 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_sc
     return made, softmax_d
 
 
+def _varlen_mask(q, k, cu_q, cu_k, max_q, max_k, causal, left, right, forward: bool):
+    """``[Tq, Tk]`` bool for flash-attn's varlen kernels: a query sees keys of its own sequence only, in
+    that sequence's window aligned bottom-right; rows past ``cu_q[-1]`` see nothing. As flash_api.cpp's
+    ``mha_varlen_fwd``/``_bwd``: windows >= ``max_seqlen_k`` are unbounded, the forward turns causal off
+    when ``max_seqlen_q == 1``, causal is the window's right edge 0."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
+            raise RuntimeError(f"{name} must have dtype int32 (a contiguous 1-D tensor)")
+    if cu_q.numel() != cu_k.numel() or cu_q.numel() < 2:
+        raise RuntimeError("cu_seqlens_q and cu_seqlens_k must have shape (batch_size + 1), batch size positive")
+    if q.dim() != 3 or k.dim() != 3:
+        raise RuntimeError("varlen q, k, v must be (total, num_heads, head_size)")
+    cq, ck = cu_q.long().cpu(), cu_k.long().cpu()
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    if (lq < 0).any() or (lk < 0).any() or int(cq[-1]) > q.shape[0] or int(ck[-1]) > k.shape[0]:
+        raise RuntimeError("cu_seqlens must increase and end within the tensors' total length")
+    if int(lq.max()) > max_q or int(lk.max()) > max_k:
+        # the kernel's grid covers max_seqlen rows: longer sequences would be cut, not refused
+        raise RuntimeError(f"a sequence is longer than max_seqlen_q={max_q} / max_seqlen_k={max_k}")
+    left, right = (-1 if left >= max_k else left), (-1 if right >= max_k else right)
+    if forward and max_q == 1:
+        causal = False
+    if causal:
+        right = 0
+    iq, ik = torch.arange(q.shape[0]), torch.arange(k.shape[0])
+    bq = torch.searchsorted(cq, iq, right=True) - 1
+    bk = torch.searchsorted(ck, ik, right=True) - 1
+    bq = torch.where(iq < cq[-1], bq, -1)
+    bk = torch.where(ik < ck[-1], bk, -2)
+    ok = bq[:, None] == bk[None, :]
+    bq0, bk0 = bq.clamp(min=0), bk.clamp(min=0)
+    # offset of key j from query i's diagonal, bottom-right aligned within their sequence
+    off = ((ik - ck[bk0])[None, :] - (iq - cq[bq0])[:, None]) - (lk[bq0] - lq[bq0])[:, None]
+    if left >= 0:
+        ok &= off >= -left
+    if right >= 0:
+        ok &= off <= right
+    return ok.to(q.device)
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, left, right, softcap,
+                    alibi_slopes, extras):
+    if dropout_p or alibi_slopes is not None or any(x is not None for x in extras):
+        raise RuntimeError("the stand-in models dropout 0, no ALiBi, no block_table/leftpad_k/seqused_k only")
+    if not (q.dtype == k.dtype == v.dtype) or any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise RuntimeError("q, k, v must have one dtype and a contiguous last dimension")
+    if q.shape[-1] > 256 or q.shape[1] % k.shape[1]:
+        raise RuntimeError("head_size at most 256; number of heads in key/value must divide those in query")
+    allowed = _varlen_mask(q, k, cu_q, cu_k, max_q, max_k, causal, left, right, True)
+    out, lse = attend(q[None], k[None], v[None], softmax_scale, allowed[None, None], softcap)
+    # flash-attn's kernel: a row that sees no key gets out 0 and LSE +inf
+    empty = ~allowed.any(1)
+    out, lse = out[0].masked_fill(empty[:, None, None], 0.0), lse[0].masked_fill(empty[None, :], float("inf"))
+    return out.to(q.dtype), lse.float()
+
+
+def _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p,
+                     softmax_scale, causal, left, right, softcap, alibi_slopes):
+    if dropout_p or alibi_slopes is not None:
+        raise RuntimeError("the stand-in models dropout 0 and no ALiBi only")
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        raise RuntimeError("head_size should be a multiple of 8, at most 256")
+    if out.shape != q.shape or dout.shape != q.shape or out.dtype != q.dtype or dout.dtype != q.dtype:
+        raise RuntimeError("out and dout must have q's shape and dtype")
+    if softmax_lse.shape != (q.shape[1], q.shape[0]) or softmax_lse.dtype != torch.float32 \
+            or not softmax_lse.is_contiguous():
+        raise RuntimeError("softmax_lse: the kernel reads a contiguous fp32 [num_heads, total_q] buffer")
+    allowed = _varlen_mask(q, k, cu_q, cu_k, max_q, max_k, causal, left, right, False)
+    grads = attend_grads(dout[None], q[None], k[None], v[None], out[None], softmax_lse[None], softmax_scale,
+                         allowed[None, None], softcap)
+    for given, like, g in zip((dq, dk, dv), (q, k, v), grads):
+        if given is not None:
+            if given.shape != like.shape or given.dtype != like.dtype or given.stride(-1) != 1:
+                raise RuntimeError("dq/dk/dv must have the shape and dtype of q/k/v and a contiguous last dimension")
+            given.copy_(g[0])
+    # softmax_d [H, total_q + 128 * batch]: sequence i's rows start at cu_seqlens_q[i] + 128 * i
+    batch = cu_q.numel() - 1
+    delta = (dout.double() * out.double()).sum(-1).t().float()
+    softmax_d = torch.zeros(q.shape[1], q.shape[0] + 128 * batch, dtype=torch.float32, device=q.device)
+    cq = cu_q.long().cpu()
+    rows = torch.arange(int(cq[-1]))
+    seq = torch.searchsorted(cq, rows, right=True) - 1
+    softmax_d[:, (rows + 128 * seq).to(q.device)] = delta[:, :int(cq[-1])]
+    return softmax_d
+
+
 def _v26():
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                             return_softmax):
@@ -149,7 +237,68 @@ def _v26():
     return _flash_attn_forward, _flash_attn_backward
 
 
+def _v26_varlen():
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                   return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
+        out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, *window_size, softcap, alibi_slopes,
+                                   (block_table, leftpad_k, seqused_k))
+        return out, q, k, v, out, lse, None, torch.empty(2, dtype=torch.int64)
+
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                    softcap, alibi_slopes, deterministic, rng_state=None):
+        made = [torch.empty_like(t) if g is None else g for g, t in ((dq, q), (dk, k), (dv, v))]
+        softmax_d = _varlen_backward(dout, q, k, v, out, softmax_lse, *made, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, *window_size,
+                                     softcap, alibi_slopes)
+        return (*made, softmax_d)
+    return _flash_attn_varlen_forward, _flash_attn_varlen_backward
+
+
 _CUSTOM_OPS: dict[str, tuple] = {}
+
+
+def _v27_varlen(tag: str):
+    """flash-attn 2.7 / 2.8's ``_flash_attn_varlen_forward`` / ``_backward`` (flash_attn_interface.py at
+    v2.8.x): custom ops, ``window_size_left/right`` split, LSE ``[H, total_q]`` fp32."""
+    key = f"varlen_{tag}"
+    if key in _CUSTOM_OPS:
+        return _CUSTOM_OPS[key]
+    ns = f"cp_flash_attn_standin_{tag}"
+
+    @torch.library.custom_op(f"{ns}::_flash_attn_varlen_forward", mutates_args=())
+    def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                   dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int = -1,
+                                   window_size_right: int = -1, softcap: float = 0.0,
+                                   alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
+                                   block_table: Optional[torch.Tensor] = None,
+                                   leftpad_k: Optional[torch.Tensor] = None,
+                                   seqused_k: Optional[torch.Tensor] = None,
+                                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, window_size_left, window_size_right, softcap,
+                                   alibi_slopes, (block_table, leftpad_k, seqused_k))
+        return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), torch.empty(2, dtype=torch.int64)
+
+    @torch.library.custom_op(f"{ns}::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
+    def _flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
+                                    dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                                    max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                                    window_size_left: int, window_size_right: int, softcap: float,
+                                    alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                                    rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # as the real op: gradients land only in the given buffers
+        return _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                window_size_right, softcap, alibi_slopes)
+
+    _CUSTOM_OPS[key] = (_flash_attn_varlen_forward, _flash_attn_varlen_backward)
+    return _CUSTOM_OPS[key]
 
 
 def _v27(tag: str):
@@ -192,6 +341,8 @@ def install(monkeypatch, version: str, hide_signature: bool = False) -> types.Mo
         fwd, bwd = (lambda f: lambda *a, **kw: f(*a, **kw))(fwd), (lambda f: lambda *a, **kw: f(*a, **kw))(bwd)
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     iface._flash_attn_forward, iface._flash_attn_backward = fwd, bwd
+    iface._flash_attn_varlen_forward, iface._flash_attn_varlen_backward = (
+        _v26_varlen() if version.startswith("2.6") else _v27_varlen(version.replace(".", "_")))
     pkg = types.ModuleType("flash_attn")
     pkg.__version__ = version
     pkg.flash_attn_interface = iface

@@ -7,8 +7,8 @@
 - each adapter (``cp_attention.integrations.huggingface``, ``.megatron``) imports only the core, its
   own sub-package and the adapters' shared ``integrations/agree.py``: never the other adapter, never
   ``cp_attention.training``; its ``__init__`` only re-exports;
-- ``cp_attention.training`` imports the adapters inside functions only (never at module level), so
-  it imports without the ``hf`` or ``megatron`` extra."""
+- ``cp_attention.training`` and ``cp_attention.compat`` import the adapters inside functions only (never
+  at module level), so they import without the ``hf`` or ``megatron`` extra."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ ADAPTERS = ROOT / "integrations"  # installed as cp_attention.integrations (setu
 INTEGRATIONS = "cp_attention.integrations"
 ADAPTER_PACKAGES = (f"{INTEGRATIONS}.huggingface", f"{INTEGRATIONS}.megatron")
 SHARED = f"{INTEGRATIONS}.agree"  # what both adapters share (the one-all-gather verdict)
-LAYERS = ("integrations", "training")  # above the core
+LAYERS = ("integrations", "training", "compat")  # above the core
 CHECKOUT_ROOMS = ("benchmarks", "examples")  # a checkout's, not installed: above everything
 # Room -> its level; a module may import rooms of its own level or lower only.
 LEVELS = {"kernels": 0, "transport": 0, "memory": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4,
@@ -167,9 +167,10 @@ def test_adapter_init_only_re_exports(package):
     assert exported == imported
 
 
-def test_training_imports_no_adapter_at_module_level():
+@pytest.mark.parametrize("layer", ["cp_attention.training", "cp_attention.compat"])
+def test_layers_import_no_adapter_at_module_level(layer):
     known = set(_every_module())
-    wrong = [(name, dep) for name, path in _every_module().items() if name.startswith("cp_attention.training")
+    wrong = [(name, dep) for name, path in _every_module().items() if name.startswith(layer)
              for dep in _imports(name, _module_level_source(path.read_text()), path.name == "__init__.py", known)
              if dep.startswith(INTEGRATIONS)]
     assert not wrong, wrong
@@ -196,7 +197,7 @@ def test_setup_installs_every_room():
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert packages == set(listed), f"setup.py ROOMS misses {sorted(packages - set(listed))}, " \
                                     f"names no package {sorted(set(listed) - packages)}"
-    assert set(ROOMS) | {"training"} == packages, "test_rooms' ROOMS must name every core room"
+    assert set(ROOMS) | {"training", "compat"} == packages, "test_rooms' ROOMS must name every core room"
 
 
 def test_the_checkers_can_fail():
