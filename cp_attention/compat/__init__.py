@@ -4,6 +4,8 @@ the ``hf`` extra.
 
 - :mod:`cp_attention.compat.ring_flash_attn`: ring-flash-attention 0.1.8's functions, same names,
   signatures and shard placement, on cp_attention's layouts and strategies;
+- :mod:`cp_attention.compat.torch_cp`: PyTorch's ``context_parallel`` context manager and
+  ``context_parallel_unshard``, plus a ``layout=`` keyword.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import sys
 import types
 
-__all__ = ["install_ring_flash_attn"]
+from .torch_cp import context_parallel, context_parallel_unshard
+
+__all__ = ["context_parallel", "context_parallel_unshard", "install_ring_flash_attn"]
 
 # ring-flash-attention's own module names a caller may import from (``from ring_flash_attn.zigzag_ring_flash_attn
 # import ...``); each resolves to our one module. Its HF adapter (``ring_flash_attn.adapters``, with
