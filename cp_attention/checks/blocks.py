@@ -45,7 +45,7 @@ def named_kernel_problem(name: str, kernel: AttentionKernel, layout: Layout, cau
     single tokens, so they are refused outright for it)."""
     if kernel.block_refusal(1, 1, False) is None:
         return None
-    advice = f"use kernel='auto' (it runs such blocks on the next kernel of its table) or kernel='flash'"
+    advice = "use kernel='auto' (it runs such blocks on the next kernel of its table) or kernel='flash'"
     if packed or windowed:
         what = "packed documents" if packed else "sliding windows"
         return (f"kernel {name!r} cannot run {what}: their blocks can have a single query row or key (a 1-token "

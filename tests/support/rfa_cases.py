@@ -248,3 +248,26 @@ def failures(results, keys: tuple, label) -> tuple[list[str], int]:
                     f"{res[key] if isinstance(res[key], bool) else f'{res[key]:+.2e} over'}"
                     for key in present if (res[key] is not True if key.endswith(("_ok", "_like")) else res[key] > 0)]
     return bad, checked
+
+
+class Untouchable:
+    """A group that fails any use: a refusal must come before the call reaches the group."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the group was used ({name}) before the refusal")
+
+
+def assert_same_signature(name: str, ours, modules=None) -> None:
+    """Our ``name`` takes exactly the original's parameters (names, kinds, defaults), in order; skips with
+    the reason when ring-flash-attention is not importable."""
+    import inspect
+
+    import pytest
+
+    reason = rfa_missing()
+    if reason:
+        pytest.skip(reason)
+    with (original() if modules is None else original(modules)) as ref:
+        theirs = inspect.signature(getattr(ref, name))
+    shape = lambda s: [(p.name, p.kind, p.default) for p in s.parameters.values()]  # noqa: E731
+    assert shape(inspect.signature(getattr(ours, name))) == shape(theirs)

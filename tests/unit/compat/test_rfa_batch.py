@@ -5,7 +5,6 @@ gradients of one process's attention (tests/support/rfa_cases.py)."""
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -35,13 +34,6 @@ def _inputs(name: str, heads: int = 4, kv_heads: int = 2, seq: int = 12, dtype=t
     return (q, k, v), (q, k, v)
 
 
-class _Untouchable:
-    """A group that fails any use: a refusal must come before the call reaches the group."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"the group was used ({name}) before the refusal")
-
-
 def test_every_batch_function_is_exported():
     assert sorted(rfa_batch.__all__) == sorted(BATCH_NAMES)
     assert all(name in ours.__all__ and callable(getattr(ours, name)) for name in BATCH_NAMES)
@@ -49,14 +41,7 @@ def test_every_batch_function_is_exported():
 
 @pytest.mark.parametrize("name", BATCH_NAMES)
 def test_signature_is_the_originals(name):
-    reason = rfa_cases.rfa_missing()
-    if reason:
-        pytest.skip(reason)
-    with rfa_cases.original() as ref:
-        theirs = inspect.signature(getattr(ref, name))
-    mine = inspect.signature(getattr(ours, name))
-    shape = lambda s: [(p.name, p.kind, p.default) for p in s.parameters.values()]  # noqa: E731
-    assert shape(mine) == shape(theirs)
+    rfa_cases.assert_same_signature(name, ours)
 
 
 @pytest.mark.parametrize("placement", rfa_cases.PLACEMENTS)
@@ -75,7 +60,7 @@ def test_original_placement_is_our_layouts_shard(placement, world_size):
 def test_refuses_dropout_and_alibi_before_communication(name, argument, value):
     args, _ = _inputs(name)
     with pytest.raises(NotImplementedError, match=f"{name}: {argument}"):
-        getattr(ours, name)(*args, **{argument: value}, group=_Untouchable())
+        getattr(ours, name)(*args, **{argument: value}, group=rfa_cases.Untouchable())
 
 
 @pytest.mark.parametrize("name", [n for n in BATCH_NAMES if "packed" in n])
@@ -83,7 +68,7 @@ def test_refuses_a_wrongly_packed_tensor(name):
     args, (q, k, v) = _inputs(name)
     bad = (torch.stack([q, k], dim=2),) if "qkvpacked" in name else (q, torch.stack([k, v, v], dim=2))
     with pytest.raises(ValueError, match=r"must be \[batch, seq, [23], heads, head_dim\], got shape"):
-        getattr(ours, name)(*bad, group=_Untouchable())
+        getattr(ours, name)(*bad, group=rfa_cases.Untouchable())
 
 
 @pytest.mark.parametrize("name", BATCH_NAMES)

@@ -6,7 +6,6 @@ gradients of one process's attention over the packed documents (tests/support/rf
 
 from __future__ import annotations
 
-import inspect
 import random
 
 import pytest
@@ -53,13 +52,6 @@ def _args(name: str, cu, causal: bool = True, heads: int = 4, kv_heads: int = 2,
     return (*tensors, *meta), (q, k, v)
 
 
-class _Untouchable:
-    """A group that fails any use: a refusal must come before the call reaches the group."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"the group was used ({name}) before the refusal")
-
-
 def test_every_varlen_function_is_exported():
     assert sorted(rfa_varlen.__all__) == sorted(ALL_NAMES)
     assert all(name in ours.__all__ and callable(getattr(ours, name)) for name in ALL_NAMES)
@@ -67,12 +59,7 @@ def test_every_varlen_function_is_exported():
 
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_signature_is_the_originals(name):
-    _skip_without_original()
-    with rfa_cases.original(vc.VARLEN_MODULES) as ref:
-        theirs = inspect.signature(getattr(ref, name))
-    mine = inspect.signature(getattr(ours, name))
-    shape = lambda s: [(p.name, p.kind, p.default) for p in s.parameters.values()]  # noqa: E731
-    assert shape(mine) == shape(theirs)
+    rfa_cases.assert_same_signature(name, ours, vc.VARLEN_MODULES)
 
 
 @pytest.mark.parametrize("kind", vc.KINDS)
@@ -140,7 +127,7 @@ def test_prepare_cu_seqlens_refusals():
 def test_refuses_dropout_and_alibi_before_communication(name, argument, value):
     args, _ = _args(name, [0, 4, 10])
     with pytest.raises(NotImplementedError, match=f"{name}: {argument}"):
-        getattr(ours, name)(*args, **{argument: value}, group=_Untouchable())
+        getattr(ours, name)(*args, **{argument: value}, group=rfa_cases.Untouchable())
 
 
 @pytest.mark.parametrize("name", [n for n in VARLEN_NAMES if "packed" in n])
@@ -149,7 +136,7 @@ def test_refuses_a_wrongly_packed_tensor(name):
     bad = (torch.stack([q, k], dim=1),) if "qkvpacked" in name else (q, torch.stack([k, v, v], dim=1))
     n_tensors = 1 if "qkvpacked" in name else 2
     with pytest.raises(ValueError, match=r"must be \[total, [23], heads, head_dim\], got"):
-        getattr(ours, name)(*bad, *args[n_tensors:], group=_Untouchable())
+        getattr(ours, name)(*bad, *args[n_tensors:], group=rfa_cases.Untouchable())
 
 
 @pytest.mark.parametrize("name", [n for n in VARLEN_NAMES if not n.startswith("llama3")])
