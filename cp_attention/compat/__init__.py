@@ -3,7 +3,8 @@ like ``cp_attention.training``; it imports the adapters only inside functions, s
 the ``hf`` extra.
 
 - :mod:`cp_attention.compat.ring_flash_attn`: ring-flash-attention 0.1.8's functions, same names,
-  signatures and shard placement, on cp_attention's layouts and strategies;
+  signatures and shard placement, on cp_attention's layouts and strategies, and its HF adapter
+  (:mod:`cp_attention.compat.rfa_hf_adapter`);
 - :mod:`cp_attention.compat.torch_cp`: PyTorch's ``context_parallel`` context manager and
   ``context_parallel_unshard``, plus a ``layout=`` keyword.
 """
@@ -18,9 +19,8 @@ from .torch_cp import context_parallel, context_parallel_unshard
 __all__ = ["context_parallel", "context_parallel_unshard", "install_ring_flash_attn"]
 
 # ring-flash-attention's own module names a caller may import from (``from ring_flash_attn.zigzag_ring_flash_attn
-# import ...``); each resolves to our one module. Its HF adapter (``ring_flash_attn.adapters``, with
-# ``substitute_hf_flash_attn`` / ``update_ring_flash_attn_params``) is not registered yet: issue 42's adapter task
-# adds it here, so until then ``import ring_flash_attn.adapters`` fails with "'ring_flash_attn' is not a package".
+# import ...``); each resolves to our one module of functions. Its adapters package and HF adapter module resolve
+# to ours (``from ring_flash_attn.adapters.hf_adapter import DATA_PARAMS``).
 _RFA_SUBMODULES = ("ring_flash_attn", "zigzag_ring_flash_attn", "stripe_flash_attn", "ring_flash_attn_varlen",
                    "zigzag_ring_flash_attn_varlen", "llama3_flash_attn_varlen")
 
@@ -31,7 +31,8 @@ def _is_ours(module: object) -> bool:
 
 def install_ring_flash_attn() -> types.ModuleType:
     """Make ``import ring_flash_attn`` (and its function modules, e.g. ``ring_flash_attn.zigzag_ring_flash_attn``)
-    give :mod:`cp_attention.compat.ring_flash_attn`, so a script written for ring-flash-attention runs on
+    give :mod:`cp_attention.compat.ring_flash_attn`, and ``ring_flash_attn.adapters.hf_adapter`` give
+    :mod:`cp_attention.compat.rfa_hf_adapter`, so a script written for ring-flash-attention runs on
     cp_attention unchanged. Call it before anything imports ``ring_flash_attn``; calling it again is a no-op.
 
     Returns the module. Raises ``RuntimeError`` (and registers nothing) if ring-flash-attention itself, or any
@@ -51,4 +52,6 @@ def install_ring_flash_attn() -> types.ModuleType:
     sys.modules["ring_flash_attn"] = ours
     for name in _RFA_SUBMODULES:
         sys.modules[f"ring_flash_attn.{name}"] = ours
+    sys.modules["ring_flash_attn.adapters"] = ours.adapters
+    sys.modules["ring_flash_attn.adapters.hf_adapter"] = ours.adapters.hf_adapter
     return ours

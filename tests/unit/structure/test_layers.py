@@ -1,4 +1,5 @@
-"""The package's layers point one way (core <- integrations <- training <- scripts; benchmarks/ and
+"""The package's layers point one way (core <- integrations <- training <- scripts, and
+core <- integrations <- compat; benchmarks/ and
 examples/ sit outside the package, and nothing in it imports them),
 scripts are thin entry points, and the optional layers name their extra when it is missing."""
 
@@ -16,9 +17,10 @@ from tests.support.import_graph import imported_names
 ROOT = Path(__file__).resolve().parents[3]
 CORE = "core"
 LAYERS = {  # layer -> the layers it must not import
-    CORE: {"integrations", "training", "benchmarks", "examples"},
-    "integrations": {"training", "benchmarks", "examples"},
-    "training": {"benchmarks", "examples"},
+    CORE: {"integrations", "training", "compat", "benchmarks", "examples"},
+    "integrations": {"training", "compat", "benchmarks", "examples"},
+    "training": {"compat", "benchmarks", "examples"},
+    "compat": {"training", "benchmarks", "examples"},  # the drop-ins sit beside training, above the adapters
 }
 
 
@@ -26,7 +28,7 @@ def _layer(path: Path) -> str:
     rel = path.relative_to(ROOT).parts
     if rel[0] == "integrations":
         return "integrations"
-    return "training" if rel[1] == "training" else CORE
+    return rel[1] if rel[1] in ("training", "compat") else CORE
 
 
 def _package(path: Path) -> str:
@@ -41,7 +43,7 @@ def _imported_layers(source: str, package: str) -> set[str]:
     found = set()
     for name in imported_names(source, package):
         parts = name.split(".")
-        if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training"):
+        if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training", "compat"):
             found.add(parts[1])
         elif parts[0] in ("benchmarks", "examples"):  # the checkout's folders, never installed
             found.add(parts[0])
