@@ -25,7 +25,7 @@ from cp_attention.training.checkpoint import (CorruptCheckpointError, check_resu
                                               checkpoint_info, find_complete_checkpoint, load_checkpoint,
                                               save_checkpoint)
 
-from tests.system.test_train import ROOT, TINY, weights  # noqa: E402
+from tests.system.test_train import ROOT, TINY, _config, weights  # noqa: E402
 
 JOB = ["trainer.steps=8", "trainer.ckpt_every=3", "trainer.resume_from=auto", "trainer.dist_timeout_s=30"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
@@ -239,12 +239,13 @@ class _Output:
 
 
 def _torchrun(run_dir: Path, *overrides: str, kill: "str | None" = None) -> _Output:
+    """scripts/train.py under torchrun; ``kill="RANK:STEP"``: through tests/support/train_killing_a_rank.py,
+    whose ``before_step`` callback SIGKILLs rank RANK as it starts step STEP (torchrun's first attempt only)."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    if kill:
-        env["CP_ATTENTION_TEST_SIGKILL"] = kill
     keys = {o.split("=", 1)[0] for o in overrides}
     tiny = [o for o in TINY if o.split("=", 1)[0] not in keys]
-    cmd = [*TORCHRUN, "scripts/train.py", *tiny, *overrides, f"hydra.run.dir={run_dir}"]
+    script = ["tests/support/train_killing_a_rank.py", kill] if kill else ["scripts/train.py"]
+    cmd = [*TORCHRUN, *script, *tiny, *overrides, f"hydra.run.dir={run_dir}"]
     return _Output(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
 
 
@@ -255,7 +256,7 @@ def test_torchrun_restarts_after_a_rank_is_killed(base, tmp_path):
     out = _torchrun(tmp_path / "run", *JOB, kill="1:5")
     rc = out.finish(300)
     assert rc == 0, out.text[-4000:]
-    killed = out.when("CP_ATTENTION_TEST_SIGKILL: rank 1 SIGKILLs itself at step 5")
+    killed = out.when("train_killing_a_rank: rank 1 SIGKILLs itself at step 5")
     resumed = out.when(f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step_0000003.pt'} (step 3)")
     assert killed is not None and resumed is not None, out.text[-4000:]
     # the survivor raises at once, unless torchrun's agent (polling every 0.1 s) stops it first
@@ -267,6 +268,48 @@ def test_torchrun_restarts_after_a_rank_is_killed(base, tmp_path):
     assert final_loss(tmp_path / "run") == final_loss(base[0])
     a, b = weights(base[0]), weights(tmp_path / "run")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _before_step_calls(rank: int, world_size: int, cfg: dict, run_dir: str) -> dict:
+    """train()'s ``before_step`` on a pool rank: ``(step, steps logged so far)`` of each call in a run
+    stopped after 2 of 4 steps and in its resume, and what a hook that raises at step 2 makes train() do."""
+    from cp_attention.training import loop
+
+    metrics, calls = Path(run_dir) / "metrics.jsonl", {"fresh": [], "resumed": []}
+
+    def record(name: str):
+        def hook(step: int) -> None:  # only rank 0 writes metrics.jsonl: read it there
+            logged = None if rank else len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+            calls[name].append((step, logged))
+        return hook
+
+    loop.train(cfg, run_dir, before_step=record("fresh"))
+    whole = {**cfg, "trainer": {**cfg["trainer"], "stop_after": None}}
+    loop.train(whole, run_dir, resume=Path(run_dir) / "checkpoints", before_step=record("resumed"))
+
+    def refuse(step: int) -> None:
+        if step == 2:
+            raise ValueError(f"the hook refuses step {step}")
+
+    try:
+        loop.train(whole, os.path.join(run_dir, "refused"), before_step=refuse)
+    except ValueError as e:
+        calls["raised"] = str(e)
+    return calls
+
+
+@pytest.mark.slow
+def test_before_step_is_called_as_each_step_starts(pools, tmp_path):
+    """The callback the kill test passes in: called on every rank with each step's number (1-based, from
+    the checkpoint's step + 1 on resume), before the step runs; what it raises stops train() as raised."""
+    cfg = _config(*TINY, "cp_size=2", "trainer.steps=4", "trainer.stop_after=2")
+    (tmp_path / "refused").mkdir()
+    for rank, calls in enumerate(pools(2).run(_before_step_calls, cfg=cfg, run_dir=str(tmp_path), timeout=240)):
+        logged = (lambda n: n) if rank == 0 else (lambda n: None)
+        assert calls["fresh"] == [(1, logged(0)), (2, logged(1))], (rank, calls)
+        assert calls["resumed"] == [(3, logged(2)), (4, logged(3))], (rank, calls)
+        assert calls.get("raised") == "the hook refuses step 2", (rank, calls)
+    assert steps_logged(tmp_path) == [1, 2, 3, 4] and steps_logged(tmp_path / "refused") == [1]
 
 
 @pytest.mark.slow

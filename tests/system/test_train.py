@@ -84,7 +84,7 @@ def test_dp_times_cp_gradients_match_dp_only(tmp_path):
 
 
 def _launcher_meshes(rank: int, world_size: int) -> dict:
-    from cp_attention.training.loop import training_mesh
+    from cp_attention.training.run import training_mesh
     from cp_attention.transport import transport_for
 
     mesh, cp_mesh, group = training_mesh("cpu", 1, 4, {"name": "a2a+p2p", "inner": 2})
