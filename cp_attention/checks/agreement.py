@@ -30,8 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ..transport.base import agree_by_doubling
 from ..transport.process_group import group_token
+from .doubling import agree_by_doubling
 
 __all__ = ["Verdicts", "VERDICTS", "group_token", "agreed_forward", "AgreedScope", "in_agreed_forward", "digests_agree", "cache_enabled"]
 

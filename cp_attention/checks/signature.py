@@ -19,8 +19,8 @@ from ..kernels.dtypes import FLOAT_DTYPES
 from ..layouts.documents import check_cu_seqlens
 from ..layouts.registry import get_layout
 from ..schedules.windows import check_window_size
-from ..transport.codec import Codec, Field, encode_text
 from ..transport.comm_types import CP_COMM_TYPES
+from .codec import Codec, Field, encode_text
 
 __all__ = ["TENSOR_FIELDS", "PLAN_FIELDS", "CALL_FIELDS", "GATHERED_FIELDS", "plan_codes", "tensor_codes",
            "trusted_plan_key", "layout_code", "sink_values_code"]

@@ -21,13 +21,14 @@ from ..transport.base import Transport
 from ..transport.comm_types import CP_COMM_TYPES
 from .agreement import VERDICTS, cache_enabled, digests_agree
 from .blocks import named_kernel_problem
-from ..transport.codec import Codec, agree_rows, decode_text, raise_differing, raise_first
+from .codec import Codec, Field, agree_rows, decode_text, raise_differing, raise_first
 # the rows this module judges: encoded by .signature, re-exported here where they have always been
 from .signature import (CALL_FIELDS, GATHERED_FIELDS, PLAN_FIELDS, TENSOR_FIELDS, _DEVICE_TYPES, _NOT_A_TENSOR,
                         _UNKNOWN, _bits_float, layout_code, plan_codes, sink_values_code, tensor_codes,
                         trusted_plan_key)
 
 __all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call", "agree_plan",
+           "agree_bound_plan",
            "TENSOR_FIELDS", "PLAN_FIELDS", "CALL_FIELDS", "GATHERED_FIELDS", "trusted_plan_key"]
 
 
@@ -223,6 +224,26 @@ def agree_plan(transport: Transport, codes: "tuple[int, ...]", layout: "Layout |
     check_plan_table(agree_rows(transport, PLAN_FIELDS, PLAN_FIELDS.decode(codes)), layout)
     if key is not None:
         VERDICTS.add(key)
+
+
+# What AttentionPlan.bind agrees besides a plan's fields: whether the plan was built for its place in the
+# group, and the (rank, world size) it was built for.
+_SEAT_FIELDS = Codec(Field("seat_ok"), Field("seat", 2))
+
+
+def agree_bound_plan(transport: Transport, codes: "tuple[int, ...]", seat: "tuple[int, int]",
+                     layout: "Layout | None") -> None:
+    """:meth:`~cp_attention.engine.plan.AttentionPlan.bind`'s agreement, in one all-gather (none on a
+    group of one): every rank's plan :func:`plan_codes` and whether its plan was built for its place in
+    the group (``seat``: the plan's ``(rank, world_size)``). Raises the same ``ValueError`` on every rank
+    if any rank's plan was built for another place, or as :func:`check_plan_table` does."""
+    ok = int(tuple(seat) == (transport.rank, transport.world_size))
+    rows = agree_rows(transport, PLAN_FIELDS + _SEAT_FIELDS, {**PLAN_FIELDS.decode(codes), "seat_ok": ok, "seat": seat})
+    raise_first("AttentionPlan.bind", [None if r["seat_ok"] else
+                                       f"the plan was built for rank {r['seat'][0]} of {r['seat'][1]}, not for its "
+                                       f"place in the group; build it with plan_ahead(rank=, world_size=) of the group"
+                                       for r in rows])
+    check_plan_table(rows, layout)
 
 
 _PLAN_FIELDS = ("layout", "causal", "documents", "cu_hash", "window", "needs_only")

@@ -108,7 +108,7 @@ def _agree_batch(position_ids: Optional[torch.Tensor], cu: Tuple[int, ...], tota
                  world_size: int, rank: int) -> None:
     """Check this rank's ``position_ids`` against the documents and agree the verdict and the documents over the
     group (one all-gather): the same ``ValueError`` on every rank, or none."""
-    from cp_attention.integrations.agree import agree, documents_header
+    from cp_attention.checks.verdicts import agree, documents_header
     from cp_attention.integrations.huggingface.checks import expected_positions
     from cp_attention.layouts import get_layout
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..transport.base import agree_by_doubling
+from ..checks.doubling import agree_by_doubling
 
 __all__ = ["RingFault"]
 

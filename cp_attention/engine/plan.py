@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..transport.codec import raise_first
-from ..checks.validation import PLAN_FIELDS, agree_plan, check_plan_table, plan_codes, trusted_plan_key
+from ..checks.validation import (PLAN_FIELDS, agree_bound_plan, agree_plan, check_plan_table, plan_codes,
+                                 trusted_plan_key)
 from ..kernels import AttentionKernel, get_kernel
 from ..layouts.base import Layout
 from ..layouts.documents import cu_seqlens_tuple
@@ -112,20 +112,16 @@ class AttentionPlan:
         # The cache key of a call's agreed verdict, beyond its tensors: the plan's fields but the
         # document boundaries' fingerprint, so a new batch of the same length needs no new agreement.
         self.trust_key = trusted_plan_key(self.codes)
-        # Derived lazily: the needs-only rows per (length, device, steps), plans per (causal, window)
-        # (:meth:`variant`), and the agreed cp_comm_type="auto" pick per call shape (strategies.auto).
+        # Derived lazily: the needs-only rows per (length, device, steps) and plans per (causal, window)
+        # (:meth:`variant`). What the strategies derive from a plan they keep themselves
+        # (cp_attention.strategies.plan_cache), keyed by the settings it derives from.
         self._traffic: dict[tuple, tuple] = {}
         self._variants: dict[tuple, "AttentionPlan"] = {}
-        self._auto_picks: dict[tuple, str] = {}
         if set(changes) != {"needs_only"}:  # the rest depends on the mask and the layout only
             # per local length, (length, lowering mode, device), kernel query
             self._windows: dict[int, Optional[Window]] = {}
             self._steps: dict[tuple, Steps] = {}
             self._kernels: dict[tuple, AttentionKernel] = {}
-            # per seat, a group rank or "alone", for the strategies' virtual ranks, and the all-to-all
-            # sequence orders per (local length, device) (strategies.dispatch)
-            self._seats: dict[Any, "AttentionPlan"] = {}
-            self._orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _reset(self, **changes: Any) -> None:
         """An assigned setting: the plan as if built with it, to be agreed again by its next call (its
@@ -242,16 +238,7 @@ class AttentionPlan:
         for another rank or world size than it holds in ``group``.
         """
         transport = transport_for(group)
-        seat = (self.transport.rank, self.transport.world_size)
-        ok = int(seat == (transport.rank, transport.world_size))
-        row = [*self.codes, ok, *seat]
-        rows = transport.all_gather_ints(row) if transport.world_size > 1 else [row]
-        width = len(self.codes)
-        raise_first("AttentionPlan.bind", [None if r[width] else
-                                           f"the plan was built for rank {r[width + 1]} of {r[width + 2]}, "
-                                           f"not for its place in the group; build it with plan_ahead(rank=, "
-                                           f"world_size=) of the group" for r in rows])
-        check_plan_table([PLAN_FIELDS.decode(r[:width]) for r in rows], self.layout)
+        agree_bound_plan(transport, self.codes, (self.transport.rank, self.transport.world_size), self.layout)
         self._transport, self.agreed = transport, True
         if device is not None and _device(device).type != "cpu":  # host-built entries already run on the CPU
             device, memo = _device(device), {}

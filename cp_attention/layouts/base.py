@@ -1,6 +1,6 @@
 """The layout base class: one index map, :meth:`Layout.positions`, from which shard, unshard and
 gather derive, so they cannot disagree. Index math only; :meth:`Layout.gather` delegates its one
-collective to :mod:`.gather`.
+collective, through :mod:`.gather`, to the checks (:mod:`cp_attention.checks.gather`).
 """
 
 from __future__ import annotations

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import torch
 
+from ..checks.codec import Codec, Field, agree_rows
 from ..engine.plan import AttentionPlan
 from .cost import Workload, choose, current_hardware
 from .names import CP_COMM_TYPES
+from .plan_cache import plan_cache
 
 __all__ = ["auto_comm_type"]
+
+_PICK = Codec(Field("pick", label="cp_comm_type='auto' pick"))  # an index into CP_COMM_TYPES
 
 
 def auto_comm_type(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -25,7 +29,7 @@ def auto_comm_type(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: tor
     b, n, heads, head_dim = q.shape
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = (tuple(q.shape), k.shape[2], v.shape[-1], q.dtype, q.device.type, needs_grad)
-    picks = plan._auto_picks
+    picks = plan_cache(plan).auto_picks
     found = picks.get(key)
     if found is None:
         levels = getattr(plan.transport, "levels", None)
@@ -36,5 +40,5 @@ def auto_comm_type(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: tor
                         inner=levels[1].world_size if levels else 1, backward=needs_grad)
         # the plan's traffic: only the needed rows (the default), or whole shards
         mine = CP_COMM_TYPES.index(choose(work, current_hardware(q.device.type), getattr(plan, "needs_only", True)))
-        found = picks[key] = CP_COMM_TYPES[plan.transport.all_gather_ints([mine])[0][0]]
+        found = picks[key] = CP_COMM_TYPES[agree_rows(plan.transport, _PICK, {"pick": mine})[0]["pick"]]
     return found

@@ -22,6 +22,7 @@ from ..layouts.registry import get_layout
 from ..transport.base import Seat as _Seat, Transport
 from .alltoall import heads_to_seq, seq_to_heads
 from .composite import CompositeSchedule, pair_steps
+from .plan_cache import plan_cache
 
 __all__ = ["a2a_degree", "strategy_problem", "run_strategy"]
 
@@ -57,8 +58,9 @@ def strategy_problem(transport: Transport, cp_comm_type: str, heads: int) -> Opt
 
 def _seat_plan(plan: AttentionPlan, rank: int, alone: bool = False) -> AttentionPlan:
     """The batch's plan as rank ``rank`` of the group sees it (a virtual rank's seat), or (``alone``)
-    as one rank holding the whole sequence in order would; cached in ``plan._seats``."""
-    seats = plan._seats
+    as one rank holding the whole sequence in order would; cached with the plan's other strategy entries
+    (:func:`.plan_cache.plan_cache`)."""
+    seats = plan_cache(plan).seats
     key = "alone" if alone else rank
     found = seats.get(key)
     if found is None:
@@ -69,9 +71,9 @@ def _seat_plan(plan: AttentionPlan, rank: int, alone: bool = False) -> Attention
 
 def _sequence_order(plan: AttentionPlan, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order, inverse)`` on ``device``: the rows of every rank's shard in rank order are the sequence's
-    positions ``order``; ``index_select(1, inverse)`` puts them in sequence order (cached in
-    ``plan._orders``)."""
-    cache = plan._orders
+    positions ``order``; ``index_select(1, inverse)`` puts them in sequence order (cached with the plan's
+    other strategy entries)."""
+    cache = plan_cache(plan).orders
     found = cache.get((n, device))
     if found is None:
         total = n * plan.world_size

@@ -9,11 +9,11 @@ benchmark's replay of one rank. Nothing above this package asks which one it hol
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Pending", "Seat", "Transport", "agree_by_doubling", "payload_bytes"]
+__all__ = ["Pending", "Seat", "Transport", "payload_bytes"]
 
 
 class Pending(Protocol):
@@ -89,18 +89,3 @@ class Seat:
 def payload_bytes(tensors: Sequence[torch.Tensor], copies: int = 1) -> int:
     """Bytes of ``tensors``, ``copies`` times: what a transport adds to ``sent_bytes`` for them."""
     return copies * sum(t.numel() * t.element_size() for t in tensors)
-
-
-def agree_by_doubling(transport: Transport, state: torch.Tensor,
-                      combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Fold every rank's ``state`` (a small CPU int64 tensor) with ``combine``, an associative and
-    commutative operation, in ceil(log2 N) rounds of P2P (recursive doubling: after round k each rank
-    has folded in the 2^k ranks before it). Every rank gets the same result; no collective is used,
-    so it costs no device sync on gloo."""
-    hop = 1
-    while hop < transport.world_size:
-        got = torch.empty_like(state)
-        transport.exchange((state,), (got,), hop).wait()
-        state = combine(state, got)
-        hop *= 2
-    return state

@@ -14,8 +14,8 @@ import cp_attention as cpa
 from cp_attention.transport import group_rank_and_size
 from cp_attention.layouts.documents import (cu_seqlens_from_position_ids, document_position_ids, longest_document,
                                             pad_cu_seqlens)
+from cp_attention.checks.verdicts import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 
-from ..agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from .checks import documents
 
 __all__ = ["shard_batch", "model_inputs", "IGNORE_INDEX"]

@@ -20,8 +20,8 @@ from cp_attention.checks.agreement import AgreedScope
 from cp_attention.engine.plan import AttentionPlan
 from cp_attention.transport import transport_for
 from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids, longest_document
+from cp_attention.checks.verdicts import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 
-from ..agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from .gen_state import active_generation
 
 __all__ = ["ForwardChecks", "documents", "expected_positions", "check_positions"]

@@ -26,8 +26,8 @@ import cp_attention as cpa
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import CP_DIM, is_device_mesh
 from cp_attention.versions import require_version
+from cp_attention.checks.verdicts import agree
 
-from ..agree import agree
 from .attention import apply_context_parallel
 from .savers import check_savers, save_memory
 

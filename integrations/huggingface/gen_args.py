@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cp_attention.checks.codec import Codec, Field, agree_rows, decode_text, encode_text
 from cp_attention.transport import transport_for
-from cp_attention.transport.codec import Codec, Field, agree_rows, decode_text, encode_text
 
 from .batch import batch_fingerprint
 

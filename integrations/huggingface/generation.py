@@ -31,8 +31,8 @@ from cp_attention.engine.decode import decode_attention
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_position_ids, pad_cu_seqlens
 from cp_attention.transport import group_rank_and_size, transport_for
 from cp_attention.transport.process_group import group_token
+from cp_attention.checks.verdicts import agree
 
-from ..agree import agree
 from .gen_args import GENERATE_PARAMETERS, differing_arguments, digest, effective_config, named_fingerprints
 from .gen_args import refused_option
 from .gen_draws import shared_draws

@@ -25,8 +25,8 @@ import cp_attention as cpa
 from cp_attention.checks.agreement import AgreedScope
 from cp_attention.engine.plan import AttentionPlan
 from cp_attention.transport import transport_for
+from cp_attention.checks.verdicts import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 
-from ..agree import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from .packed import check_stream_length, packed_config_verdict, packed_local_tokens, \
     packed_stream_verdict, packed_verdict
 

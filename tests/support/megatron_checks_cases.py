@@ -31,21 +31,21 @@ DYNAMO = os.sep + os.path.join("torch", "_dynamo") + os.sep  # torch.compiler.di
 @contextlib.contextmanager
 def counting() -> Iterator[Counter]:
     """Count calls of the collectives, ``Tensor.item``/``tolist`` and ``torch.equal`` made by the
-    adapters' code (``integrations/``: directly, or for a collective through the transport it calls),
-    as ``name``, and the collectives made from anywhere, as ``any:name`` (the ring's own validation
-    included)."""
-    from cp_attention import integrations, transport
+    adapters' code (``integrations/``: directly, or for a collective through the checks' agreement or the
+    transport it calls), as ``name``, and the collectives made from anywhere, as ``any:name`` (the ring's
+    own validation included)."""
+    from cp_attention import checks, integrations, transport
 
     root = os.path.dirname(integrations.__file__) + os.sep
-    seam = os.path.dirname(transport.__file__) + os.sep
+    seams = tuple(os.path.dirname(room.__file__) + os.sep for room in (transport, checks))
     counts: Counter = Counter()
     saved = []
 
     def caller(collective: bool) -> str:
         frame = sys._getframe(2)
-        # a collective the adapter asked the transport for is the adapter's (through torch.compiler.disable's
-        # wrapper frames, which every transport operation has)
-        while collective and frame is not None and (frame.f_code.co_filename.startswith(seam)
+        # a collective the adapter asked the checks' agreement or the transport for is the adapter's (through
+        # torch.compiler.disable's wrapper frames, which every transport operation has)
+        while collective and frame is not None and (frame.f_code.co_filename.startswith(seams)
                                                     or DYNAMO in frame.f_code.co_filename):
             frame = frame.f_back
         return "" if frame is None else frame.f_code.co_filename

@@ -197,6 +197,7 @@ def test_auto_is_agreed_when_ranks_model_different_hardware(monkeypatch):
     import threading
 
     from cp_attention.strategies import auto
+    from cp_attention.strategies.plan_cache import plan_cache
 
     from tests.support.reference import reference_attention
 
@@ -215,7 +216,7 @@ def test_auto_is_agreed_when_ranks_model_different_hardware(monkeypatch):
         plan = cpa.plan(lay, group, causal=True)
         ql, kl, vl = (lay.shard(t, 1, group.rank, 2).requires_grad_() for t in (q, k, v))
         out = cpa.ring_attention(ql, kl, vl, plan=plan, cp_comm_type="auto")
-        return out.detach(), dict(plan._auto_picks)
+        return out.detach(), dict(plan_cache(plan).auto_picks)
 
     results = LoopbackGroup(2, timeout_s=20).run(rank_fn)
     picks = [set(p.values()) for _, p in results]

@@ -1,5 +1,5 @@
 """The package's layers point one way (core <- integrations <- training <- scripts, and
-core <- integrations <- compat; benchmarks/ and
+core <- integrations <- compat; benchmarks/, studies/ and
 examples/ sit outside the package, and nothing in it imports them),
 scripts are thin entry points, and the optional layers name their extra when it is missing."""
 
@@ -17,10 +17,10 @@ from tests.support.import_graph import imported_names
 ROOT = Path(__file__).resolve().parents[3]
 CORE = "core"
 LAYERS = {  # layer -> the layers it must not import
-    CORE: {"integrations", "training", "compat", "benchmarks", "examples"},
-    "integrations": {"training", "compat", "benchmarks", "examples"},
-    "training": {"compat", "benchmarks", "examples"},
-    "compat": {"training", "benchmarks", "examples"},  # the drop-ins sit beside training, above the adapters
+    CORE: {"integrations", "training", "compat", "benchmarks", "studies", "examples"},
+    "integrations": {"training", "compat", "benchmarks", "studies", "examples"},
+    "training": {"compat", "benchmarks", "studies", "examples"},
+    "compat": {"training", "benchmarks", "studies", "examples"},  # the drop-ins sit beside training, above the adapters
 }
 
 
@@ -45,7 +45,7 @@ def _imported_layers(source: str, package: str) -> set[str]:
         parts = name.split(".")
         if parts[0] == "cp_attention" and len(parts) > 1 and parts[1] in ("integrations", "training", "compat"):
             found.add(parts[1])
-        elif parts[0] in ("benchmarks", "examples"):  # the checkout's folders, never installed
+        elif parts[0] in ("benchmarks", "studies", "examples"):  # the checkout's folders, never installed
             found.add(parts[0])
     return found
 
@@ -62,8 +62,9 @@ def test_dependencies_point_down(path):
 
 def test_the_checker_sees_relative_and_absolute_imports():
     """The checker itself: it must find upward imports, or the test above could not fail."""
-    assert _imported_layers("from .training import steps\nimport benchmarks.measure\nfrom examples import finetune_hf\n",
-                            "cp_attention") == {"training", "benchmarks", "examples"}
+    assert _imported_layers("from .training import steps\nimport benchmarks.measure\nfrom examples import finetune_hf\n"
+                            "from studies.memory import peak\n", "cp_attention") == {"training", "benchmarks", "studies",
+                                                                                     "examples"}
     assert _imported_layers("from ..training.steps import train_step\n", "cp_attention.kernels") == {"training"}
     assert _imported_layers("from . import huggingface\n", "cp_attention.integrations") == {"integrations"}
     assert _imported_layers("from ...training import steps\n", "cp_attention.integrations.megatron") == {"training"}

@@ -1,12 +1,13 @@
 """The rooms and the layers above them, read from the source (pure AST, nothing imported):
 
 - no import cycle anywhere in ``cp_attention/``, ``integrations/`` (installed as
-  ``cp_attention.integrations``), ``benchmarks/`` or ``examples/``, function-level imports included;
+  ``cp_attention.integrations``), ``benchmarks/``, ``studies/`` or ``examples/``, function-level imports included;
 - the core's rooms import only the rooms below them: kernels, transport and memory < layouts < schedules <
   checks < engine < strategies < the API;
-- each adapter (``cp_attention.integrations.huggingface``, ``.megatron``) imports only the core, its
-  own sub-package and the adapters' shared ``integrations/agree.py``: never the other adapter, never
-  ``cp_attention.training``; its ``__init__`` only re-exports;
+- each adapter (``cp_attention.integrations.huggingface``, ``.megatron``) imports only the core (the
+  verdict both share is the core's ``cp_attention/checks/verdicts.py``) and its own sub-package: never
+  the other adapter, never ``cp_attention.training``; its ``__init__`` only re-exports;
+- every agreement lives in ``cp_attention/checks/``: nothing else calls the agreeing collective;
 - ``cp_attention.training`` and ``cp_attention.compat`` import the adapters inside functions only (never
   at module level), so they import without the ``hf`` or ``megatron`` extra."""
 
@@ -24,9 +25,8 @@ PACKAGE = ROOT / "cp_attention"
 ADAPTERS = ROOT / "integrations"  # installed as cp_attention.integrations (setup.py's package_dir)
 INTEGRATIONS = "cp_attention.integrations"
 ADAPTER_PACKAGES = (f"{INTEGRATIONS}.huggingface", f"{INTEGRATIONS}.megatron")
-SHARED = f"{INTEGRATIONS}.agree"  # what both adapters share (the one-all-gather verdict)
 LAYERS = ("integrations", "training", "compat")  # above the core
-CHECKOUT_ROOMS = ("benchmarks", "examples")  # a checkout's, not installed: above everything
+CHECKOUT_ROOMS = ("benchmarks", "studies", "examples")  # a checkout's, not installed: above everything
 # Room -> its level; a module may import rooms of its own level or lower only.
 LEVELS = {"kernels": 0, "transport": 0, "memory": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4,
           "strategies": 5, "api": 6, "__init__": 6, "_extras": 0, "launch": 0,
@@ -44,7 +44,7 @@ def _module_name(path: Path) -> str:
 
 
 def _every_module() -> dict[str, Path]:
-    """Every module of the package and its adapters, by installed name, and of the benchmarks and examples."""
+    """Every module of the package and its adapters, by installed name, and of the benchmarks, studies and examples."""
     checkout = [p for room in CHECKOUT_ROOMS for p in (ROOT / room).rglob("*.py")]
     return {_module_name(p): p for p in [*PACKAGE.rglob("*.py"), *ADAPTERS.rglob("*.py"), *checkout]}
 
@@ -78,10 +78,10 @@ def _adapter(module: str) -> "str | None":
 
 
 def _adapter_may_import(module: str, dep: str) -> bool:
-    """An adapter module may import the core, its own sub-package and the shared agreement; the rest of
-    integrations/ (its __init__, agree.py) the core only."""
+    """An adapter module may import the core and its own sub-package; the rest of integrations/ (its
+    __init__) the core only."""
     own = _adapter(module)
-    return not _in_layer(dep) or (own is not None and (_adapter(dep) == own or dep == SHARED))
+    return not _in_layer(dep) or (own is not None and _adapter(dep) == own)
 
 
 def _module_level_source(source: str) -> str:
@@ -133,8 +133,8 @@ def _room(module: str) -> str:
 
 
 def test_no_import_cycles():
-    """Anywhere in cp_attention/, integrations/, benchmarks/ and examples/: the core, the adapters, training,
-    the benchmarks and the examples."""
+    """Anywhere in cp_attention/, integrations/, benchmarks/, studies/ and examples/: the core, the adapters,
+    training, the benchmarks, the studies and the examples."""
     cycle = _cycle(_graph(_every_module()))
     assert cycle is None, " -> ".join(cycle)
 
@@ -182,6 +182,21 @@ def test_rooms_import_only_rooms_below():
     assert not wrong, wrong
 
 
+def _agreeing_calls(source: str) -> list[int]:
+    """The lines of ``source`` that use a transport's ``all_gather_ints``, the collective every agreement runs."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr == "all_gather_ints"]
+
+
+def test_agreement_lives_in_the_checks():
+    """Agreement has one home: outside ``cp_attention/checks/`` (and the transports that implement the
+    collective), nothing in the package or the adapters gathers rows to agree on; they call the checks."""
+    wrong = [f"{name}:{line}" for name, path in _every_module().items()
+             if name.split(".")[0] not in CHECKOUT_ROOMS and _room(name) not in ("checks", "transport")
+             for line in _agreeing_calls(path.read_text())]
+    assert not wrong, wrong
+
+
 def test_every_core_module_is_in_a_room():
     loose = sorted(m for m in _modules() if _room(m) not in LEVELS)
     assert not loose, f"modules outside the rooms: {loose}"
@@ -211,11 +226,14 @@ def test_the_checkers_can_fail():
     hf, megatron = ADAPTER_PACKAGES
     assert _module_name(ADAPTERS / "huggingface" / "fsdp.py") == f"{hf}.fsdp"
     assert _module_name(ADAPTERS / "megatron" / "__init__.py") == megatron
-    assert _adapter_may_import(f"{hf}.fsdp", f"{hf}.attention") and _adapter_may_import(f"{hf}.fsdp", SHARED)
+    assert _adapter_may_import(f"{hf}.fsdp", f"{hf}.attention")
+    assert _adapter_may_import(f"{hf}.fsdp", "cp_attention.checks.verdicts")
+    assert not _adapter_may_import(f"{hf}.fsdp", f"{INTEGRATIONS}.agree")  # shared glue belongs in the core
     assert _adapter_may_import(f"{megatron}.batch", "cp_attention.layouts.documents")
     assert not _adapter_may_import(f"{hf}.fsdp", f"{megatron}.packed")
     assert not _adapter_may_import(f"{megatron}.attention", "cp_attention.training.steps")
-    assert not _adapter_may_import(SHARED, f"{hf}.batch")
+    assert not _adapter_may_import(INTEGRATIONS, f"{hf}.batch")
+    assert _agreeing_calls("def f(t):\n    return t.all_gather_ints([1])\n") == [2]
     lazy = "import torch\ndef f():\n    from cp_attention.integrations import huggingface\n"
     assert "huggingface" not in _module_level_source(lazy)
     assert "huggingface" in _module_level_source("from cp_attention.integrations import huggingface\n")

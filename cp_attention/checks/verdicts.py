@@ -1,8 +1,9 @@
-"""One small all-gather that agrees a verdict across a process group, shared by the adapters' checks.
+"""One small all-gather that agrees a verdict across a process group, shared by the adapters' checks
+(``cp_attention.integrations``) and the compat layer.
 
 Every rank encodes what it found (nothing, or an error kind and message, plus a few integers the
 caller wants to compare across ranks, such as a local shape) in a fixed-size row of the library's one
-codec (:mod:`cp_attention.transport.codec`) and takes part in ONE all-gather, whatever it found, so no
+codec (:mod:`.codec`) and takes part in ONE all-gather, whatever it found, so no
 rank is ever left waiting. If any rank
 refused, every rank raises the same error: the lowest refusing rank's, naming every refusing rank.
 """
@@ -15,8 +16,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from cp_attention.transport import transport_for
-from cp_attention.transport.codec import Codec, Field, agree_rows, decode_text, encode_text
+from ..transport.process_group import transport_for
+from .codec import Codec, Field, agree_rows, decode_text, encode_text
 
 __all__ = ["MESSAGE_BYTES", "SHAPE_DIMS", "agree", "exchange", "raise_refusal", "documents_header", "shape_header",
            "show_shape"]
@@ -39,7 +40,7 @@ def exchange(group, world_size: int, problem: "tuple[int, str] | None", header: 
              ) -> list[Verdict]:
     """Every rank's ``(kind + 1 or 0, message, header)`` in rank order, from one all-gather over
     ``group`` (a process group, ``None`` or a transport; see
-    :func:`~cp_attention.transport.codec.agree_rows`). ``problem`` is this rank's
+    :func:`~cp_attention.checks.codec.agree_rows`). ``problem`` is this rank's
     ``(kind index, message)`` or None; ``header`` a few integers, the same count on every rank.
     ``world_size`` is the group's (kept for the callers; the transport knows it)."""
     codec = _codec(len(header))

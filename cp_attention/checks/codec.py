@@ -16,7 +16,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 __all__ = ["Field", "Codec", "agree_rows", "raise_first", "raise_differing", "encode_text", "decode_text"]
 
 
-
 @dataclass(frozen=True)
 class Field:
     """One field of a row: ``width`` ints (a field of width 1 decodes to an int, wider ones to a tuple).
