@@ -39,7 +39,8 @@ from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.launch import spawn
 from cp_attention.layouts import get_layout
 from benchmarks.measure import Row, make_inputs, measure, memory_method, ours, print_bytes, sent_bytes, sweep
-from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
+from cp_attention import LAYOUT_NAMES
+from benchmarks import args as flags
 from benchmarks import gpu
 
 __all__ = ["make_inputs", "ours", "torch_ring", "baseline_worker", "ring_worker", "measure_seq", "run"]
@@ -163,8 +164,8 @@ def measure_seq(args, seq: int, extra: Optional[Callable] = None) -> tuple[dict,
 def model_bytes(args, seq: int) -> "dict[str, tuple[float, float]]":
     """Per ring impl, the model's K/V + dK/dV bytes of one forward+backward call at ``seq`` (all ranks):
     needs-only (what the engine sends) and whole shards."""
-    from benchmarks.layout_comparison.analysis import AttentionShape
-    from benchmarks.layout_comparison.analysis import model_bytes as bytes_of
+    from benchmarks.modelled import AttentionShape
+    from benchmarks.modelled import model_bytes as bytes_of
 
     shape = AttentionShape(args.batch, args.heads, args.kv_heads, args.head_dim,
                            elem_bytes=dtype_from_name(args.dtype).itemsize)
@@ -200,22 +201,15 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
-                   help="global sequence lengths S")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
-    p.add_argument("--batch", type=int, default=1)
+    # --kernel: ours; torch's ring always runs the flash op
+    flags.add_ring(p, seq_lens=[4096, 8192, 16384, 32768], world_size=2, layouts=LAYOUT_NAMES, kernel="auto")
+    flags.add_shape(p, batch=1)
     gpu.add_arguments(p)
-    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES,
-                   help="cp_attention kernel (torch's ring always uses the flash op)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, after 1 warm-up")
+    flags.add_run(p, repeats=3, timeout=600, quick="smoke test: S = 1024 2048", json="the results")
     p.add_argument("--no-torch-ring", dest="torch_ring", action="store_false", help="skip torch's ring row")
-    p.add_argument("--quick", action="store_true", help="smoke test: S = 1024 2048")
-    p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     gpu.resolve_defaults(args)
-    args.kv_heads = args.kv_heads or args.heads
+    flags.resolve_kv_heads(args)
     args.causal = True
     if args.quick:
         args.seq_lens = [1024, 2048]

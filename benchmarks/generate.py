@@ -29,12 +29,12 @@ import argparse
 import copy
 import json
 import statistics
-import time
 from typing import Any
 
 import torch
 
-from benchmarks.measure import command_text
+from benchmarks import args as flags
+from benchmarks.measure import Stopwatch, command_text
 from cp_attention.launch import run_on_ranks
 
 __all__ = ["add_arguments", "measure", "run"]
@@ -46,15 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--layout", default="zigzag")
-    p.add_argument("--quick", action="store_true", help="a tiny model (a smoke test; pick small --prompt-lens)")
-    p.add_argument("--json", default=None, help="also write the rows here")
+    flags.add_model(p, layers=4, hidden=256, intermediate=512, vocab=2048)
+    flags.add_shape(p, heads=8, kv_heads=4)
+    flags.add_ring(p, layout="zigzag")
+    flags.add_run(p, quick="a tiny model (a smoke test; pick small --prompt-lens)", json="the rows")
 
 
 def _model(args: argparse.Namespace, max_len: int) -> torch.nn.Module:
@@ -72,14 +67,14 @@ class _Clock:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.times: list[float] = []
-        self._start = 0.0
+        self._watch = Stopwatch()
         self._hooks = (model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end))
 
     def _begin(self, *_: Any) -> None:
-        self._start = time.perf_counter()
+        self._watch = Stopwatch()
 
     def _end(self, *_: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        self.times.append(self._watch.seconds())
 
 
 def _cache_bytes(cache: Any) -> int:

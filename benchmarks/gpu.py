@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_common import ReplayComm, fmt, fwd_and_fwdbwd, time_cuda
+from benchmarks import args as flags
+from benchmarks.gpu_common import ReplayComm, fmt, fwd_and_fwdbwd
 from benchmarks.gpu_packed import packed_rows, print_packed
-from benchmarks.layout_comparison.analysis import AttentionShape, comm_bytes_per_rank, flops_per_pair, min_pairs
+from benchmarks.measure import Stopwatch, time_cuda
+from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, flops_per_pair, min_pairs
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
@@ -51,19 +52,17 @@ _DEVICE_DEFAULTS = {"heads": (8, 32), "kv_heads": (None, 8), "head_dim": (64, 12
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``benchmarks/attention.py``'s device switch, the shape options (None until :func:`resolve_defaults`
     fills them by device) and the CUDA-only options."""
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu: gloo ranks as processes; cuda: kernels and per-rank schedules on one GPU")
-    p.add_argument("--heads", type=int, default=None, help="default: 8 on CPU, 32 on CUDA")
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads on CPU, 8 on CUDA")
-    p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="CUDA: the N to measure")
-    p.add_argument("--tokens-per-rank", type=int, default=8192, help="CUDA: S = N x this")
-    p.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS),
-                   help="CUDA: kernels timed on the full sequence (auto: also the kernel it picks per block kind)")
-    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA: the packed replay (lognormal documents, every layout, needs-only on and off)")
-    p.add_argument("--doc-mean", type=float, default=2048.0, help="CUDA packed replay: mean document length (tokens)")
+    flags.add_ring(p, device="cpu")  # cpu: gloo ranks as processes; cuda: kernels and per-rank schedules on one GPU
+    shape = p.add_argument_group("the attention's shape", "unset, by --device: 8 heads (K/V: --heads), head_dim 64, "
+                                 "float32 on CPU; 32 heads, 8 K/V heads, head_dim 128, bfloat16 on CUDA")
+    flags.add_shape(shape, heads=None, kv_heads=None, head_dim=None, dtype=None)
+    cuda = p.add_argument_group("--device cuda only")
+    flags.add_ring(cuda, world_sizes=[2, 4, 8, 16], tokens_per_rank=8192)
+    cuda.add_argument("--kernels", nargs="+", default=list(CUDA_KERNELS),
+                      help="kernels timed on the full sequence (auto: also the kernel it picks per block kind)")
+    cuda.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                      help="the packed replay (lognormal documents, every layout, needs-only on and off)")
+    cuda.add_argument("--doc-mean", type=float, default=2048.0, help="packed replay: mean document length (tokens)")
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
@@ -107,7 +106,7 @@ class ScheduleRow:
 
 def causal_flops(batch: int, heads: int, head_dim: int, seq: int, backward: bool) -> float:
     """FLOPs of causal attention over its S(S+1)/2 pairs, by the work model's per-pair count
-    (:func:`~.analysis.flops_per_pair`): forward, or forward+backward (3.5x for equal head dims)."""
+    (:func:`~benchmarks.modelled.flops_per_pair`): forward, or forward+backward (3.5x for equal head dims)."""
     shape = AttentionShape(batch=batch, heads=heads, kv_heads=heads, head_dim=head_dim)
     per_pair = flops_per_pair(shape, False) + (flops_per_pair(shape, True) if backward else 0.0)
     return per_pair * batch * heads * min_pairs(seq, True)
@@ -227,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.kv_heads}  head_dim {args.head_dim}  {args.tokens_per_rank} tokens per rank  causal")
     from benchmarks.measure import command_text
 
-    started = time.perf_counter()
+    clock = Stopwatch()
     kernel_rows, schedule_rows, sdpa, packed, bases = [], [], [], [], []
     for n in args.world_sizes:
         seq = n * args.tokens_per_rank
@@ -266,7 +265,7 @@ def run(args: argparse.Namespace) -> dict:
             packed += rows
         # written after every N, so a run cut short (a time limit) still leaves what it measured
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": command_text(),
-                  "args": vars(args), "complete": n == args.world_sizes[-1], "wall_s": time.perf_counter() - started,
+                  "args": vars(args), "complete": n == args.world_sizes[-1], "wall_s": clock.seconds(),
                   "sdpa": sdpa, "kernels": [asdict(r) for r in kernel_rows],
                   "schedules": [asdict(r) for r in schedule_rows], "packed_baselines": [asdict(b) for b in bases],
                   "packed": [asdict(r) for r in packed]}

@@ -1,16 +1,15 @@
 """What the GPU benchmark's tables share (``benchmarks/gpu.py``, ``benchmarks/gpu_packed.py``): the
-transport of a rank replayed alone, CUDA-event timing, the forward / forward+backward pair of a call,
-and table cells."""
+transport of a rank replayed alone, the forward / forward+backward pair of a call, and table cells (their
+CUDA-event timing is ``benchmarks/measure.py``'s :func:`~benchmarks.measure.time_cuda`)."""
 
 from __future__ import annotations
 
 import re
-import statistics
 from typing import Callable
 
 import torch
 
-__all__ = ["ReplayComm", "fmt", "fwd_and_fwdbwd", "time_cuda"]
+__all__ = ["ReplayComm", "fmt", "fwd_and_fwdbwd"]
 
 
 class _Done:
@@ -60,21 +59,6 @@ class ReplayComm:
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world_size - 1)
         return tensor.mul_(self.world_size)
-
-
-def time_cuda(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` calls after one warm-up, timed with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def fwd_and_fwdbwd(call: Callable[..., torch.Tensor], q, k, v, dout) -> tuple[Callable, Callable]:

@@ -13,7 +13,7 @@ For each N, one packed batch of T = N x ``--tokens-per-rank`` tokens: seeded log
   ``--kernel``, its exchanges local copies (:class:`~benchmarks.gpu.ReplayComm`); the busiest rank's
   forward and forward+backward time, and **efficiency** = (whole batch / N) / busiest rank;
 - the K/V + dK/dV bytes all ranks send in one forward+backward, counted by the replay, and the work
-  model's figure for them (:func:`~benchmarks.layout_comparison.analysis.model_bytes`).
+  model's figure for them (:func:`~benchmarks.modelled.model_bytes`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Callable, Optional
 
 import torch
 
-from benchmarks.gpu_common import ReplayComm, fmt, fwd_and_fwdbwd, time_cuda
-from benchmarks.layout_comparison.analysis import AttentionShape, model_bytes
 from benchmarks.documents import fit_lengths, lognormal_lengths
+from benchmarks.gpu_common import ReplayComm, fmt, fwd_and_fwdbwd
+from benchmarks.measure import time_cuda
+from benchmarks.modelled import AttentionShape, model_bytes
 from cp_attention import ring_attention
 from cp_attention.engine.plan import AttentionPlan, build_plan
 from cp_attention.kernels.dtypes import DTYPES

@@ -1,5 +1,7 @@
-"""Measurement machinery shared by the benchmarks and the layout comparison: result rows, peak
-memory, and median timings of the slowest rank.
+"""Measurement machinery shared by the benchmarks and the studies: result rows, peak memory, the
+clocks (every timing of ``benchmarks/`` and ``studies/`` reads one of them: :class:`Stopwatch`,
+:func:`call_ms`, :func:`call_times_ms`, :func:`elapsed_ms`, :func:`wall_and_cpu_ms`, :func:`time_cuda`),
+and median timings of the slowest rank.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,8 +22,9 @@ from cp_attention import ring_attention
 from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.layouts import Layout
 
-__all__ = ["Row", "memory_method", "measure", "limit_malloc_caching", "print_table", "sweep", "sent_bytes", "print_bytes",
-           "command_text", "make_inputs", "ours"]
+__all__ = ["Row", "memory_method", "rss_peak_delta", "Stopwatch", "call_ms", "call_times_ms", "elapsed_ms",
+           "wall_and_cpu_ms", "time_cuda", "measure", "limit_malloc_caching", "print_table", "sweep", "sent_bytes",
+           "print_bytes", "command_text", "script_name", "make_inputs", "ours"]
 
 _REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -68,18 +71,85 @@ def memory_method() -> str:
         "clear_refs not writable: process-lifetime VmHWM minus RSS before the call (an upper bound)"
 
 
+def rss_peak_delta(fn: Callable[[], object]) -> Optional[int]:
+    """Peak RSS during ``fn()`` above the RSS just before it, in bytes (VmHWM after ``clear_refs``); ``None``
+    where ``/proc/self/clear_refs`` is not writable. Set ``MALLOC_MMAP_THRESHOLD_`` low before the process
+    starts (:func:`limit_malloc_caching`), so freed blocks go back to the OS at once."""
+    if not _reset_peak():
+        fn()
+        return None
+    rss0 = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - rss0) * 1024
+
+
+# ---------------------------------------------------------------- clocks
+
+class Stopwatch:
+    """Seconds since it was made: a run's progress lines and its total. Picklable: a spawned rank it is
+    passed to counts from the same start (``time.perf_counter`` is the machine's monotonic clock)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def elapsed_ms(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()``'s result and the wall milliseconds it took."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def wall_and_cpu_ms(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall and this process's CPU milliseconds of ``fn()`` (on a shared machine the wall time carries
+    other processes' load; the CPU time does not)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+
+def call_ms(fn: Callable[[], object], group=None) -> float:
+    """Wall milliseconds of one call of ``fn``; with a process ``group``, its ranks start it together
+    (a barrier), so the slowest rank's time is the step's time."""
+    if group is not None:
+        dist.barrier(group)
+    return elapsed_ms(fn)[1]
+
+
+def call_times_ms(fn: Callable[[], object], repeats: int, warmup: int = 1, group=None) -> list[float]:
+    """The milliseconds of each of ``repeats`` calls of ``fn`` (:func:`call_ms`), after ``warmup`` untimed
+    ones."""
+    for _ in range(warmup):
+        call_ms(fn, group)
+    return [call_ms(fn, group) for _ in range(repeats)]
+
+
+def time_cuda(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls after one warm-up, timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 # ---------------------------------------------------------------- timing
 
 def _one_call(fn: Callable[[], object], group) -> tuple[float, float]:
     """Wall time (ms) of one call and its peak RSS above the RSS just before it (MiB)."""
-    if group is not None:
-        dist.barrier(group)  # ranks start together, so the slowest rank's time is the step's time
     _reset_peak()
     rss0 = _status_kib("VmRSS")
-    t0 = time.perf_counter()
-    fn()
-    dt = time.perf_counter() - t0
-    return dt * 1e3, (_status_kib("VmHWM") - rss0) / 1024
+    ms = call_ms(fn, group)
+    return ms, (_status_kib("VmHWM") - rss0) / 1024
 
 
 def measure(impls: dict[str, tuple[Callable, Callable]], seq: int, repeats: int, group) -> list[Row]:
@@ -145,8 +215,9 @@ def print_table(rows: list[Row]) -> None:
 
 def command_text(argv: Optional[Sequence[str]] = None) -> str:
     """The command that produced a record, as anyone can run it from a checkout: ``python`` for the
-    interpreter, paths inside the repository relative to its root, paths outside it (a ``--json`` file in
-    /tmp, say) by their file name; the recording machine's own paths would mean nothing elsewhere."""
+    interpreter, a package's ``__main__.py`` as ``-m package`` (how ``python -m studies.memory`` was started),
+    paths inside the repository relative to its root, paths outside it (a ``--json`` file in /tmp, say) by
+    their file name; the recording machine's own paths would mean nothing elsewhere."""
 
     def portable(arg: str) -> str:
         key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
@@ -156,7 +227,10 @@ def command_text(argv: Optional[Sequence[str]] = None) -> str:
         shown = str(path.relative_to(_REPOSITORY)) if path.is_relative_to(_REPOSITORY) else path.name
         return f"{key}{eq}{shown}"
 
-    return " ".join(["python", *map(portable, sys.argv if argv is None else argv)])
+    words = [portable(a) for a in (sys.argv if argv is None else argv)]
+    if words and words[0].endswith("/__main__.py") and not os.path.isabs(words[0]):
+        words[0:1] = ["-m", words[0][:-len("/__main__.py")].replace("/", ".")]
+    return " ".join(["python", *words])
 
 
 def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tuple[dict, dict]"], label: str,
@@ -172,12 +246,12 @@ def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tu
     print(f"command: {command_text()}")
     print(header, flush=True)
     limit_malloc_caching()
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     rows: list[Row] = []
     for seq in seq_lens:
         base, parallel = measure_one(seq)
         rows += base["rows"] + parallel["rows"]
-        print(f"  S={seq} done after {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"  S={seq} done after {clock.seconds():.0f} s", flush=True)
     print(f"threads: baseline {base['threads']} (1 process), {label} {parallel['threads']} per rank x {world_size}")
     print(f"peak memory: {parallel['memory']}; max over ranks, during fwd+bwd; "
           + " ".join(f"{var}={os.environ[var]}" for var in _MALLOC_VARS if var in os.environ))
@@ -185,18 +259,29 @@ def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tu
         print(line)
     print()
     print_table(rows)
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    print(f"\ntotal {clock.seconds():.0f} s")
     return rows, base, parallel
 
 
+def script_name(argv0: Optional[str] = None) -> str:
+    """The running command's name for its summary: the script's file name, or for a package run with
+    ``python -m`` (its ``__main__.py``) the package (``studies.memory``)."""
+    path = Path(sys.argv[0] if argv0 is None else argv0).resolve()
+    if path.name != "__main__.py":
+        return path.name
+    package = path.parent
+    return ".".join(package.relative_to(_REPOSITORY).parts) if package.is_relative_to(_REPOSITORY) else package.name
+
+
 def finish(run: Callable[[argparse.Namespace], object], args: argparse.Namespace, json_option: bool = True) -> None:
-    """The end of a benchmark's command line: ``run(args)``, then its summary: the JSON file it wrote
-    (``--json``), or that its tables went to stdout only (and, with ``json_option``, that ``--json PATH``
-    keeps them)."""
-    from cp_attention.training.summary import benchmark_summary  # the train extra; only the command line needs it
+    """The end of a benchmark's command line: ``run(args)``, then its summary (named by :func:`script_name`):
+    the JSON file it wrote (``--json``), or that its tables went to stdout only (and, with ``json_option``,
+    that ``--json PATH`` keeps them)."""
+    from cp_attention.training.summary import outputs_summary  # the train extra; only the command line needs it
 
     run(args)
-    print(benchmark_summary(args.json if json_option else None, json_option=json_option), flush=True)
+    print(outputs_summary(script_name(), {"results (JSON)": args.json if json_option else None},
+                          "--json PATH also writes them as JSON" if json_option else ""), flush=True)
 
 
 def command_line(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],

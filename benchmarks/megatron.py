@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.launch import spawn
+from benchmarks import args as flags
 from benchmarks.measure import Row, measure, memory_method, sweep
-from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
+from cp_attention import LAYOUT_NAMES
 
 __all__ = ["build", "step", "worker", "run"]
 
@@ -101,20 +102,12 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192], help="global sequence lengths S")
-    p.add_argument("--world-size", type=int, default=2, help="the CP size")
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per measurement, after 1 warm-up")
-    p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
+    flags.add_ring(p, seq_lens=[4096, 8192], world_size=2, layouts=LAYOUT_NAMES, kernel="auto")
+    flags.add_model(p, layers=2, vocab=256)
+    flags.add_shape(p, heads=8, kv_heads=None, head_dim=64, batch=1)
+    flags.add_run(p, repeats=3, timeout=600)  # repeats: timed training steps
     args = p.parse_args(argv)
-    args.kv_heads = args.kv_heads or args.heads
+    flags.resolve_kv_heads(args)
     return args
 
 

@@ -33,8 +33,9 @@ from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
 from cp_attention.launch import spawn
 from benchmarks.attention import make_inputs, ours
+from benchmarks import args as flags
 from benchmarks.measure import Row, measure, memory_method, print_bytes, sent_bytes, sweep
-from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
+from cp_attention import LAYOUT_NAMES
 from cp_attention.kernels.dtypes import DTYPES
 
 __all__ = ["document_lengths", "run"]
@@ -111,8 +112,8 @@ def ring_worker(args, seq: int) -> dict:
 def model_bytes(args) -> dict[str, tuple[float, float]]:
     """Per ring impl, the model's K/V + dK/dV bytes of one forward+backward call (all ranks):
     needs-only (what the engine sends) and whole shards."""
-    from benchmarks.layout_comparison.analysis import AttentionShape
-    from benchmarks.layout_comparison.analysis import model_bytes as bytes_of
+    from benchmarks.modelled import AttentionShape
+    from benchmarks.modelled import model_bytes as bytes_of
 
     shape = AttentionShape(1, args.heads, args.kv_heads, args.head_dim, elem_bytes=DTYPES[args.dtype].itemsize)
     return {f"ring/{get_layout(name).name}": bytes_of(name, args.tokens, args.world_size, shape, _cu(args))
@@ -185,23 +186,14 @@ def _round_ratios(per_round: list[tuple[dict, dict]]) -> list[str]:
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=65536, help="packed length T")
-    p.add_argument("--documents", type=int, default=1000)
-    p.add_argument("--sigma", type=float, default=1.0, help="lognormal spread of the document lengths")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per round (after one warm-up)")
+    flags.add_documents(p, tokens=65536, documents=1000, sigma=1.0, seed=0)
+    flags.add_ring(p, world_size=2, layouts=LAYOUT_NAMES, kernel="auto")
+    flags.add_shape(p, heads=8, kv_heads=None, head_dim=64, dtype="float32")
+    flags.add_run(p, repeats=3, timeout=600)  # repeats per round
     p.add_argument("--rounds", type=int, default=3,
                    help="baseline and ring measured alternately this many times; each row is the median of rounds")
-    p.add_argument("--timeout", type=int, default=600)
     args = p.parse_args(argv)
-    args.kv_heads = args.kv_heads or args.heads
+    flags.resolve_kv_heads(args)
     return args
 
 

@@ -21,11 +21,12 @@ import argparse
 import contextlib
 import random
 import statistics
-import time
 from typing import Iterator
 
 import torch
 
+from benchmarks import args as flags
+from benchmarks.measure import call_times_ms, elapsed_ms
 from cp_attention import api
 from cp_attention.api import plan as build_plan, ring_attention
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
@@ -34,11 +35,9 @@ __all__ = ["add_arguments", "run", "stub_engine"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=65536, help="packed length T")
-    p.add_argument("--documents", type=int, nargs="+", default=[1000, 8000])
-    p.add_argument("--layout", default="zigzag")
+    flags.add_documents(p, tokens=65536, documents=[1000, 8000], seed=0)
+    flags.add_ring(p, layout="zigzag")
     p.add_argument("--calls", type=int, default=200, help="timed calls per measurement (one per layer)")
-    p.add_argument("--seed", type=int, default=0)
 
 
 class _StubEngine:
@@ -68,13 +67,8 @@ def _boundaries(tokens: int, documents: int, seed: int) -> torch.Tensor:
 
 
 def _per_call_us(fn, calls: int) -> float:
-    fn()  # warm: the first call of a batch builds what the others reuse
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    # one warm-up: the first call of a batch builds what the others reuse
+    return statistics.median(call_times_ms(fn, calls, warmup=1)) * 1e3
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -87,10 +81,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     for docs in args.documents:
         cu = _boundaries(args.tokens, docs, args.seed)
         with stub_engine():
-            t0 = time.perf_counter()
-            p = build_plan(args.layout, None, causal=True, cu_seqlens=cu)
-            ring_attention(q, q, q, plan=p)  # its first call lowers the steps
-            build_ms = (time.perf_counter() - t0) * 1e3
+            def build(cu=cu):
+                p = build_plan(args.layout, None, causal=True, cu_seqlens=cu)
+                ring_attention(q, q, q, plan=p)  # its first call lowers the steps
+                return p
+
+            p, build_ms = elapsed_ms(build)
             with_plan = _per_call_us(lambda: ring_attention(q, q, q, plan=p), args.calls)
             without = _per_call_us(lambda: ring_attention(q, q, q, layout=args.layout, cu_seqlens=cu), args.calls)
         row = {"documents": docs, "plan_build_ms": build_ms, "with_plan_us": with_plan, "without_plan_us": without}

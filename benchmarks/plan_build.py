@@ -42,11 +42,12 @@ import argparse
 import json
 import random
 import statistics
-import time
 from typing import Callable
 
 import torch
 
+from benchmarks import args as flags
+from benchmarks.measure import elapsed_ms, wall_and_cpu_ms
 from benchmarks.packed import document_lengths
 from cp_attention.engine import plan as plan_mod
 from cp_attention.engine.plan import AttentionPlan, plan_ahead
@@ -75,18 +76,13 @@ class _VarlenKernel:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=65536, help="packed length T")
-    p.add_argument("--world-size", type=int, default=8, help="N")
+    flags.add_documents(p, tokens=65536, documents=[1000, 8000], sigma=1.5, seed=0)
+    flags.add_ring(p, world_size=8, layouts=["zigzag", "contiguous", "interleaved", "balanced"])
     p.add_argument("--rank", type=int, default=0, help="the rank whose plan is built")
-    p.add_argument("--documents", type=int, nargs="+", default=[1000, 8000])
-    p.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous", "interleaved", "balanced"])
     p.add_argument("--modes", nargs="+", default=["batched", "varlen"], choices=["batched", "varlen"])
     p.add_argument("--lengths", nargs="+", default=["lognormal", "uniform"], choices=["lognormal", "uniform"])
-    p.add_argument("--sigma", type=float, default=1.5, help="lognormal spread of the document lengths")
-    p.add_argument("--repeats", type=int, default=7, help="timed builds per row (median)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    flags.add_run(p, repeats=7, json="the rows")  # repeats: timed builds per row (their median)
 
 
 def boundaries(kind: str, tokens: int, documents: int, sigma: float, seed: int) -> tuple[int, ...]:
@@ -123,26 +119,26 @@ def build_phases(layout: str, cu: tuple[int, ...], rank: int, world_size: int, m
     plan = _fresh_plan(layout, cu, rank, world_size)
     n = cu[-1] // world_size
     window = plan.window(n)
-    t0 = time.perf_counter()
-    blocks = block_schedules(plan.layout, True, world_size, cu[-1], plan.cu_seqlens, window, rank=rank)
-    t1 = time.perf_counter()
-    lowered = lower_steps(blocks, batched=mode == "batched", tiled=window is None, local_len=n, varlen=mode == "varlen")
-    t2 = time.perf_counter()
-    steps = tuple(tuple(plan_mod._ready(t, _CPU) for t in step) for step in lowered)
-    t3 = time.perf_counter()
+    blocks, blocks_ms = elapsed_ms(lambda: block_schedules(plan.layout, True, world_size, cu[-1], plan.cu_seqlens,
+                                                           window, rank=rank))
+    lowered, lowering_ms = elapsed_ms(lambda: lower_steps(blocks, batched=mode == "batched", tiled=window is None,
+                                                          local_len=n, varlen=mode == "varlen"))
+    steps, index_ms = elapsed_ms(lambda: tuple(tuple(plan_mod._ready(t, _CPU) for t in step) for step in lowered))
     assert len(steps) == world_size
-    return {"blocks": (t1 - t0) * 1e3, "lowering": (t2 - t1) * 1e3, "index": (t3 - t2) * 1e3}
+    return {"blocks": blocks_ms, "lowering": lowering_ms, "index": index_ms}
 
 
 def _whole_ms(layout: str, cu: tuple[int, ...], rank: int, world_size: int, mode: str) -> tuple[float, float]:
     """(wall, this process's CPU) ms of one whole build."""
     plan = _fresh_plan(layout, cu, rank, world_size)
     kernel = _kernel(mode)
-    t0, c0 = time.perf_counter(), time.process_time()
     n = cu[-1] // world_size
-    steps = plan.steps(n, kernel, _CPU, _HEAD_DIM, _HEAD_DIM)
-    plan.traffic(n, _CPU, len(steps))  # the needs-only rows are part of the plan too
-    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+    def build() -> None:
+        steps = plan.steps(n, kernel, _CPU, _HEAD_DIM, _HEAD_DIM)
+        plan.traffic(n, _CPU, len(steps))  # the needs-only rows are part of the plan too
+
+    return wall_and_cpu_ms(build)
 
 
 class _Agreed:
@@ -169,9 +165,7 @@ def _bound_ms(layout: str, cu: tuple[int, ...], rank: int, world_size: int, mode
         return float("nan")
     ahead = plan_ahead(layout, rank, world_size, True, tuple(list(cu)), local_len=cu[-1] // world_size,
                        kernel="math", device="cpu", dtype=torch.float32, head_dim=_HEAD_DIM)
-    t0 = time.perf_counter()
-    ahead.bind(_Agreed(rank, world_size), "cpu")
-    return (time.perf_counter() - t0) * 1e3
+    return elapsed_ms(lambda: ahead.bind(_Agreed(rank, world_size), "cpu"))[1]
 
 
 def _median(fn: Callable[[], object], repeats: int) -> list:

@@ -24,16 +24,16 @@ if not __package__:  # run as a script: `benchmarks` imports from the repository
 
 import argparse
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from cp_attention.launch import run_on_ranks
-from benchmarks.measure import command_text, limit_malloc_caching, measure, memory_method, sent_bytes
+from benchmarks import args as flags
+from benchmarks.measure import (Stopwatch, call_times_ms, command_text, limit_malloc_caching, measure, memory_method,
+                                sent_bytes)
 
 __all__ = ["Case", "add_arguments", "cases", "run"]
 
@@ -71,13 +71,10 @@ def cases(seq_lens: list[int], heads: list[tuple[int, int]], masks: list[str]) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--heads", nargs="+", default=["8/2", "8/8"], help="query/kv heads, e.g. 8/2")
+    flags.add_ring(p, seq_lens=[2048, 8192], layout="zigzag")
+    flags.add_shape(p, head_pairs=["8/2", "8/8"])
     p.add_argument("--masks", nargs="+", default=["causal", "packed", "window"])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--layout", default="zigzag")
-    p.add_argument("--quick", action="store_true", help="one small case, one repeat (a smoke test)")
-    p.add_argument("--json", default=None)
+    flags.add_run(p, repeats=5, quick="one small case, one repeat (a smoke test)", json="the results")
 
 
 def _tensors(case: Case, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -118,13 +115,9 @@ def _calibrate(group) -> dict:
     q = torch.randn(1, n, h, d)
 
     def best(fn, repeats=3) -> float:
+        """The fastest of ``repeats`` calls, in seconds."""
         dist.barrier(group)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return min(call_times_ms(fn, repeats, warmup=0)) / 1e3
 
     alone = LoopbackGroup(1).rank(0)  # plain local attention on this rank (None would be the default group)
     with torch.no_grad():
@@ -208,7 +201,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.layout}; head_dim 64; the fastest of {args.repeats} repeats of the slowest rank; peak memory: "
           f"{memory_method()}", flush=True)
     limit_malloc_caching()
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     base = {c: _baseline(c, args.repeats, args.layout) for c in todo}
     out = run_on_ranks(_worker, WORLD, args, todo, timeout_s=3600)
     cal = out["calibration"]
@@ -216,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
                         cal["kernel_call_s"])
     print(f"calibrated: {cal['flops'] / 1e9:.1f} GFLOP/s per rank, {cal['bw'] / 1e9:.2f} GB/s, latency "
           f"{cal['latency_s'] * 1e6:.0f} us, kernel call {cal['kernel_call_s'] * 1e6:.0f} us "
-          f"(after {time.perf_counter() - t0:.0f} s)\n")
+          f"(after {clock.seconds():.0f} s)\n")
     hits = {"calibrated": 0, "preset": 0}
     report = []
     head = f"{'case':<26}{'mode':<9}" + "".join(f"{s:>14}" for s in STRATEGIES) + f"{'best':>12}{'auto':>12}{'':>4}"
@@ -255,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
         got = item.get("bytes") or {}
         print(f"{case.label():<26}" + "".join(
             f"{s}={'-' if got.get(s) is None else f'{got[s] / 1e6:.2f}'}/{model[s] / 1e6:.2f}  " for s in STRATEGIES))
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    print(f"\ntotal {clock.seconds():.0f} s")
     result = {"setup": vars(args), "calibration": cal, "report": report, "hits": hits, "total": total,
               "raw": out["results"], "baseline": {c.label(): base[c] for c in todo}}
     if args.json:

@@ -29,14 +29,14 @@ jobs were running; the times vary by a third either way):
 - ``user_snippet``, ``user_snippet_no_destroy`` (~12 s): the README's HuggingFace snippet as a user
   runs it, ``torchrun --nproc-per-node=2`` on gloo, ending with and without ``destroy_process_group``:
   a user's script has no ``os._exit`` to protect it, so only the library's own clean exits count.
-- ``compare_smoke`` (~26 s): ``benchmarks/layout_comparison/run.py experiment=smoke packed=smoke``, whose
+- ``compare_smoke`` (~26 s): ``python -m studies.layout_comparison experiment=smoke packed=smoke``, whose
   four benchmarks spawn ranks that run torch's own CP ring (it keeps groups registered past their
   destroy) and many distinct ``ring_attention`` signatures; CI caught an abort here once.
 
 Whole files cost far more, mostly in pool starts and in the adapters' imports in every worker
 (tests/distributed/test_packed.py ~50 s, tests/adapters/hf/test_equivalence.py ~115 s, tests/adapters/megatron/test_equivalence.py ~65 s).
 
-The commands run from the repository root (``root``), where examples/, benchmarks/ and tests/ live.
+The commands run from the repository root (``root``), where examples/, benchmarks/, studies/ and tests/ live.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from pathlib import Path
 
 if not __package__:  # run as a script: this folder's files never shadow top-level packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks import args as flags  # noqa: E402  (the standard library only, like this module)
 
 __all__ = ["TARGETS", "DEFAULT_TARGETS", "POOL_STDERR_ENV", "classify", "parse_args", "run_once", "main"]
 
@@ -72,7 +74,7 @@ TARGETS = {
     "ring": [*_PYTEST, "tests/distributed/test_ring.py", "tests/distributed/test_faults.py",
              "tests/distributed/test_validation.py"],
     # the layout comparison's smoke run: four benchmarks' spawned ranks, torch's own CP ring among them
-    "compare_smoke": [sys.executable, "benchmarks/layout_comparison/run.py", "experiment=smoke", "packed=smoke",
+    "compare_smoke": [sys.executable, "-m", "studies.layout_comparison", "experiment=smoke", "packed=smoke",
                       f"out_dir={os.path.join(tempfile.gettempdir(), 'cp_attention_stress_compare')}"],
     "pools": [*_PYTEST, "tests/distributed/test_stress.py"],
     # a user's script under torchrun: the README's HuggingFace block, written out by _snippet_file
@@ -92,8 +94,7 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=100, help="runs per target")
     p.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), choices=list(TARGETS),
                    help=f"default: {' '.join(DEFAULT_TARGETS)}")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    p.add_argument("--json", metavar="PATH", help="also write the counts as JSON (after every run)")
+    flags.add_run(p, timeout=900, json="the counts (after every run)")  # timeout: per run
     return p.parse_args(argv)
 
 

@@ -26,20 +26,20 @@ if not __package__:  # run as a script: `benchmarks` imports from the repository
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.layout_comparison.analysis import AttentionShape, comm_bytes_per_rank, imbalance, step_sync_efficiency
+from benchmarks import args as flags
+from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, imbalance, one_thread, step_sync_efficiency
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.launch import spawn
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import work_model
 from cp_attention.schedules import ring_length
 from benchmarks.attention import make_inputs, ours
-from benchmarks.measure import command_text, limit_malloc_caching, measure, memory_method
-from cp_attention import KERNEL_NAMES, LAYOUT_NAMES
+from benchmarks.measure import Stopwatch, command_text, limit_malloc_caching, measure, memory_method
+from cp_attention import LAYOUT_NAMES
 
 __all__ = ["CONVENTIONS", "NO_WINDOW", "window_size", "window_label", "check_fractions", "modelled_window",
            "ring_worker", "measure_windows", "run"]
@@ -78,7 +78,7 @@ def check_fractions(fractions, allow_none: bool) -> None:
 def modelled_window(layout: str, causal: bool, seq_len: int, world_size: int, fraction: int,
                     convention: str = "hf") -> dict:
     """The work model under one window: ``{"window_size", "work", "ring_steps"}`` (``work[rank][step]``,
-    zeros on the steps the ring does not run). Run it on one torch thread (``layout_comparison.packed.one_thread``)
+    zeros on the steps the ring does not run). Run it on one torch thread (:func:`benchmarks.modelled.one_thread`)
     for speed at large N."""
     ws = window_size(seq_len, fraction, causal, convention)
     steps = ring_length(layout, causal, seq_len, world_size, ws)
@@ -115,8 +115,6 @@ def measure_windows(args, seq: int) -> list[dict]:
     ``model_sync_x_none`` (the sum over ring steps of the busiest rank's pairs, the same ratio),
     ring steps and the K/V + dK/dV bytes each rank sends.
     """
-    from benchmarks.layout_comparison.packed import one_thread
-
     args = argparse.Namespace(**{**vars(args), "windows": [NO_WINDOW] + [d for d in args.windows if d != NO_WINDOW]})
     ring = spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)
     shape = AttentionShape(args.batch, args.heads, args.kv_heads, args.head_dim,
@@ -189,11 +187,11 @@ def run(args: argparse.Namespace) -> list[dict]:
           f"(left = {'W-1' if args.convention == 'hf' else 'W'}); median of {args.repeats} (+1 warm-up) of the "
           "slowest rank, every (layout, window) timed round-robin in one run", flush=True)
     limit_malloc_caching()
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     rows: list[dict] = []
     for seq in args.seq_lens:
         rows += measure_windows(args, seq)
-        print(f"  S={seq} done after {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"  S={seq} done after {clock.seconds():.0f} s", flush=True)
     print(f"threads: 1 per rank x {args.world_size}\n")
     print_table(rows)
     print("\ntime x none: median forward+backward time over the same layout's time without a window (same run). "
@@ -202,7 +200,7 @@ def run(args: argparse.Namespace) -> list[dict]:
           "none: the same for the sum over ring steps of each step's busiest rank. steps: ring steps run / N. "
           "MiB: K/V and dK/dV each rank sends, forward + backward. spread: (slowest - fastest) / median of the timed "
           "forward+backward calls; above 25% another process probably competed for the cores.")
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    print(f"\ntotal {clock.seconds():.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv, "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=2)
@@ -211,26 +209,17 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[16384], help="global sequence lengths S")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
+    flags.add_ring(p, seq_lens=[16384], world_size=2, layouts=LAYOUT_NAMES, kernel="auto")
     p.add_argument("--windows", type=int, nargs="+", default=[0, 64, 8],
                    help="window W = S/d for each d (0 = no window, always measured: the ratios' reference)")
     p.add_argument("--convention", choices=CONVENTIONS, default="hf",
                    help="hf: left = W-1 (W keys, HF sliding_window=W); flash: left = W (W+1 keys)")
     p.add_argument("--non-causal", dest="causal", action="store_false", help="a symmetric band (left, left)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, after 1 warm-up")
-    p.add_argument("--quick", action="store_true", help="smoke test: S = 1024, H = 2, D = 16, 1 repeat")
-    p.add_argument("--timeout", type=int, default=600, help="gloo timeout (s): a hang fails instead of waiting")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    flags.add_shape(p, batch=1, heads=8, kv_heads=None, head_dim=64, dtype="float32")
+    flags.add_run(p, repeats=3, timeout=600, quick="smoke test: S = 1024, H = 2, D = 16, 1 repeat",
+                  json="the results")
     args = p.parse_args(argv)
-    args.kv_heads = args.kv_heads or args.heads
+    flags.resolve_kv_heads(args)
     if args.quick:
         args.seq_lens, args.heads, args.kv_heads, args.head_dim, args.repeats = [1024], 2, 2, 16, 1
     try:

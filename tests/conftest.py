@@ -2,8 +2,8 @@
 
 Layout (docs/design.md, "Testing"): ``tests/unit/<room>/`` tests that start no process (the loopback ring
 runs its ranks as threads in one process), ``tests/distributed/`` the core on gloo processes,
-``tests/adapters/{hf,megatron}/``, ``tests/system/`` end-to-end runs (scripts, examples, benchmarks, the
-docs), ``tests/support/`` helpers and cases (no tests).
+``tests/adapters/{hf,megatron}/``, ``tests/system/`` end-to-end runs (scripts, examples, benchmarks,
+studies, the docs), ``tests/support/`` helpers and cases (no tests).
 
 Markers, applied here at collection (``pytest.ini`` registers them):
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 _ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # benchmarks/ and examples/ (not installed) import as packages from the repository root
+if _ROOT not in sys.path:  # benchmarks/, studies/, examples/ (not installed) import as packages from the root
     sys.path.insert(0, _ROOT)
 
 from benchmarks.stress import POOL_STDERR_ENV  # noqa: E402  (the standard library only: no hydra)

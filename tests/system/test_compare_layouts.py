@@ -1,6 +1,7 @@
 """The layout comparison: its modelled tables (windows, packed documents) and the script end to end.
 
-The analysis module's own arithmetic is tested in tests/unit/benchmarks/test_analysis.py."""
+The analysis module's own arithmetic is tested in tests/unit/studies/test_analysis.py, the work model's figures it
+builds on in tests/unit/benchmarks/test_modelled.py."""
 
 from __future__ import annotations
 
@@ -13,17 +14,15 @@ import pytest
 from omegaconf import OmegaConf
 
 import cp_attention as cpa
-from benchmarks.layout_comparison.analysis import (
-    AttentionShape, ClusterSpec, comm_bytes_per_rank, document_padding, document_pairs, imbalance, project,
-    step_sync_efficiency,
-)
-from benchmarks.layout_comparison.packed import (
-    check_packed, lognormal_lengths, one_thread, packed_stream, packed_tables, stream_divisor,
-)
-from benchmarks.layout_comparison.window import check_window, window_tables
+from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, imbalance, one_thread, step_sync_efficiency
 from benchmarks.window import window_size
+from studies.layout_comparison.analysis import ClusterSpec, document_padding, document_pairs, project
+from studies.layout_comparison.packed_documents import (
+    check_packed, lognormal_lengths, packed_stream, packed_tables, stream_divisor,
+)
+from studies.layout_comparison.sliding_windows import check_window, window_tables
 
-from tests.unit.benchmarks.test_analysis import contiguous_imbalance
+from tests.unit.benchmarks.test_modelled import contiguous_imbalance
 
 ROOT = Path(__file__).resolve().parents[2]
 PICTURES = ("mask_atlas", "work_bars", "efficiency_vs_world", "efficiency_vs_seq", "measured_steps",
@@ -191,7 +190,7 @@ def test_check_packed_names_the_key():
 # ---------------------------------------------------------------- the script end to end
 
 def _run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "benchmarks/layout_comparison/run.py", f"out_dir={tmp_path}", *overrides],
+    return subprocess.run([sys.executable, "-m", "studies.layout_comparison", f"out_dir={tmp_path}", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
 
 
@@ -330,7 +329,7 @@ def test_bad_config_fails_fast_with_the_key(tmp_path):
 
 
 def _measure_on_rank(rank: int, world_size: int, *args):
-    from benchmarks.layout_comparison.strategies import _measure_worker
+    from studies.layout_comparison.comm_strategies import _measure_worker
 
     return _measure_worker(*args)
 
@@ -349,7 +348,7 @@ def test_strategies_measured_on_gloo(pools):
 def test_strategies_config_errors_name_the_key():
     """Each bad strategies.* key is refused before any work, naming the key, what it got and what it
     accepts (the smoke run's config passes)."""
-    from benchmarks.layout_comparison.strategies import check_strategies
+    from studies.layout_comparison.comm_strategies import check_strategies
 
     good = {"names": ["p2p", "a2a+p2p"], "inner": 2, "hardware": "h100", "world_sizes": [8], "seq_lens": [4096],
             "measure": {"world_size": 0, "seq_len": 256, "inner": 2}}

@@ -1,6 +1,7 @@
-"""The peak-memory benchmark end to end at its quick size: the chunked loss and the savers lower the measured
-peak in the order they should, the line through two lengths predicts the third, the offload's bytes are
-counted on the host, and the longest length under the cap really fits while the next probe does not."""
+"""The memory study (``python -m studies.memory``) end to end at its quick size: the chunked loss and the
+savers lower the measured peak in the order they should, the line through two lengths predicts the third,
+the offload's bytes are counted on the host, and the longest length under the cap really fits while the
+next probe does not."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_memory_benchmark_quick(tmp_path):
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, "benchmarks/memory.py", "--quick", "--no-rss-check", "--vocab-check", "0",
+    proc = subprocess.run([sys.executable, "-m", "studies.memory", "--quick", "--no-rss-check", "--vocab-check", "0",
                            "--savers", "baseline", "lm_loss", "checkpoint", "all", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

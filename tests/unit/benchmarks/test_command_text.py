@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.measure import command_text
+from benchmarks.measure import command_text, script_name
 
 ROOT = Path(__file__).resolve().parents[3]
 # An absolute path of the recording machine: a home, a checkout, a temporary file, an interpreter.
@@ -17,10 +17,20 @@ _MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:root|home|Users|work|tmp|opt|usr|va
 
 
 def test_the_command_names_python_and_paths_relative_to_the_repository():
-    argv = [str(ROOT / "benchmarks" / "memory.py"), "--json", "/tmp/run/full.json",
+    argv = [str(ROOT / "benchmarks" / "attention.py"), "--json", "/tmp/run/full.json",
             f"--out={ROOT / 'docs' / 'x.md'}", "--seq-lens", "4096", "relative/path.json"]
-    assert command_text(argv) == ("python benchmarks/memory.py --json full.json --out=docs/x.md --seq-lens 4096 "
+    assert command_text(argv) == ("python benchmarks/attention.py --json full.json --out=docs/x.md --seq-lens 4096 "
                                   "relative/path.json")
+
+
+def test_a_package_run_with_dash_m_is_named_by_its_module():
+    """``python -m studies.memory`` puts its package's ``__main__.py`` in argv[0]: the record names the module."""
+    argv = [str(ROOT / "studies" / "memory" / "__main__.py"), "--quick", "--json", "/tmp/run/q.json"]
+    assert command_text(argv) == "python -m studies.memory --quick --json q.json"
+    assert command_text([str(ROOT / "benchmarks" / "plan.py")]) == "python benchmarks/plan.py"
+    # and its summary is named by the package, not by "__main__.py"
+    assert script_name(argv[0]) == "studies.memory"
+    assert script_name(str(ROOT / "benchmarks" / "plan.py")) == "plan.py"
 
 
 def test_the_command_defaults_to_this_process_argv(monkeypatch):

@@ -85,7 +85,7 @@ def test_compare_layouts_end_to_end(tmp_path):
     """The Hydra CLI imports the module named in `plugins`; the spawned workers get the layout by pickle."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/layout_comparison/run.py", "experiment=smoke", f"out_dir={tmp_path}",
+        [sys.executable, "-m", "studies.layout_comparison", "experiment=smoke", f"out_dir={tmp_path}",
          "plugins=[tests.support.custom_layouts]", f"layouts=[zigzag,{NAME}]", "model.world_sizes=[2,4]",
          "model.seq_lens=[1024]", "projection.world_sizes=[8]", "projection.seq_lens=[32768]"],
         cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
@@ -102,6 +102,6 @@ def test_compare_layouts_end_to_end(tmp_path):
 
 @pytest.mark.dist
 def test_compare_layouts_names_an_unimportable_plugin(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/layout_comparison/run.py", "experiment=smoke", f"out_dir={tmp_path}",
+    proc = subprocess.run([sys.executable, "-m", "studies.layout_comparison", "experiment=smoke", f"out_dir={tmp_path}",
                            "plugins=[no_such_module]"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "config plugins='no_such_module': cannot import it" in proc.stderr

@@ -1,50 +1,41 @@
-"""Layout analysis from the schedule's work model: balance, efficiency, communication, projection.
+"""The layout comparison's arithmetic on top of the work model: splits, padding, summaries, the
+cluster projection.
 
 Pure Python on top of :mod:`cp_attention.schedules` (no torch.distributed, no plotting), so it runs
 for world sizes far beyond one machine. A work matrix is what :func:`cp_attention.work_model`
 returns: ``work[rank][step]`` = score pairs that rank computes at that ring step.
 
 The projection is a deliberately small model (see :func:`project`); its assumptions are listed in
-``benchmarks/layout_comparison/report.py``'s report and in the docstrings here. Its pair, flop and
-byte counts are the library's one performance model, :mod:`cp_attention.strategies.cost`
-(``pairs``, ``matmul_flops``, ``kv_bytes_per_hop``, ``ring_bytes_per_rank``); this module adds what the
-comparison (and the window and GPU benchmarks) measure with them.
+``studies/layout_comparison/report.py``'s report and in the docstrings here. Its pair, flop, balance and
+byte counts are those the benchmarks print too, :mod:`benchmarks.modelled` (on the library's one
+performance model, :mod:`cp_attention.strategies.cost`); this module adds what only the comparison
+needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
+from benchmarks.modelled import (
+    AttentionShape, check_work, flops_per_pair, imbalance, kv_bytes_per_hop, min_pairs, step_sync_efficiency,
+)
 from cp_attention.layouts import Layout, get_layout
 from cp_attention.schedules import rank_plan, source_rank
-from cp_attention.strategies import batch_model
-from cp_attention.strategies.cost import accumulator_bytes, matmul_flops, pairs, ring_bytes_per_rank
-from cp_attention.strategies.cost import kv_bytes_per_hop as _shard_bytes
 
 __all__ = [
     "WorkSummary",
-    "AttentionShape",
     "ClusterSpec",
     "Projection",
     "split_problem",
-    "min_pairs",
-    "imbalance",
-    "step_sync_efficiency",
     "summarize",
-    "kv_bytes_per_hop",
-    "comm_bytes_per_rank",
     "pair_owners",
-    "flops_per_pair",
     "project",
     "document_pairs",
     "PaddingCost",
     "document_padding",
-    "training_bytes",
-    "model_bytes",
 ]
-
-Work = Sequence[Sequence[float]]  # work[rank][step]; pairs (modelled) or seconds (measured)
 
 
 def split_problem(layout: "str | Layout", seq_len: int, world_size: int) -> Optional[str]:
@@ -54,12 +45,6 @@ def split_problem(layout: "str | Layout", seq_len: int, world_size: int) -> Opti
     except ValueError as e:
         return str(e)
     return None
-
-
-def min_pairs(seq_len: int, causal: bool) -> int:
-    """The (query, key) pairs full attention must compute: S(S+1)/2 causal, S² otherwise (the cost
-    model's :func:`cp_attention.strategies.cost.pairs`)."""
-    return pairs(seq_len, causal)
 
 
 def document_pairs(lengths: Sequence[int], causal: bool) -> int:
@@ -107,39 +92,6 @@ def document_padding(lengths: Sequence[int], multiple: int, causal: bool) -> Pad
                        document_pairs([n + p for n, p in zip(lengths, pads)], causal))
 
 
-def _check_work(work: Work) -> None:
-    if not work or not work[0] or any(len(row) != len(work[0]) for row in work):
-        raise ValueError("work must be a non-empty rank x step matrix with equal-length rows")
-
-
-def imbalance(work: Work) -> float:
-    """Total imbalance: the busiest rank's work over the mean rank's work (1.0 = balanced).
-
-    ``work[rank][step]``. Raises ``ValueError`` for an empty or ragged matrix or zero total work.
-    """
-    _check_work(work)
-    totals = [sum(row) for row in work]
-    mean = sum(totals) / len(totals)
-    if mean <= 0:
-        raise ValueError("imbalance is undefined for zero total work")
-    return max(totals) / mean
-
-
-def step_sync_efficiency(work: Work) -> float:
-    """Ideal time over step-synchronous time: ``(total / N) / sum_s max_r work[r][s]``.
-
-    A ring step waits for its slowest member, so each step costs its busiest rank's work; the
-    ideal spreads the total evenly over N ranks with no waiting. 1.0 = no rank ever waits.
-    Raises ``ValueError`` for an empty or ragged matrix or zero total work.
-    """
-    _check_work(work)
-    steps = len(work[0])
-    slowest = sum(max(row[s] for row in work) for s in range(steps))
-    if slowest <= 0:
-        raise ValueError("efficiency is undefined for zero total work")
-    return sum(map(sum, work)) / len(work) / slowest
-
-
 @dataclass(frozen=True)
 class WorkSummary:
     """Balance metrics of one (layout, causal, S, N) work matrix. Pair counts are exact integers."""
@@ -174,50 +126,6 @@ def summarize(work: Sequence[Sequence[int]], seq_len: int, causal: bool) -> Work
         redundant_fraction=(total - need) / need,
         idle_fraction=(n * slowest - total) / need,
     )
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """What one attention call moves and computes besides the sequence: sizes and element bytes."""
-
-    batch: int = 1
-    heads: int = 8
-    kv_heads: int = 8
-    head_dim: int = 64
-    v_head_dim: Optional[int] = None  # None: head_dim
-    elem_bytes: int = 4  # q/k/v element size (2 for bf16/fp16, 4 fp32, 8 fp64)
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
-
-    @property
-    def acc_bytes(self) -> int:
-        """The engine accumulates dK/dV in fp32, or fp64 for fp64 inputs."""
-        return accumulator_bytes(self.elem_bytes)
-
-
-def kv_bytes_per_hop(seq_len: int, world_size: int, shape: AttentionShape, elem_bytes: Optional[int] = None
-                     ) -> int:
-    """Bytes of one K/V shard (what one ring hop sends): ``B * (S/N) * Hkv * (D + Dv) * elem``
-    (:func:`cp_attention.strategies.cost.kv_bytes_per_hop`)."""
-    elem = shape.elem_bytes if elem_bytes is None else elem_bytes
-    return _shard_bytes(shape.batch, seq_len // world_size, shape.kv_heads, shape.head_dim, shape.dv, elem)
-
-
-def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape, ring_steps: Optional[int] = None
-                        ) -> tuple[int, int]:
-    """Bytes each rank sends: ``(forward, backward)``, the same for every layout.
-
-    Mirrors the engine for a ring of ``ring_steps`` steps (default ``world_size``; fewer under a
-    sliding window, see :func:`cp_attention.ring_length`): the cost model's
-    :func:`cp_attention.strategies.cost.ring_bytes_per_rank`.
-    """
-    steps = world_size if ring_steps is None else ring_steps
-    if world_size == 1:
-        return 0, 0
-    return ring_bytes_per_rank(kv_bytes_per_hop(seq_len, world_size, shape),
-                               kv_bytes_per_hop(seq_len, world_size, shape, shape.acc_bytes), steps)
 
 
 def pair_owners(layout: "str | Layout", causal: bool, seq_len: int, world_size: int
@@ -255,16 +163,6 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.link_gbytes_per_s <= 0 or self.attention_tflops <= 0 or self.link_latency_us < 0:
             raise ValueError(f"cluster needs positive bandwidth and throughput and latency >= 0, got {self}")
-
-
-def flops_per_pair(shape: AttentionShape, backward: bool) -> float:
-    """Matmul flops per (query, key) pair and query head.
-
-    Forward: QKᵀ and PV, ``2(D + Dv)``. Backward (flash style, scores recomputed): QKᵀ, dV, dP,
-    dQ and dK, ``2(3D + 2Dv)`` (2.5x forward for D == Dv): the cost model's
-    :func:`cp_attention.strategies.cost.matmul_flops`, so the two agree.
-    """
-    return matmul_flops(shape.head_dim, shape.dv, backward)
 
 
 @dataclass(frozen=True)
@@ -308,7 +206,7 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
     Throughput is the same for every block size; links are full duplex and every hop runs at once.
     Raises ``ValueError`` for an empty or ragged matrix or ``ring_steps`` outside ``1..N``.
     """
-    _check_work(work)
+    check_work(work)
     n = len(work)
     steps = n if ring_steps is None else ring_steps
     if not 1 <= steps <= len(work[0]):
@@ -341,28 +239,3 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
         bwd_o += max(c, m)
         bwd_s += c + m
     return Projection(fwd_o, fwd_s, bwd_o, bwd_s, total * fwd_pair / n, total * bwd_pair / n, worst, comm_bound)
-
-
-def training_bytes(rows: Sequence[Sequence[int]], shape: AttentionShape) -> int:
-    """K/V and dK/dV bytes all ranks send in one training step (forward + backward) when rank ``r``
-    receives ``rows[r][s]`` K/V rows at ring step ``s`` (every step running): the forward's K/V, the
-    backward's again but the last step's (kept from the forward), and the rows' dK/dV partials (in the
-    accumulator dtype) home. Whole shards: ``rows[r][s] = T / N`` for ``s >= 1``."""
-    kv = shape.batch * shape.kv_heads * (shape.head_dim + shape.dv)
-    steps = len(rows[0])
-    _, per_rank, _ = batch_model.needs_only_bytes(tuple(map(tuple, rows)), steps, kv * shape.elem_bytes,
-                                                  kv * shape.acc_bytes, True, False)
-    return round(sum(per_rank))
-
-
-def model_bytes(layout: str, total: int, world_size: int, shape: AttentionShape, cu_seqlens=None,
-                causal: bool = True) -> tuple[int, int]:
-    """``(needs_only, whole)``: K/V + dK/dV bytes of one forward + backward call over ``world_size``
-    ranks, all ranks (:func:`training_bytes`), what the engine sends and what whole shards would.
-    Raises ``ValueError`` if the layout cannot split ``total`` over ``world_size`` ranks."""
-    if world_size == 1:
-        return 0, 0
-    rows = batch_model.step_rows(layout, causal, (-1, -1), total, world_size,
-                                 None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens))
-    n = total // world_size
-    return training_bytes(rows, shape), training_bytes([[0] + [n] * (world_size - 1)] * world_size, shape)

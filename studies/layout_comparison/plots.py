@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from cp_attention._extras import require_extra
-from benchmarks.layout_comparison.analysis import imbalance, step_sync_efficiency
+from benchmarks.modelled import imbalance, step_sync_efficiency
 
 Records = list[dict]
 _LAYOUT_COLORS = {"contiguous": "C3", "zigzag": "C0", "interleaved": "C2"}

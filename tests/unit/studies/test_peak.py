@@ -1,5 +1,5 @@
-"""The peak-memory meter (benchmarks/peak.py) against peaks worked out by hand, its attribution on a tiny
-Llama, and the projection's arithmetic (benchmarks/projection.py) against published parameter counts."""
+"""The peak-memory meter (studies/memory/peak.py) against peaks worked out by hand, its attribution on a tiny
+Llama, and the projection's arithmetic (studies/memory/projection.py) against published parameter counts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import projection
-from benchmarks.peak import MIB, TERMS, measure_step, term_of
+from studies.memory import projection
+from studies.memory.peak import MIB, TERMS, measure_step, term_of
 
 
 class _ExpSum(torch.nn.Module):

@@ -8,15 +8,15 @@ import platform
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.layout_comparison import plots
-from benchmarks.layout_comparison.balance import packed_bytes_section
-from benchmarks.layout_comparison.strategies import strategies_section
-from benchmarks.layout_comparison.window import window_figures, window_section
+from studies.layout_comparison import plots
+from studies.layout_comparison.balance import packed_bytes_section
+from studies.layout_comparison.comm_strategies import strategies_section
+from studies.layout_comparison.sliding_windows import window_figures, window_section
 
 Records = list[dict]
 NOISY = 0.25  # a row whose repeats spread more than this is flagged in the report
 
-# Projection assumptions, stated once here and in benchmarks/layout_comparison/analysis.py (project).
+# Projection assumptions, stated once here and in studies/layout_comparison/analysis.py (project).
 ASSUMPTIONS = (
     "A ring step waits for its slowest rank: step compute = the busiest rank's score pairs at that step "
     "x batch x heads x flops per pair / throughput.",
@@ -397,7 +397,7 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
         "# Layout comparison: " + ", ".join(cfg["layouts"]),
         f"Layouts {', '.join(cfg['layouts'])}; causal: {cfg['causal']}. torch {torch.__version__}, "
         f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores. Config: `config.yaml`; "
-        "rerun with `python benchmarks/layout_comparison/run.py` and the same overrides.",
+        "rerun with `python -m studies.layout_comparison` and the same overrides.",
     ]
     tail = ["## Files", ", ".join(f"`{f}`" for f in files)]
     extra = ([_packed_section(cfg, res)] if res.get("packed") else []) + \

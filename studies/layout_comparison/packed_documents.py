@@ -4,11 +4,11 @@ A seeded stream of documents with lognormal lengths (long-tailed, like a pretrai
 into one sequence, as flash-attn's ``cu_seqlens`` describes it. For every layout and world size the
 schedule's work model with ``cu_seqlens`` gives the score pairs per rank and ring step, summed up as in
 the rest of the comparison: **imbalance** is the busiest rank's pairs over the mean rank's, over the
-whole ring (:func:`benchmarks.layout_comparison.analysis.imbalance`), and **step-synchronous efficiency** charges
-every ring step its busiest rank (:func:`benchmarks.layout_comparison.analysis.step_sync_efficiency`).
+whole ring (:func:`benchmarks.modelled.imbalance`), and **step-synchronous efficiency** charges
+every ring step its busiest rank (:func:`benchmarks.modelled.step_sync_efficiency`).
 
 It is set against TransformerEngine-style padding (THD context parallelism, ring-flash-attention's
-varlen zigzag): every document padded to a multiple of 2N (:func:`benchmarks.layout_comparison.analysis.document_padding`),
+varlen zigzag): every document padded to a multiple of 2N (:func:`studies.layout_comparison.analysis.document_padding`),
 where our layouts need only the whole stream to split. A small measured run times
 ``ring_attention(cu_seqlens=)`` per layout on CPU gloo.
 """
@@ -16,22 +16,22 @@ where our layouts need only the whole stream to split. A small measured run time
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from benchmarks.layout_comparison.analysis import (
-    AttentionShape, document_padding, document_pairs, flops_per_pair, imbalance, model_bytes, step_sync_efficiency,
-)
 from benchmarks.documents import lognormal_lengths  # noqa: F401 (re-exported: the study imports it from here)
+from benchmarks.measure import Stopwatch
+from benchmarks.modelled import (
+    AttentionShape, flops_per_pair, imbalance, model_bytes, one_thread, step_sync_efficiency,
+)
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import work_model
+from studies.layout_comparison.analysis import document_padding, document_pairs
 
-__all__ = ["PackedStream", "lognormal_lengths", "packed_stream", "te_padded_cu_seqlens", "stream_divisor", "check_packed",
-           "one_thread", "packed_tables", "measure_packed"]
+__all__ = ["PackedStream", "lognormal_lengths", "packed_stream", "te_padded_cu_seqlens", "stream_divisor",
+           "check_packed", "packed_tables", "measure_packed"]
 
 Records = list[dict]
 FITS = ("trim", "pad")
@@ -121,20 +121,6 @@ def check_packed(p: dict) -> None:
 
 
 # ---------------------------------------------------------------- modelled
-
-@contextlib.contextmanager
-def one_thread():
-    """torch on one intra-op thread for the work model's index math: its tensors are small, so extra
-    threads only add synchronisation (2-3x slower on 2 cores, 10x and more on a loaded machine)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
 
 def _packed_work(lay: str, causal: bool, stream: PackedStream, ws: int) -> Optional[list[list[int]]]:
     try:
@@ -253,8 +239,8 @@ def measure_packed(p: dict, m: dict, layouts: list[str], causal: bool, log: Call
     TE-style split run by our zigzag), with ratios to the baseline and the modelled imbalance.
     """
     from cp_attention.launch import spawn
-    from benchmarks.layout_comparison.measure import _wall_rows
     from benchmarks.measure import limit_malloc_caching
+    from studies.layout_comparison.timings import _wall_rows
 
     limit_malloc_caching()
     out: Records = []
@@ -266,10 +252,10 @@ def measure_packed(p: dict, m: dict, layouts: list[str], causal: bool, log: Call
         args = argparse.Namespace(batch=1, heads=m["heads"], kv_heads=m["kv_heads"] or m["heads"], head_dim=m["head_dim"],
                                   dtype=m["dtype"], kernel=m["kernel"], repeats=m["repeats"], causal=causal,
                                   layouts=[get_layout(x) for x in ok])
-        t0 = time.perf_counter()
+        clock = Stopwatch()
         base = spawn(_baseline_worker, 1, args, cu, threads=ws)
         ring = spawn(_ring_worker, ws, args, cu, te_cu, threads=1, timeout_s=m["timeout"])
-        log(f"measured packed documents at world size {ws}, T={st.tokens} in {time.perf_counter() - t0:.0f} s")
+        log(f"measured packed documents at world size {ws}, T={st.tokens} in {clock.seconds():.0f} s")
         with one_thread():
             model = {lay: imbalance(work_model(lay, causal, st.tokens, ws, cu_seqlens=cu)) for lay in ok}
             model["zigzag, TE-padded"] = imbalance(work_model("zigzag", causal, te_cu[-1], ws, cu_seqlens=te_cu))

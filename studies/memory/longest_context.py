@@ -13,33 +13,26 @@ Llama-3-8B but 1/8 as wide (hidden 512, intermediate 1792, 8/2 heads of 64, voca
   on_device     lm_loss + ``save_memory(model, checkpoint=True, mlp_chunks=M)``: every saver but the offloads
   all           lm_loss + ``save_memory(model, checkpoint="offload", mlp_chunks=M)``
 
-The peak is the peak of live tensor bytes through the allocator (``benchmarks/peak.py``: the profiler's
+The peak is the peak of live tensor bytes through the allocator (``studies/memory/peak.py``: the profiler's
 allocation events replayed in order on CPU; ``torch.cuda.max_memory_allocated`` on a GPU), the parameters
 included, the maximum over ranks; the bytes live at the peak are attributed to terms by the op that
 allocated them. On CPU the offloaded checkpoints are host memory on a GPU: they are counted apart, not in the
 device peak. Everything is linear in the local tokens T: each saver is measured at several T; a line through
-the first two predicts the others (the formula's check), and feeds the projection (``benchmarks/projection.py``).
+the first two predicts the others (the formula's check), and feeds the projection (``studies/memory/projection.py``).
 
 Usage (from the repo root):
-  python benchmarks/memory.py [--tokens 2048 4096 8192] [--baseline-tokens 1024 2048 4096]
-                              [--savers baseline lm_loss checkpoint offload mlp_chunks all] [--chunk-tokens 256]
-                              [--cap-gib 1.0 --cap-saver all] [--vocab-check 1024] [--quick] [--json out.json]
+  python -m studies.memory [--tokens 2048 4096 8192] [--baseline-tokens 1024 2048 4096]
+                           [--savers baseline lm_loss checkpoint offload mlp_chunks all] [--chunk-tokens 256]
+                           [--cap-gib 1.0 --cap-saver all] [--vocab-check 1024] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
 
 import argparse
 import contextlib
 import gc
 import json
 import os
-import time
 from dataclasses import asdict
 from typing import Iterator, Optional
 
@@ -47,9 +40,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from benchmarks import projection
-from benchmarks.measure import command_text
-from benchmarks.peak import MIB, OFFLOAD_SCOPE, OFFLOADED, TERMS, measure_step, rss_peak_delta
+from benchmarks import args as flags
+from benchmarks.measure import Stopwatch, command_text, elapsed_ms, rss_peak_delta
+from studies.memory import projection
+from studies.memory.peak import MIB, OFFLOAD_SCOPE, OFFLOADED, TERMS, measure_step
 from cp_attention.launch import run_on_ranks
 
 __all__ = ["SAVERS", "add_arguments", "build_model", "measure_one", "worker", "run"]
@@ -71,15 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256, help="lm_loss's chunk_tokens")
     p.add_argument("--mlp-chunks", type=int, default=4)
     p.add_argument("--cp", type=int, default=2, help="CP ranks (gloo, spawned here)")
-    p.add_argument("--layout", default="zigzag")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: one GPU per rank (NCCL), the peak from torch.cuda.max_memory_allocated")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1792)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=128256)
+    # --device cuda: one GPU per rank (NCCL), the peak from torch.cuda.max_memory_allocated
+    flags.add_ring(p, layout="zigzag", device="cpu")
+    flags.add_model(p, layers=4, hidden=512, intermediate=1792, vocab=128256)
+    flags.add_shape(p, heads=8, kv_heads=2)
     p.add_argument("--vocab-check", type=int, default=1024, metavar="T",
                    help="measure baseline and lm_loss at twice the vocab at T and T/2 local tokens (0: skip)")
     p.add_argument("--cap-gib", type=float, default=None, help="find the longest T whose measured peak fits this")
@@ -87,8 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rss-check", action=argparse.BooleanOptionalAction, default=True,
                    help="cross-check the meter against the process's peak RSS once (lm_loss at the first T)")
     projection.add_arguments(p)
-    p.add_argument("--quick", action="store_true", help="a tiny model and short lengths: a smoke test")
-    p.add_argument("--json", default=None, help="write every measurement (and the setup) to this file")
+    flags.add_run(p, quick="a tiny model and short lengths: a smoke test", json="every measurement and the setup")
     p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="measure nothing: report the rows of these --json files (a later file's row replaces an "
                         "earlier one's), with this command's projection settings")
@@ -150,10 +138,9 @@ def measure_one(args: argparse.Namespace, saver: str, tokens: int, vocab: int, r
             return cphf.causal_lm_loss(model(**cphf.model_inputs(local)).logits, local["shift_labels"])
         return cphf.lm_loss(model, local, chunk_tokens=args.chunk_tokens)
 
-    t0 = time.perf_counter()
     with _offload_marked():
-        peak = measure_step(model, forward_loss, vocab)
-    row = {"saver": saver, "tokens": tokens, "vocab": vocab, "step_s": time.perf_counter() - t0,
+        peak, step_ms = elapsed_ms(lambda: measure_step(model, forward_loss, vocab))
+    row = {"saver": saver, "tokens": tokens, "vocab": vocab, "step_s": step_ms / 1e3,
            **asdict(peak), "rank": dist.get_rank()}
     if rss:  # the same step again, without the profiler: the process's peak RSS above its RSS before
         model.zero_grad(set_to_none=True)
@@ -212,7 +199,7 @@ def longest_under_cap(args: argparse.Namespace, saver: str, cap: float, fit: "tu
             "probes": probes}
 
 
-def worker(args: argparse.Namespace, t0: float) -> dict:
+def worker(args: argparse.Namespace, clock: Stopwatch) -> dict:
     """One rank of the spawned job: every measurement, one at a time (the previous model freed first)."""
     out: dict = {"rows": [], "cap": None}
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
@@ -221,13 +208,13 @@ def worker(args: argparse.Namespace, t0: float) -> dict:
             rss = args.rss_check and saver == args.savers[min(1, len(args.savers) - 1)] and i == 0
             out["rows"].append(measure_one(args, saver, tokens, args.vocab, rss=rss))
             say(f"  {saver} T={tokens}: peak {out['rows'][-1]['peak'] / MIB:.1f} MiB "
-                f"({time.time() - t0:.0f} s)", flush=True)
+                f"({clock.seconds():.0f} s)", flush=True)
     if args.vocab_check:
         for saver in ("baseline", "lm_loss"):
             for tokens in (args.vocab_check // 2, args.vocab_check):
                 for vocab in (args.vocab, 2 * args.vocab):
                     out["rows"].append(dict(measure_one(args, saver, tokens, vocab), vocab_check=True))
-            say(f"  vocab check {saver} done ({time.time() - t0:.0f} s)", flush=True)
+            say(f"  vocab check {saver} done ({clock.seconds():.0f} s)", flush=True)
     if args.cap_gib:
         pts = [(r["tokens"], r["peak"]) for r in out["rows"]
                if r["saver"] == args.cap_saver and r["vocab"] == args.vocab and not r.get("vocab_check")]
@@ -287,11 +274,12 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--{name.replace('_', '-')}: at least two lengths, each a multiple of {2 * args.cp} "
                              f"(the zigzag split at cp={args.cp}), got {getattr(args, name)}")
     limit_malloc_caching()  # the RSS cross-check: freed blocks go back to the OS at once
-    t0 = time.time()
+    clock = Stopwatch()
     _print_setup(args, "gloo" if args.device == "cpu" else "nccl")
-    out = run_on_ranks(worker, args.cp, args, t0, timeout_s=3600, backend="nccl" if args.device == "cuda" else "gloo")
+    out = run_on_ranks(worker, args.cp, args, clock, timeout_s=3600,
+                       backend="nccl" if args.device == "cuda" else "gloo")
     result = report(args, out["rows"], out["cap"])
-    print(f"total {time.time() - t0:.0f} s")
+    print(f"total {clock.seconds():.0f} s")
     return result
 
 
@@ -361,8 +349,3 @@ def report(args: argparse.Namespace, rows: "list[dict]", cap: Optional[dict]) ->
             json.dump(result, f, indent=1)
     return result
 
-
-if __name__ == "__main__":
-    from benchmarks.measure import command_line
-
-    command_line(__doc__, add_arguments, run)

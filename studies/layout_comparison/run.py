@@ -3,33 +3,32 @@
 Writes report.md, the PNG pictures and one CSV per table and picture into the output folder.
 A (layout, world size, S) the layout cannot split is skipped and listed in the report. With a
 ``packed`` config section it also models (and measures, small) a packed-documents workload and sets it
-against TransformerEngine-style per-document padding (:mod:`.packed`); with a ``window`` section,
-sliding windows against no window (:mod:`.window`).
+against TransformerEngine-style per-document padding (:mod:`.packed_documents`); with a ``window`` section,
+sliding windows against no window (:mod:`.sliding_windows`); with a ``strategies`` section, every
+``cp_comm_type`` (:mod:`.comm_strategies`).
 
-    python benchmarks/layout_comparison/run.py                          # configs/experiment/default.yaml
-    python benchmarks/layout_comparison/run.py experiment=smoke         # tiny, for tests
-    python benchmarks/layout_comparison/run.py measure.world_sizes=[1,2,4] heads=16 dtype=bfloat16 causal=false
-    python benchmarks/layout_comparison/run.py out_dir=results/layouts  # default: outputs/compare_layouts/<time>
-    python benchmarks/layout_comparison/run.py plugins=[my_layouts] layouts=[zigzag,my_layout]   # a registered layout
-    python benchmarks/layout_comparison/run.py window.fractions=[64,8,2] window.convention=flash  # windows W = S/d
-    python benchmarks/layout_comparison/run.py packed=none window=none  # leave out the packed / windowed workloads
+    python -m studies.layout_comparison                          # configs/experiment/default.yaml
+    python -m studies.layout_comparison experiment=smoke         # tiny, for tests
+    python -m studies.layout_comparison measure.world_sizes=[1,2,4] heads=16 dtype=bfloat16 causal=false
+    python -m studies.layout_comparison out_dir=results/layouts  # default: outputs/compare_layouts/<time>
+    python -m studies.layout_comparison plugins=[my_layouts] layouts=[zigzag,my_layout]   # a registered layout
+    python -m studies.layout_comparison window.fractions=[64,8,2] window.convention=flash  # windows W = S/d
+    python -m studies.layout_comparison packed=none window=none  # leave out the packed / windowed workloads
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-import time
 from pathlib import Path
 
-if not __package__:  # run as a script: `benchmarks` imports from the repository root, and this folder's
-    sys.path[0] = str(Path(__file__).resolve().parents[2])  # files never shadow top-level packages
-
+from benchmarks.measure import Stopwatch
+from benchmarks.modelled import AttentionShape
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.kernels import check_kernel_name
 from cp_attention.layouts import get_layout
-from benchmarks.layout_comparison.analysis import AttentionShape, ClusterSpec
-from benchmarks.layout_comparison import tables
+from studies.layout_comparison import tables
+from studies.layout_comparison.analysis import ClusterSpec
 
 __all__ = ["check_config", "import_plugins", "run", "main"]
 
@@ -87,15 +86,15 @@ def check_config(cfg: dict) -> None:
     if cfg["atlas"]["seq_len"] > 256:
         fail("atlas.seq_len", cfg["atlas"]["seq_len"], "at most 256 (the atlas draws every token pair)")
     if cfg.get("packed") is not None:
-        from benchmarks.layout_comparison.packed import check_packed
+        from studies.layout_comparison.packed_documents import check_packed
 
         check_packed(cfg["packed"])
     if cfg.get("window") is not None:
-        from benchmarks.layout_comparison.window import check_window
+        from studies.layout_comparison.sliding_windows import check_window
 
         check_window(cfg["window"])
     if cfg.get("strategies") is not None:
-        from benchmarks.layout_comparison.strategies import check_strategies
+        from studies.layout_comparison.comm_strategies import check_strategies
 
         check_strategies(cfg["strategies"])
 
@@ -105,16 +104,16 @@ def run(cfg: dict, out: Path) -> Path:
 
     Raises ``ValueError`` naming the config key for a config that cannot run, before any work.
     """
-    from benchmarks.layout_comparison.report import write_results
+    from studies.layout_comparison.report import write_results
 
     import_plugins(cfg)
     check_config(cfg)
     cfg = {**cfg, "layouts": list(dict.fromkeys(get_layout(x).name for x in cfg["layouts"]))}  # aliases -> names
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    clock = Stopwatch()
 
     def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+        print(f"[{clock.seconds():6.1f} s] {msg}", flush=True)
 
     lays, causal, m = cfg["layouts"], cfg["causal"], cfg["model"]
     shape = AttentionShape(cfg["batch"], cfg["heads"], cfg["kv_heads"] or cfg["heads"], cfg["head_dim"],
@@ -134,8 +133,8 @@ def run(cfg: dict, out: Path) -> Path:
 
     measured = {"wall": [], "steps": [], "summary": [], "skipped": [], "meta": {}}
     if cfg["measure"]["world_sizes"] and cfg["measure"]["seq_lens"]:
-        from benchmarks.layout_comparison.measure import measure_all
         from benchmarks.measure import limit_malloc_caching
+        from studies.layout_comparison.timings import measure_all
 
         limit_malloc_caching()
         keys = ("batch", "heads", "kv_heads", "head_dim", "dtype", "kernel", "repeats")
@@ -145,7 +144,7 @@ def run(cfg: dict, out: Path) -> Path:
     res["measured_summary"] = tables.with_modelled_efficiency(measured["summary"], causal)
     res["packed"] = None
     if cfg.get("packed") is not None:
-        from benchmarks.layout_comparison.packed import measure_packed, packed_tables
+        from studies.layout_comparison.packed_documents import measure_packed, packed_tables
 
         pk = cfg["packed"]
         res["packed"] = packed_tables(pk, lays, causal, AttentionShape(**p["shape"]), skipped)
@@ -156,7 +155,7 @@ def run(cfg: dict, out: Path) -> Path:
             if pk["measure"]["world_sizes"] else [])
     res["window"] = None
     if cfg.get("window") is not None:
-        from benchmarks.layout_comparison.window import measure_window, window_tables
+        from studies.layout_comparison.sliding_windows import measure_window, window_tables
 
         w = cfg["window"]
         res["window"] = window_tables(w, lays, causal, shape, AttentionShape(**p["shape"]), ClusterSpec(**p["cluster"]),
@@ -168,7 +167,7 @@ def run(cfg: dict, out: Path) -> Path:
                 "timeout": cfg["measure"]["timeout"]}, lays, causal, log)
     res["strategies"] = None
     if cfg.get("strategies") is not None:
-        from benchmarks.layout_comparison.strategies import measure_strategies, strategy_tables
+        from studies.layout_comparison.comm_strategies import measure_strategies, strategy_tables
 
         res["strategies"] = strategy_tables(cfg["strategies"], lays, causal, p["shape"])
         res["strategies"]["strategies_measured"] = measure_strategies(cfg["strategies"], cfg, lays, causal, log)
@@ -179,13 +178,18 @@ def run(cfg: dict, out: Path) -> Path:
 
 
 def main() -> None:
-    """The command line: Hydra composes configs/compare_layouts.yaml with the overrides, then :func:`run`."""
+    """The command line (``python -m studies.layout_comparison``): Hydra composes
+    configs/compare_layouts.yaml with the overrides, then :func:`run`."""
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
     from cp_attention.training.summary import directory_summary
 
-    @hydra.main(version_base="1.3", config_path="../../configs", config_name="compare_layouts")
+    # An absolute path: Hydra reads a relative one against the package of the module that defines the job
+    # (studies.layout_comparison.run under -m), where no configs/ folder is.
+    configs = str(Path(__file__).resolve().parents[2] / "configs")
+
+    @hydra.main(version_base="1.3", config_path=configs, config_name="compare_layouts")
     def job(cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
@@ -197,11 +201,8 @@ def main() -> None:
         except ValueError as e:  # a config mistake: say it plainly instead of a traceback
             sys.exit(f"compare_layouts: {e}")
         report = run(resolved, out)
-        print(directory_summary("compare_layouts.py", out, {"report": report.name, "config": "config.yaml"},
+        print(directory_summary("studies.layout_comparison", out, {"report": report.name, "config": "config.yaml"},
                                 {"pictures": "*.png", "tables": "*.csv"}), flush=True)
 
     job()
 
-
-if __name__ == "__main__":
-    main()

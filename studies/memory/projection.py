@@ -1,4 +1,5 @@
-"""From the measured peaks at the small shape to Llama-3-8B and -70B on 80 GB GPUs (``benchmarks/memory.py``).
+"""From the measured peaks at the small shape (``studies/memory/longest_context.py``) to Llama-3-8B and -70B
+on 80 GB GPUs.
 
 The measured step is linear in the local tokens T. For each region of the step (the forward, the backward of
 the head and loss, the backward of each layer) the bytes live at that region's peak are fitted, per term, to
@@ -32,7 +33,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from benchmarks.peak import MIB, OFFLOADED
+from studies.memory.peak import MIB, OFFLOADED
 
 __all__ = ["MODELS", "ALST", "add_arguments", "fit", "predict", "project", "report", "vocab_report", "goals"]
 

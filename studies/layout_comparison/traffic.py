@@ -22,7 +22,7 @@ from cp_attention.schedules.lowering import lower_steps
 from cp_attention.strategies import batch_model
 from cp_attention.strategies.cost import HARDWARE, Hardware, Workload, estimate
 
-from benchmarks.layout_comparison.analysis import AttentionShape, model_bytes, training_bytes  # noqa: F401 (re-exported)
+from benchmarks.modelled import AttentionShape, model_bytes, training_bytes  # noqa: F401 (re-exported)
 from benchmarks.documents import fit_lengths as _fit, lognormal_lengths
 
 __all__ = ["Batch", "H100_SHAPE", "training_bytes", "model_bytes", "kernel_calls", "batch_figures", "lognormal_batch",

@@ -7,11 +7,11 @@ the configured convention) is set against no window, from the schedule's work mo
 
 - **ring steps**: a ring step whose K/V no rank's window reaches does not run, so each rank receives
   ``L - 1`` K/V shards instead of ``N - 1`` and sends ``L - 1`` K/V and ``L - 1`` dK/dV hops
-  (:func:`benchmarks.layout_comparison.analysis.comm_bytes_per_rank`). Contiguous holds one stretch per rank and stops
+  (:func:`benchmarks.modelled.comm_bytes_per_rank`). Contiguous holds one stretch per rank and stops
   after ``ceil(W / (S/N)) + 1`` steps; zigzag and interleaved hold pieces everywhere, so their ring runs
   fully but computes only the band;
 - **imbalance** and **step-synchronous efficiency** as in the rest of the comparison;
-- the **projection** onto the configured cluster (:func:`benchmarks.layout_comparison.analysis.project`, with only
+- the **projection** onto the configured cluster (:func:`studies.layout_comparison.analysis.project`, with only
   the steps that run), which names the winner per (N, W);
 - a small measured run per layout and window on CPU gloo (:func:`benchmarks.window.measure_windows`).
 """
@@ -19,14 +19,14 @@ the configured convention) is set against no window, from the schedule's work mo
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
-from benchmarks.layout_comparison.analysis import AttentionShape, ClusterSpec, comm_bytes_per_rank, project, split_problem, summarize
+from benchmarks.measure import Stopwatch
+from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, one_thread
+from benchmarks.window import CONVENTIONS, NO_WINDOW, check_fractions, measure_windows, modelled_window, window_label
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import ring_length
-from benchmarks.layout_comparison.packed import one_thread
-from benchmarks.window import CONVENTIONS, NO_WINDOW, check_fractions, measure_windows, modelled_window, window_label
+from studies.layout_comparison.analysis import ClusterSpec, project, split_problem, summarize
 
 __all__ = ["TIE", "check_window", "window_tables", "measure_window", "window_figures", "window_section"]
 
@@ -171,9 +171,9 @@ def measure_window(w: dict, m: dict, layouts: list[str], causal: bool, log: Call
             # Layout objects, not names: unpickling one in a worker imports (and so registers) its module.
             args = argparse.Namespace(**m, world_size=ws, layouts=[get_layout(x) for x in ok], windows=w["fractions"],
                                       convention=w["convention"], causal=causal)
-            t0 = time.perf_counter()
+            clock = Stopwatch()
             out += measure_windows(args, seq)
-            log(f"measured sliding windows at world size {ws}, S={seq} in {time.perf_counter() - t0:.0f} s")
+            log(f"measured sliding windows at world size {ws}, S={seq} in {clock.seconds():.0f} s")
     return out
 
 

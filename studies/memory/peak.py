@@ -29,8 +29,7 @@ from typing import Iterator, Optional
 import torch
 from torch.autograd.profiler import record_function
 
-__all__ = ["TERMS", "OFFLOADED", "OFFLOAD_SCOPE", "Snapshot", "Peak", "term_of", "module_scopes", "measure_step", "replay",
-           "rss_peak_delta"]
+__all__ = ["TERMS", "OFFLOADED", "OFFLOAD_SCOPE", "Snapshot", "Peak", "term_of", "module_scopes", "measure_step", "replay"]
 
 MIB = 1024 * 1024
 TERMS = ("logits/loss", "attention", "MLP", "norms", "checkpoints", "params+grads", "other")
@@ -289,29 +288,6 @@ def _top_at(info: list, peak: int, before: int, k: int = 12) -> list:
         g[0] += size
         g[1] += 1
     return sorted(((t, op, b, n) for (t, op), (b, n) in groups.items()), key=lambda x: -x[2])[:k]
-
-
-def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise KeyError(field_name)
-
-
-def rss_peak_delta(fn) -> Optional[int]:
-    """Peak RSS during ``fn()`` above the RSS just before it, in bytes (VmHWM after ``clear_refs``); ``None``
-    where ``/proc/self/clear_refs`` is not writable. Set ``MALLOC_MMAP_THRESHOLD_`` low before the process
-    starts, so freed blocks go back to the OS at once."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        fn()
-        return None
-    rss0 = _status_kib("VmRSS")
-    fn()
-    return (_status_kib("VmHWM") - rss0) * 1024
 
 
 def _storages_bytes(tensors) -> int:

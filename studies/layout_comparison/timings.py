@@ -1,4 +1,4 @@
-"""The measured side of the layout comparison, on CPU gloo.
+"""The measured side of the layout comparison, on CPU gloo: wall timings and step-by-step kernel timings.
 
 Per (world size, S): single-process attention (the baseline) and the real ``ring_attention`` of
 every layout, with PyTorch's ring as a peer row, timed and memory-profiled by
@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from functools import partial
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.layout_comparison.analysis import imbalance, split_problem, step_sync_efficiency
+from benchmarks.attention import measure_seq
+from benchmarks.measure import Stopwatch, call_ms
+from benchmarks.modelled import imbalance, step_sync_efficiency
 from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import rank_plan
-from benchmarks.attention import measure_seq
+from studies.layout_comparison.analysis import split_problem
 
 __all__ = ["step_times", "measure_all"]
 
@@ -68,11 +70,9 @@ def _layout_step_ms(args, group, rank: int, ws: int, seq: int, layout) -> torch.
     for rep in range(args.repeats + 1):  # the first round warms up
         for p, fn in enumerate((fwd, bwd)):
             for s in range(len(plan)):
-                dist.barrier(group)
-                t0 = time.perf_counter()
-                fn(s)
+                ms = call_ms(partial(fn, s), group)  # every rank starts the step together
                 if rep:
-                    runs[p, s, rep - 1] = (time.perf_counter() - t0) * 1e3
+                    runs[p, s, rep - 1] = ms
     return runs.median(dim=-1).values
 
 
@@ -135,9 +135,9 @@ def measure_all(m: dict, layouts: list[str], causal: bool, log: Callable[[str], 
             # Layout objects, not names: unpickling one in a worker imports (and so registers) its module.
             args = argparse.Namespace(**{**m, "world_size": ws, "layouts": [get_layout(x) for x in ok],
                                          "causal": causal, "kv_heads": m["kv_heads"] or m["heads"]})
-            t0 = time.perf_counter()
+            clock = Stopwatch()
             base, ring = measure_seq(args, seq, step_times)
-            log(f"measured world size {ws}, S={seq} in {time.perf_counter() - t0:.0f} s")
+            log(f"measured world size {ws}, S={seq} in {clock.seconds():.0f} s")
             tables["wall"] += _wall_rows(base["rows"] + ring["rows"], ws)
             for lay, ms in ring["step_ms"].items():
                 for p, name in enumerate(PASSES):

@@ -1,12 +1,12 @@
 """The layouts on packed batches, per batch: causal work imbalance, K/V + dK/dV bytes per training
 step (needs-only and whole shards), kernel calls per rank and step, and the cost model's projected
 H100 time, at N = 8..128, for lognormal mixes, mixes with one giant document and a real corpus
-(:mod:`benchmarks.layout_comparison.traffic`). Prints the tables; ``--out`` writes them (CSV and
+(:mod:`studies.layout_comparison.traffic`). Prints the tables; ``--out`` writes them (CSV and
 markdown) too.
 
-    python -m benchmarks.layout_comparison.balance                          # the record's settings
-    python -m benchmarks.layout_comparison.balance --world-sizes 8 --seeds 2 --giants 1 --corpus 1
-    python -m benchmarks.layout_comparison.balance --tokens-per-rank 8192 --calls-up-to 32
+    python -m studies.layout_comparison.balance                          # the record's settings
+    python -m studies.layout_comparison.balance --world-sizes 8 --seeds 2 --giants 1 --corpus 1
+    python -m studies.layout_comparison.balance --tokens-per-rank 8192 --calls-up-to 32
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-import time
 from pathlib import Path
 from statistics import mean
 from typing import Optional, Sequence
 
-if not __package__:  # run as a script: `benchmarks` imports from the repository root
+if not __package__:  # run as a script: `studies` and `benchmarks` import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from benchmarks.layout_comparison.traffic import (
+from benchmarks import args as flags
+from benchmarks.measure import Stopwatch
+from studies.layout_comparison.traffic import (
     Batch, batch_figures, corpus_batches, giant_batch, lognormal_batch, pick, ratio, stdlib_lengths,
 )
 
@@ -47,11 +48,11 @@ def sweep(world_sizes: Sequence[int], layouts: Sequence[str], total: Optional[in
     rows: Records = []
     what = ""
     for n in world_sizes:
-        t0 = time.perf_counter()
+        clock = Stopwatch()
         found, what = batches(total or per_rank * n, seeds, giants, corpus)
         for b in found:
             rows += [batch_figures(lay, b, n, calls=n <= calls_up_to) for lay in layouts]
-        log(f"N = {n}: {len(found)} batches of T = {found[0].tokens} in {time.perf_counter() - t0:.1f} s")
+        log(f"N = {n}: {len(found)} batches of T = {found[0].tokens} in {clock.seconds():.1f} s")
     return rows, what
 
 
@@ -157,7 +158,7 @@ def packed_bytes_section(rows: Records, layouts: Sequence[str]) -> str:
         "travel (the engine's default), as a share of whole shards (today's ring) / of zigzag's needs-only bytes; "
         "mean over the seeds (worst). Data: `packed.csv`, columns `kv_dkv_bytes_needs_only`, `kv_dkv_bytes_whole`. "
         "Per batch at N = 8..128 with kernel calls and the projected time: "
-        "`python -m benchmarks.layout_comparison.balance`.",
+        "`python -m studies.layout_comparison.balance`.",
         md_table(["N"] + [f"{lay}: × whole / × zigzag" for lay in layouts], out)])
 
 
@@ -178,10 +179,8 @@ def markdown(rows: Records, layouts: Sequence[str], corpus: str) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Records:
     """The command line (see the module's docstring); returns the records."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
-    ap.add_argument("--tokens", type=int, default=65536, help="T of every batch")
-    ap.add_argument("--tokens-per-rank", type=int, default=None, help="T = this x N instead of --tokens")
+    flags.add_ring(ap, world_sizes=[8, 16, 32, 64, 128], layouts=LAYOUTS, tokens_per_rank=None)  # T = N x this
+    flags.add_documents(ap, tokens=65536)  # T of every batch, unless --tokens-per-rank
     ap.add_argument("--seeds", type=int, default=6, help="lognormal batches")
     ap.add_argument("--giants", type=int, default=3, help="lognormal batches with one document of 60%% of T")
     ap.add_argument("--corpus", type=int, default=6, help="batches of the standard library's sources")

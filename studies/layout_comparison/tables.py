@@ -1,8 +1,9 @@
 """The modelled side of the layout comparison as record tables (lists of dicts, one per CSV row).
 
 Everything here comes from the schedule's work model (exact pair counts) via
-:mod:`benchmarks.layout_comparison.analysis`; nothing runs attention. A combination a layout cannot split is not
-an error: it becomes a ``skipped`` record with the layout's own message, and the report lists it.
+:mod:`studies.layout_comparison.analysis` and :mod:`benchmarks.modelled`; nothing runs attention. A
+combination a layout cannot split is not an error: it becomes a ``skipped`` record with the layout's own
+message, and the report lists it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterable
 
-from benchmarks.layout_comparison.analysis import (
-    AttentionShape, ClusterSpec, comm_bytes_per_rank, pair_owners, project, split_problem, summarize,
-)
+from benchmarks.modelled import AttentionShape, comm_bytes_per_rank
+from studies.layout_comparison.analysis import ClusterSpec, pair_owners, project, split_problem, summarize
 from cp_attention.schedules import work_model
 
 Records = list[dict]

@@ -1,4 +1,4 @@
-"""The layout comparison's per-batch figures (benchmarks/layout_comparison/traffic.py, balance.py):
+"""The layout comparison's per-batch figures (studies/layout_comparison/traffic.py, balance.py):
 needs-only bytes of a hand-worked batch, whole shards against the analysis' per-rank closed form,
 kernel calls of a hand-worked plan, the batches' packing, and "balanced" in the tables."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.layout_comparison import balance
-from benchmarks.layout_comparison.analysis import AttentionShape, comm_bytes_per_rank
-from benchmarks.layout_comparison.traffic import (
+from benchmarks.modelled import AttentionShape, comm_bytes_per_rank
+from studies.layout_comparison import balance
+from studies.layout_comparison.traffic import (
     Batch, batch_figures, corpus_batches, giant_batch, kernel_calls, lognormal_batch, model_bytes, stdlib_lengths,
     training_bytes,
 )
