@@ -13,12 +13,13 @@ benchmarks and examples live outside the package, in ``benchmarks/`` and ``examp
 
 from __future__ import annotations
 
+from ._deprecated import deprecated_names
 from .api import plan, plan_ahead, ring_attention
 from .engine.plan import AttentionPlan
 from .kernels import KERNEL_NAMES, get_kernel
 from .layouts import (LAYOUT_NAMES, BalancedLayout, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout,
                       document_position_ids, get_layout, pad_cu_seqlens, register_layout)
-from .schedules import BlockTask, get_schedule, rank_plan, register_schedule, ring_length, traffic_model, work_model
+from .schedules import BlockTask, get_schedule, rank_steps, register_schedule, ring_length, traffic_model, work_model
 from .strategies import CP_COMM_TYPES, check_comm_type_name
 
 __version__ = "0.1.0"
@@ -42,7 +43,7 @@ __all__ = [
     "BlockTask",
     "get_schedule",
     "register_schedule",
-    "rank_plan",
+    "rank_steps",
     "work_model",
     "traffic_model",
     "ring_length",
@@ -50,3 +51,6 @@ __all__ = [
     "document_position_ids",
     "pad_cu_seqlens",
 ]
+
+# Deprecated names (one release): the package answers them with a DeprecationWarning.
+__getattr__ = deprecated_names(__name__, {"rank_plan": "rank_steps"}, globals())

@@ -12,7 +12,7 @@ from .checks.agreement import in_agreed_forward
 from .checks.validation import tensor_codes, validate_call
 from .engine.function import AttentionFunction
 from .engine.plan import AttentionPlan, build_plan, host_cu_seqlens, plan_ahead
-from .engine.ring import RingSchedule
+from .engine.ring import RingSource
 from .engine.tasks import KernelSettings
 from .layouts.base import Layout
 from .strategies.dispatch import run_strategy, strategy_problem
@@ -195,7 +195,7 @@ def ring_attention(
         out, lse = run_strategy(q, k, v, plan, strategy, kern, scale, float(softcap), sinks, return_lse)
         return (out, lse) if return_lse else out
     steps = plan.steps(n, kern, q.device, q.shape[-1], v.shape[-1])
-    ring = RingSchedule(transport, steps, KernelSettings.of(kern, scale, softcap, packed=plan.packed),
-                        first_step_tiles=plan.first_step_tiles(n), traffic=plan.traffic(n, q.device, len(steps)))
+    ring = RingSource(transport, steps, KernelSettings.of(kern, scale, softcap, packed=plan.packed),
+                      first_step_tiles=plan.first_step_tiles(n), needs_index=plan.needs_index(n, q.device, len(steps)))
     out, lse = AttentionFunction.apply(q, k, v, ring, sinks)
     return (out, lse) if return_lse else out

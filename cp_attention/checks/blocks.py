@@ -14,7 +14,7 @@ import functools
 
 from ..kernels import AttentionKernel
 from ..layouts.base import Layout
-from ..schedules.causal import get_schedule, rank_plan
+from ..schedules.causal import get_schedule, rank_steps
 from ..schedules.derived import block_schedules
 from ..schedules.lowering import lower_steps
 
@@ -29,7 +29,7 @@ def dense_ring_blocks(layout: Layout, causal: bool, world_size: int, local_len: 
     shapes = set()
     for rank in range(world_size):
         if get_schedule(layout) is not None:
-            steps = rank_plan(layout, causal, rank, world_size, local_len)
+            steps = rank_steps(layout, causal, rank, world_size, local_len)
         else:
             table = block_schedules(layout, causal, world_size, local_len * world_size, None, None, rank=rank)
             steps = lower_steps(table, batched=False, tiled=True, local_len=local_len)

@@ -48,16 +48,16 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sinks: "torch.Tensor 
     return (weights[..., None] * outs).sum(0), total
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, comm: Transport,
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, transport: Transport,
                      scale: float, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of one new query per row over keys sharded across ``comm``'s ranks: each rank
+    """Exact attention of one new query per row over keys sharded across ``transport``'s ranks: each rank
     passes its own ``k``/``v``/``visible`` (as :func:`local_decode_attention`), every rank gets the whole
     result ``out [B, H, Dv]`` in q's dtype and ``lse [B, H]`` (accumulation dtype). One all-gather of
     ``[B, H, Dv + 1]`` per call. Not differentiable (decoding)."""
     out, lse = local_decode_attention(q, k, v, visible, scale, softcap)
-    if comm.world_size > 1:
-        parts = torch.stack(comm.all_gather_tensor(torch.cat([out, lse[..., None]], dim=-1)))
+    if transport.world_size > 1:
+        parts = torch.stack(transport.all_gather_tensor(torch.cat([out, lse[..., None]], dim=-1)))
         out, lse = parts[..., :-1], parts[..., -1]
     else:
         out, lse = out[None], lse[None]

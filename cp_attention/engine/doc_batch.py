@@ -55,7 +55,7 @@ class DocBatch:
         group = spec.group
         if group is None:
             self.buckets = build_buckets([spec], device)[0]
-        else:  # the first batch of a plan builds every batch's buckets (one pass, three copies)
+        else:  # the first batch of a rank's steps builds every batch's buckets (one pass, three copies)
             built = group.built.get(device)
             if built is None:
                 built = group.built[device] = build_buckets(group.specs, device)

@@ -1,11 +1,11 @@
-"""The index tensors of a lowered plan's padded document batches
-(:class:`~cp_attention.engine.doc_batch.DocBatch`), built for every batch of the plan at once.
+"""The index tensors of the padded document batches of a rank's lowered steps
+(:class:`~cp_attention.engine.doc_batch.DocBatch`), built for every batch of them at once.
 
 An entry (a small block, or a folded pair) is padded to a size bucket per side; entries of one
 bucket run as one kernel call. Every index tensor of every bucket of every batch is computed in one
 pass over flat arrays (each entry owns consecutive slots, buckets are consecutive runs of entries),
 the host reads the bucket table once, the flat arrays reach the device in three copies, and each
-bucket's tensors are views of them. Masks are computed once per bucket shape, for all the plan's
+bucket's tensors are views of them. Masks are computed once per bucket shape, for all the steps'
 buckets of that shape. Index math on host tensors.
 """
 

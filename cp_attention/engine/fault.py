@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from .._deprecated import warn_renamed
 from ..checks.doubling import agree_by_doubling
 
 __all__ = ["RingFault"]
@@ -27,10 +28,16 @@ __all__ = ["RingFault"]
 class RingFault:
     """The failure state of one ring pass (forward or backward) on one rank."""
 
-    def __init__(self, comm) -> None:
-        self.comm = comm
+    def __init__(self, transport) -> None:
+        self.transport = transport
         self.error: Optional[BaseException] = None
-        self._agree = comm.host_agreement
+        self._agree = transport.host_agreement
+
+    @property
+    def comm(self):
+        """Deprecated (one release): :attr:`transport`."""
+        warn_renamed("RingFault.comm", "RingFault.transport")
+        return self.transport
 
     @property
     def ok(self) -> bool:
@@ -49,15 +56,15 @@ class RingFault:
 
     def _failed_rank(self) -> int:
         """-1 if no rank of the group failed this pass, else the lowest group rank that did."""
-        code = torch.tensor([self.comm.rank + 1 if self.error is not None else 0], dtype=torch.int64)
+        code = torch.tensor([self.transport.rank + 1 if self.error is not None else 0], dtype=torch.int64)
         # 0 means no failure; otherwise keep the lowest failed rank seen, so all ranks name the same.
-        code = agree_by_doubling(self.comm, code, lambda a, b: torch.where((a == 0) | ((b > 0) & (b < a)), b, a))
+        code = agree_by_doubling(self.transport, code, lambda a, b: torch.where((a == 0) | ((b > 0) & (b < a)), b, a))
         return int(code[0]) - 1
 
     def raise_if_failed(self, what: str) -> None:
         """After the pass's last exchange: raise this rank's error, or one saying which peer failed.
         Every rank of the group raises when any did (on gloo)."""
-        failed = self._failed_rank() if self._agree else (self.comm.rank if self.error is not None else -1)
+        failed = self._failed_rank() if self._agree else (self.transport.rank if self.error is not None else -1)
         if self.error is not None:
             raise self.error
         if failed >= 0:

@@ -1,8 +1,8 @@
 """The one autograd Function every strategy runs: the frame around "where K/V come from".
 
 A call's K/V source (:class:`KVSource`) runs the blocks: the ring's travelling shards
-(:class:`~cp_attention.engine.ring.RingSchedule`), or the other strategies' gathered or ringed shards
-(:class:`~cp_attention.strategies.composite.CompositeSchedule`). Everything around them is written
+(:class:`~cp_attention.engine.ring.RingSource`), or the other strategies' gathered or ringed shards
+(:class:`~cp_attention.strategies.composite.CompositeSource`). Everything around them is written
 once here: q, k, v made unit-stride (the kernels' contract), failures contained until the pass's last
 exchange (:class:`~cp_attention.engine.fault.RingFault`), sinks folded into the final out/LSE, the
 tensors saved, the sinks' and the LSE's gradients, dout made contiguous.
@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from .._deprecated import warn_renamed
 from ..kernels.base import accumulation_dtype, unit_stride
 from ..transport.base import Transport
 from .fault import RingFault
@@ -31,7 +32,7 @@ class KVSource(Protocol):
     """
 
     # The group that agrees on a pass's failure (every rank the call's exchanges reach).
-    fault_comm: Transport
+    fault_transport: Transport
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fault: RingFault, acc: torch.dtype
                 ) -> "tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...]]":
@@ -47,6 +48,16 @@ class KVSource(Protocol):
         ...
 
 
+def _fault_transport(source: KVSource) -> Transport:
+    """``source.fault_transport``; a source written before the rename has ``fault_comm`` (deprecated,
+    read for one release with a DeprecationWarning)."""
+    if hasattr(source, "fault_transport"):
+        return source.fault_transport
+    legacy = source.fault_comm  # a source with neither raises AttributeError, as before
+    warn_renamed(f"{type(source).__name__}.fault_comm (a KVSource's)", f"{type(source).__name__}.fault_transport")
+    return legacy
+
+
 class AttentionFunction(torch.autograd.Function):
     """Attention over ``q [B, m, H, D]``, ``k [B, m, Hkv, D]``, ``v [B, m, Hkv, Dv]`` with K/V from
     ``source``. Returns ``out [B, m, H, Dv]`` in q's dtype and ``lse [B, H, m]`` (fp32; fp64 for fp64
@@ -60,7 +71,7 @@ class AttentionFunction(torch.autograd.Function):
                 sinks: "torch.Tensor | None" = None):
         acc = accumulation_dtype(q.dtype)
         q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # the kernels' contract, once per call
-        fault = RingFault(source.fault_comm)
+        fault = RingFault(_fault_transport(source))
         out, lse, held = source.forward(q, k, v, fault, acc)
         fault.raise_if_failed("forward")
         if out is None:  # no block at all: every row attends to nothing
@@ -85,7 +96,7 @@ class AttentionFunction(torch.autograd.Function):
         if dlse is not None:
             out, dout, v, *held_v = with_lse_grad(out, dout, dlse, v, *held[1:])
             held = [*held[:1], *held_v]  # the held shard's V gets the column, its K not
-        fault = RingFault(source.fault_comm)
+        fault = RingFault(_fault_transport(source))
         dq, dk, dv = source.backward(dout, q, k, v, tuple(held), out, lse, fault, acc)
         fault.raise_if_failed("backward")
         return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

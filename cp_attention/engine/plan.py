@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._deprecated import warn_renamed
 from ..checks.validation import (PLAN_FIELDS, agree_bound_plan, agree_plan, check_plan_table, plan_codes,
                                  trusted_plan_key)
 from ..kernels import AttentionKernel, get_kernel
@@ -22,15 +23,15 @@ from ..layouts.base import Layout
 from ..layouts.documents import cu_seqlens_tuple
 from ..layouts.registry import get_layout
 from ..schedules.blocks import BlockTask
-from ..schedules.causal import get_schedule, rank_plan
+from ..schedules.causal import get_schedule, rank_steps
 from ..schedules.derived import block_schedules
 from ..schedules.lowering import BatchSpec, VarlenSpec, lower_steps
-from ..schedules.needs import rank_traffic
+from ..schedules.needs import rank_needs
 from ..schedules.windows import Window, normalize_window
 from ..transport.base import Seat, Transport
 from ..transport.process_group import transport_for
 from .doc_batch import DocBatch, upload
-from .traffic import StepIndex, step_indices
+from .needs_index import StepIndex, step_indices
 from .varlen_batch import VarlenBatch
 
 __all__ = ["AttentionPlan", "build_plan", "host_cu_seqlens", "plan_ahead"]
@@ -112,10 +113,10 @@ class AttentionPlan:
         # The cache key of a call's agreed verdict, beyond its tensors: the plan's fields but the
         # document boundaries' fingerprint, so a new batch of the same length needs no new agreement.
         self.trust_key = trusted_plan_key(self.codes)
-        # Derived lazily: the needs-only rows per (length, device, steps) and plans per (causal, window)
-        # (:meth:`variant`). What the strategies derive from a plan they keep themselves
+        # Derived lazily: the needs' device index per (length, device, steps) and plans per (causal,
+        # window) (:meth:`variant`). What the strategies derive from a plan they keep themselves
         # (cp_attention.strategies.plan_cache), keyed by the settings it derives from.
-        self._traffic: dict[tuple, tuple] = {}
+        self._needs_index: dict[tuple, tuple] = {}
         self._variants: dict[tuple, "AttentionPlan"] = {}
         if set(changes) != {"needs_only"}:  # the rest depends on the mask and the layout only
             # per local length, (length, lowering mode, device), kernel query
@@ -208,30 +209,35 @@ class AttentionPlan:
         causal = bool(self.causal)
         schedule = get_schedule(self.layout)
         if not self.packed and window is None and schedule is not None:
-            return tuple(rank_plan(self.layout, causal, self.rank, self.world_size, n))
+            return tuple(rank_steps(self.layout, causal, self.rank, self.world_size, n))
         total = n * self.world_size
         blocks = block_schedules(self.layout, causal, self.world_size, total, self.cu_seqlens, window, rank=self.rank)
         lowered = lower_steps(blocks, batched=mode == "batched", tiled=window is None, local_len=n,
                               varlen=mode == "varlen")
         return tuple(tuple(_ready(t, device) for t in step) for step in lowered)
 
-    def traffic(self, local_len: int, device: torch.device, steps: int) -> "tuple[Optional[StepIndex], ...]":
-        """Per ring step (``steps`` of them), the rows this rank sends and receives, on ``device``
-        (None at step 0); ``()`` when whole shards travel (:attr:`needs_only` False). Built once per
-        (length, device)."""
+    def needs_index(self, local_len: int, device: torch.device, steps: int) -> "tuple[Optional[StepIndex], ...]":
+        """This rank's needs as device indices: per ring step (``steps`` of them), the rows it sends and
+        receives, on ``device`` (None at step 0); ``()`` when whole shards travel (:attr:`needs_only`
+        False). Built once per (length, device)."""
         if not self.needs_only or self.world_size == 1:
             return ()
         key = (local_len, device, steps)
-        found = self._traffic.get(key)
+        found = self._needs_index.get(key)
         if found is None:
-            rows = rank_traffic(self.layout, bool(self.causal), self.world_size, local_len * self.world_size,
-                                self.cu_seqlens, self.window(local_len), self.rank, steps)
-            found = self._traffic[key] = step_indices(rows, local_len, device)
+            needs = rank_needs(self.layout, bool(self.causal), self.world_size, local_len * self.world_size,
+                               self.cu_seqlens, self.window(local_len), self.rank, steps)
+            found = self._needs_index[key] = step_indices(needs, local_len, device)
         return found
+
+    def traffic(self, local_len: int, device: torch.device, steps: int) -> "tuple[Optional[StepIndex], ...]":
+        """Deprecated (one release): :meth:`needs_index`."""
+        warn_renamed("AttentionPlan.traffic", "AttentionPlan.needs_index")
+        return self.needs_index(local_len, device, steps)
 
     def bind(self, group=None, device: "torch.device | str | None" = None) -> "AttentionPlan":
         """Put a plan built ahead of the step (:func:`plan_ahead`) to work on ``group``: one agreement
-        with the group (as :func:`build_plan`'s), then its host-built steps and traffic rows are moved to
+        with the group (as :func:`build_plan`'s), then its host-built steps and needs index are moved to
         ``device`` (non-blocking, from pinned memory where there is a GPU). Returns this plan.
 
         Raises ``ValueError`` on every rank alike if any rank's plan differs from another's or was built
@@ -245,9 +251,9 @@ class AttentionPlan:
             self._steps = {(n, mode, device if dev.type == "cpu" else dev):
                            _moved(steps, device, memo) if dev.type == "cpu" else steps
                            for (n, mode, dev), steps in self._steps.items()}
-            self._traffic = {(n, device if dev.type == "cpu" else dev, k):
-                             _moved(rows, device, memo) if dev.type == "cpu" else rows
-                             for (n, dev, k), rows in self._traffic.items()}
+            self._needs_index = {(n, device if dev.type == "cpu" else dev, k):
+                                 _moved(index, device, memo) if dev.type == "cpu" else index
+                                 for (n, dev, k), index in self._needs_index.items()}
         return self
 
     def first_step_tiles(self, local_len: int) -> bool:
@@ -309,11 +315,11 @@ def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int
            needs_only: bool = True) -> AttentionPlan:
     """Build rank ``rank``'s plan of one batch ahead of the step, with no process group (in a data
     loader's worker or a collator): the ring steps, their lowering and index tensors, and the
-    needs-only rows are built on the host, for calls of ``local_len`` tokens on ``device`` with the
-    kernel ``kernel`` resolves to for ``dtype`` and the head dims. The plan pickles, so a worker
-    can return it with the batch. In the step, ``plan.bind(group, device)`` (one agreement) makes
-    it the batch's plan: ``ring_attention(q, k, v, plan=plan)`` then builds nothing. ``needs_only``
-    as for :func:`build_plan` (bind agrees it with the rest).
+    needs (:meth:`AttentionPlan.needs_index`) are built on the host, for calls of ``local_len``
+    tokens on ``device`` with the kernel ``kernel`` resolves to for ``dtype`` and the head dims. The
+    plan pickles, so a worker can return it with the batch. In the step, ``plan.bind(group, device)``
+    (one agreement) makes it the batch's plan: ``ring_attention(q, k, v, plan=plan)`` then builds
+    nothing. ``needs_only`` as for :func:`build_plan` (bind agrees it with the rest).
 
     Raises ``ValueError`` for arguments :func:`build_plan` refuses (checked here on this rank; the
     group judges them together in :meth:`AttentionPlan.bind`).
@@ -325,7 +331,7 @@ def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int
     kern = plan.kernel(kernel, torch.device(device), dtype, softcap, head_dim, v_head_dim, local_len)
     host = torch.device("cpu")
     steps = plan.steps(local_len, kern, host, head_dim, v_head_dim)
-    plan.traffic(local_len, host, len(steps))
+    plan.needs_index(local_len, host, len(steps))
     return plan
 
 

@@ -4,10 +4,10 @@ and any kernel.
 
 Forward: at step s this rank computes against the K/V shard of rank (r - s) mod N. While it runs step
 s's block tasks it receives step s + 1's shard; each block is folded into fp32 out/LSE accumulators.
-Only the rows a rank needs travel (the plan's :meth:`~cp_attention.engine.plan.AttentionPlan.traffic`,
+Only the rows a rank needs travel (the plan's :meth:`~cp_attention.engine.plan.AttentionPlan.needs_index`,
 from :mod:`cp_attention.schedules.needs`): at step s each rank sends rank r + s exactly the rows of its
 own shard that rank needs, and nothing when it needs none. The held shard is a full-length buffer in
-which those rows are filled, so the tasks index it as they index a whole shard. Without a traffic plan
+which those rows are filled, so the tasks index it as they index a whole shard. Without the needs
 whole shards travel the same way.
 
 Backward replays the steps in reverse, starting with the shard the forward held last (kept for it). At
@@ -22,21 +22,25 @@ from dataclasses import dataclass
 
 import torch
 
+from .._deprecated import deprecated_names, warn_renamed
 from ..transport.base import Transport
 from .fault import RingFault
+from .needs_index import StepIndex, direct_view, place_rows, shaped, wire_rows
 from .tasks import KernelSettings, add_rows, merge_rows, set_rows, task_backward, task_forward
-from .traffic import StepIndex, direct_view, place_rows, shaped, wire_rows
 
-__all__ = ["RingSchedule"]
+__all__ = ["RingSource"]
+
+# Deprecated names (one release): the module answers them with a DeprecationWarning.
+__getattr__ = deprecated_names(__name__, {"RingSchedule": "RingSource"}, globals())
 
 
 @dataclass(frozen=True)
-class RingSchedule:
+class RingSource:
     """The ring as a call's K/V source (:class:`~cp_attention.engine.function.KVSource`): the
     transport, this rank's tasks per ring step (from the batch's
     :class:`~cp_attention.engine.plan.AttentionPlan`), the kernel settings, and the rows that travel."""
 
-    comm: Transport
+    transport: Transport
     # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents batches of
     # document blocks (engine.doc_batch.DocBatch, engine.varlen_batch.VarlenBatch) with the same
     # forward/backward/first interface
@@ -47,16 +51,32 @@ class RingSchedule:
     # merged into zeros. (A DocBatch says for itself whether it writes first: folded documents'
     # rows are first written at a later step.)
     first_step_tiles: bool = False
-    # traffic[s]: the rows sent and received at step s (engine.traffic.StepIndex; None at step 0), from
-    # the plan; () sends whole shards
-    traffic: tuple = ()
+    # needs_index[s]: the rows sent and received at step s (engine.needs_index.StepIndex; None at step 0),
+    # from the plan; () sends whole shards
+    needs_index: tuple = ()
+
+    @property
+    def fault_transport(self) -> Transport:
+        return self.transport
+
+    # Deprecated names (one release), with a DeprecationWarning.
+    @property
+    def comm(self) -> Transport:
+        warn_renamed("RingSource.comm", "RingSource.transport")
+        return self.transport
 
     @property
     def fault_comm(self) -> Transport:
-        return self.comm
+        warn_renamed("RingSource.fault_comm", "RingSource.fault_transport")
+        return self.transport
+
+    @property
+    def traffic(self) -> tuple:
+        warn_renamed("RingSource.traffic", "RingSource.needs_index")
+        return self.needs_index
 
     def _index(self, s: int, n: int) -> StepIndex:
-        return self.traffic[s] if self.traffic else StepIndex(None, None, n, n)
+        return self.needs_index[s] if self.needs_index else StepIndex(None, None, n, n)
 
     def _compact(self, s: int, n: int) -> bool:
         """Whether step ``s``'s shard is held compact (only its needed rows, received in place): its
@@ -96,7 +116,7 @@ class RingSchedule:
         n = q.shape[1]
         out = lse = None
         last = len(self.steps) - 1
-        shards = _Shards(self.comm, (k, v), self.settings.head_major, self._hops(range(1, last + 1), n))
+        shards = _Shards(self.transport, (k, v), self.settings.head_major, self._hops(range(1, last + 1), n))
         held = shards.own_views
         for s in range(last + 1):
             if s < last:
@@ -129,11 +149,11 @@ class RingSchedule:
         """
         n = q.shape[1]
         last = len(self.steps) - 1
-        shards = _Shards(self.comm, (k, v), self.settings.head_major, self._hops(range(last - 1, 0, -1), n))
+        shards = _Shards(self.transport, (k, v), self.settings.head_major, self._hops(range(last - 1, 0, -1), n))
         current = held
         dq = None
         own = (None, None)  # this rank's gradients of its own shard: its own tasks', then the others' partials
-        home = _Home(self.comm, acc, (k, v), self._hops(range(last, 0, -1), n))
+        home = _Home(self.transport, acc, (k, v), self._hops(range(last, 0, -1), n))
         for s in range(last, -1, -1):
             if s > 1:
                 shards.post(*self._hop(s - 1, n), s - 1)
@@ -199,8 +219,8 @@ class _Shards:
     no step filled read zeros, rows filled earlier the earlier shard's values, finite either way (a
     padded batch may gather them)."""
 
-    def __init__(self, comm: Transport, own: tuple[torch.Tensor, ...], head_major: bool, hops: list) -> None:
-        self.comm, self.own, self.head_major = comm, own, head_major
+    def __init__(self, transport: Transport, own: tuple[torch.Tensor, ...], head_major: bool, hops: list) -> None:
+        self.transport, self.own, self.head_major = transport, own, head_major
         self.own_views = _kernel_views(own, head_major)
         # rows travel token-major ([B, m, H, D]), picked from the call's contiguous copy where there is one
         self._source = own if head_major else self.own_views
@@ -256,7 +276,7 @@ class _Shards:
             recv.append(target)
         send = tuple(wire_rows(src, index.send, scratch)
                      for src, scratch in zip(self._source, self._send)) if index.send_count else ()
-        handle = self.comm.exchange(send, recv, hop) if send or recv else None
+        handle = self.transport.exchange(send, recv, hop) if send or recv else None
         self._pending = (held, place, index, handle, send)
 
     def finish(self) -> tuple[torch.Tensor, ...]:
@@ -281,8 +301,8 @@ class _Home:
     call (one in flight, one being added up), the rows received land in one scratch, and
     :attr:`total` is made once."""
 
-    def __init__(self, comm: Transport, acc: torch.dtype, like: tuple[torch.Tensor, ...], hops: list) -> None:
-        self.comm, self.acc, self.like = comm, acc, like
+    def __init__(self, transport: Transport, acc: torch.dtype, like: tuple[torch.Tensor, ...], hops: list) -> None:
+        self.transport, self.acc, self.like = transport, acc, like
         self._pending = None
         n = like[0].shape[1]
         rows = max([index.recv_count if compact else n for index, compact in hops], default=0)
@@ -315,7 +335,7 @@ class _Home:
                      for p, scratch in zip(parts, self._send)) if index.recv_count else ()
         recv = tuple(shaped(f, (t.shape[0], index.send_count, *t.shape[2:]))
                      for f, t in zip(self._recv, self.like)) if index.send_count else ()
-        handle = self.comm.exchange(send, recv, -s) if send or recv else None
+        handle = self.transport.exchange(send, recv, -s) if send or recv else None
         self._pending = (handle, recv, index, send)
 
     def arrived(self) -> None:

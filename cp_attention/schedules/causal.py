@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from .._deprecated import deprecated_names
 from ..layouts.base import Layout
 from ..layouts.registry import get_layout, layout_schedule, register_layout
 from .blocks import BlockTask, source_rank
 
-__all__ = ["ScheduleFn", "get_schedule", "register_schedule", "rank_plan", "contiguous_schedule",
+__all__ = ["ScheduleFn", "get_schedule", "register_schedule", "rank_steps", "contiguous_schedule",
            "zigzag_schedule", "interleaved_schedule"]
+
+# Deprecated names (one release): the module answers them with a DeprecationWarning.
+__getattr__ = deprecated_names(__name__, {"rank_plan": "rank_steps"}, globals())
 
 
 ScheduleFn = Callable[[bool, int, int, int, int], "tuple[BlockTask, ...]"]
@@ -80,9 +84,9 @@ def get_schedule(layout: "str | Layout") -> Optional[ScheduleFn]:
     return layout_schedule(layout)
 
 
-def rank_plan(layout: "str | Layout", causal: bool, rank: int, world_size: int, local_len: int
-              ) -> list[tuple[BlockTask, ...]]:
-    """All ring steps for one rank without packed documents or windows: ``plan[step]`` is the tuple of
+def rank_steps(layout: "str | Layout", causal: bool, rank: int, world_size: int, local_len: int
+               ) -> list[tuple[BlockTask, ...]]:
+    """All ring steps for one rank without packed documents or windows: ``steps[step]`` is the tuple of
     tasks at that step. Raises ``ValueError`` for an unknown layout or one without a schedule of its
     own (:func:`~cp_attention.schedules.derived.block_schedules` derives its blocks from its positions)."""
     fn = get_schedule(layout)

@@ -20,12 +20,12 @@ __all__ = ["block_schedules", "ring_length"]
 def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: "tuple[int, ...] | None",
                     window: Optional[Window], rank: Optional[int] = None
                     ) -> "tuple[tuple[tuple[DocBlock, ...], ...], ...] | BlockTable":
-    """``plans[rank][step]``: every rank's document blocks over ``total`` tokens, packed as the checked
+    """``steps[rank][step]``: every rank's document blocks over ``total`` tokens, packed as the checked
     ``cu_seqlens`` (None: one sequence), under the normalised ``window`` (None: none). Without a window
-    the plan has ``world_size`` steps; with one, as many as the farthest rank needs.
+    each rank has ``world_size`` steps; with one, as many as the farthest rank needs.
 
-    With ``rank``, only that rank's plan, as a :class:`~cp_attention.schedules.table.BlockTable`
-    (which reads like ``plans[rank]``): without a window only its own ``world_size`` steps are
+    With ``rank``, only that rank's steps, as a :class:`~cp_attention.schedules.table.BlockTable`
+    (which reads like ``steps[rank]``): without a window only its own ``world_size`` steps are
     computed, not every rank's.
 
     Raises ``NotImplementedError`` for a layout whose positions do not increase on a rank.
@@ -35,8 +35,8 @@ def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, c
     what = "sliding-window schedules" if window is not None else "schedules derived from positions"
     positions = [increasing_positions(layout, total, r, world_size, cu_seqlens, what) for r in range(world_size)]
     if window is not None:
-        plans = window_schedules(positions, doc_of, len(bounds) - 1, causal, window)
-        return plans if rank is None else BlockTable.from_blocks(plans[rank])
+        steps = window_schedules(positions, doc_of, len(bounds) - 1, causal, window)
+        return steps if rank is None else BlockTable.from_blocks(steps[rank])
     if rank is not None:
         return rank_doc_blocks(positions, doc_of, causal, layout.name, rank)
     return doc_schedules(positions, doc_of, causal, layout.name)

@@ -38,7 +38,7 @@ _EMPTY = torch.zeros(0, 6, dtype=torch.long)
 
 
 class BatchGroup:
-    """The batch specs of one lowered plan, so the engine builds all their index tensors at once
+    """The batch specs of one rank's lowered steps, so the engine builds all their index tensors at once
     (:func:`cp_attention.engine.doc_index.build_buckets`); ``built`` keeps them per device."""
 
     __slots__ = ("specs", "built")
@@ -63,7 +63,7 @@ class BatchSpec(NamedTuple):
     the held shard's (later's). ``first``: the batch is the first to write its query rows and its
     own-key rows, so results are written, not merged. The entries' query rows are disjoint; key rows
     may repeat. :attr:`blocks` and :attr:`folds` give them as :class:`DocBlock` s. ``group``: the
-    plan's batches (None: this one alone), of which this is number ``index``.
+    lowered steps' batches (None: this one alone), of which this is number ``index``.
     """
 
     table: torch.Tensor
@@ -111,9 +111,9 @@ def square_pieces(task: BlockTask) -> tuple[BlockTask, ...]:
             BlockTask(task.q_start + cols, task.q_stop, task.kv_start, task.kv_stop, False))
 
 
-def lower_steps(plan: "BlockTable | Sequence[Sequence[DocBlock]]", batched: bool, tiled: bool, local_len: int,
+def lower_steps(steps: "BlockTable | Sequence[Sequence[DocBlock]]", batched: bool, tiled: bool, local_len: int,
                 varlen: bool = False) -> tuple[tuple["BlockTask | BatchSpec | VarlenSpec", ...], ...]:
-    """The engine's tasks for every ring step of one rank's block ``plan`` (a :class:`BlockTable`, or
+    """The engine's tasks for every ring step of one rank's blocks ``steps`` (a :class:`BlockTable`, or
     per-step :class:`DocBlock` s).
 
     ``varlen`` (a kernel that takes variable-length batches; blocks without a window band): each step
@@ -124,9 +124,9 @@ def lower_steps(plan: "BlockTable | Sequence[Sequence[DocBlock]]", batched: bool
     tasks. ``tiled``: step 0 covers every query and key row of the ``local_len`` exactly once (packed
     documents without a window).
 
-    Raises ``RuntimeError`` if ``tiled`` is claimed for a plan whose step 0 does not tile the rows.
+    Raises ``RuntimeError`` if ``tiled`` is claimed for steps whose step 0 does not tile the rows.
     """
-    table = plan if isinstance(plan, BlockTable) else BlockTable.from_blocks(plan)
+    table = steps if isinstance(steps, BlockTable) else BlockTable.from_blocks(steps)
     if tiled:
         _check_first_step(table.step(0), local_len)
     if varlen:
@@ -254,7 +254,7 @@ def _check_first_step(rows: torch.Tensor, local_len: int) -> None:
     tiled = spans.shape[0] > 0 and int(spans[0, Q_START]) == 0 and int(spans[-1, Q_STOP]) == local_len and bool(
         (spans[1:, Q_START] == spans[:-1, Q_STOP]).all())
     if not (whole and tiled):
-        raise RuntimeError("internal error: a packed plan's first step does not cover each row exactly once; "
+        raise RuntimeError("internal error: a rank's first packed step does not cover each row exactly once; "
                            "please report it with the layout and cu_seqlens")
 
 

@@ -1,4 +1,5 @@
-"""Needs-only traffic: which K/V rows each rank needs from each other rank, derived from positions.
+"""Needs: which K/V rows each rank needs from each other rank, derived from positions (what needs-only
+sends).
 
 At ring step ``s`` rank ``r`` computes against the K/V shard of rank ``j = (r - s) mod N``. It needs
 only the rows of that shard some query of its own can see: same document, inside the window, not in
@@ -17,13 +18,17 @@ from typing import Optional
 
 import torch
 
+from .._deprecated import deprecated_names
 from ..layouts.base import Layout
 from ..layouts.documents import _as_tensor, check_cu_seqlens
 from ..layouts.registry import get_layout
 from .derived import ring_length
 from .windows import Window, normalize_window
 
-__all__ = ["StepRows", "needed_keys", "rank_traffic", "traffic_model"]
+__all__ = ["StepNeeds", "needed_keys", "rank_needs", "traffic_model"]
+
+# Deprecated names (one release): the module answers them with a DeprecationWarning.
+__getattr__ = deprecated_names(__name__, {"rank_traffic": "rank_needs"}, globals())
 
 
 def _key_bounds(kpos: torch.Tensor, cu: torch.Tensor, causal: bool, window: Optional[Window]
@@ -63,8 +68,8 @@ def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal
 
 
 @dataclass(frozen=True)
-class StepRows:
-    """One rank's traffic at one ring step ``s >= 1``: ``recv`` the rows of the held shard (rank
+class StepNeeds:
+    """One rank's needs at one ring step ``s >= 1``: ``recv`` the rows of the held shard (rank
     ``r - s``'s) it needs, ``send`` the rows of its own shard rank ``r + s`` needs; both increasing
     LongTensors of local row indices (host)."""
 
@@ -81,20 +86,20 @@ def _tables(layout: Layout, world_size: int, total: int, cu_seqlens: "tuple[int,
     return [torch.sort(p).values for p in pos], [_key_bounds(p, cu, causal, window) for p in pos], cu
 
 
-def rank_traffic(layout: "str | Layout", causal: bool, world_size: int, total: int,
-                 cu_seqlens: "tuple[int, ...] | None", window: Optional[Window], rank: int, steps: int
-                 ) -> tuple[Optional[StepRows], ...]:
-    """``rows[s]`` for ``s < steps``: this ``rank``'s :class:`StepRows` at each ring step (None at
+def rank_needs(layout: "str | Layout", causal: bool, world_size: int, total: int,
+               cu_seqlens: "tuple[int, ...] | None", window: Optional[Window], rank: int, steps: int
+               ) -> tuple[Optional[StepNeeds], ...]:
+    """``needs[s]`` for ``s < steps``: this ``rank``'s :class:`StepNeeds` at each ring step (None at
     step 0, where the own shard is used). ``cu_seqlens`` checked (None: one sequence), ``window``
     normalised."""
     queries, bounds, _ = _tables(get_layout(layout), world_size, total, cu_seqlens, causal, window)
-    rows: list[Optional[StepRows]] = [None]
+    needs: list[Optional[StepNeeds]] = [None]
     for s in range(1, steps):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
         recv = torch.nonzero(_seen(queries[rank], bounds[src])).flatten()
         send = torch.nonzero(_seen(queries[dst], bounds[rank])).flatten()
-        rows.append(StepRows(recv, send))
-    return tuple(rows)
+        needs.append(StepNeeds(recv, send))
+    return tuple(needs)
 
 
 def _counts_per_document(queries: list, cu: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -90,7 +90,7 @@ def rank_doc_blocks(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, cau
 
 def doc_schedules(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, causal: bool, layout_name: str
               ) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
-    """Every rank's blocks per ring step for packed documents: ``plans[rank][step]``, from every
+    """Every rank's blocks per ring step for packed documents: ``steps[rank][step]``, from every
     rank's increasing packed-stream ``positions`` and the document of every token ``doc_of``.
     Raises ``NotImplementedError`` for a layout whose blocks are neither full nor causal bands."""
     return tuple(tuple(rank_doc_blocks(positions, doc_of, causal, layout_name, r)) for r in range(len(positions)))

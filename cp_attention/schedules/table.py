@@ -1,5 +1,5 @@
 """One rank's document blocks over its ring steps as columns of one tensor, not as one Python object
-per block: a packed plan holds tens of thousands of blocks, and the lowering and the engine's index
+per block: a rank's packed steps hold tens of thousands of blocks, and the lowering and the engine's index
 tensors are built from the columns with a few vectorised operations per step.
 
 A row is ``(step, q_start, q_stop, kv_start, kv_stop, diag, lo)`` with the meaning of
@@ -26,7 +26,7 @@ STEP, Q_START, Q_STOP, KV_START, KV_STOP, DIAG, LO = range(7)
 class BlockTable:
     """``rows [B, 7]`` (int64, see the module docstring) over ``steps`` ring steps. Reads like the
     per-step tuples of :class:`DocBlock` it replaces (``table[s]``, ``len``, iteration), which builds
-    the objects: for tests and small plans; the lowering reads the columns."""
+    the objects: for tests and small tables; the lowering reads the columns."""
 
     __slots__ = ("rows", "steps", "_bounds")
 
@@ -36,11 +36,11 @@ class BlockTable:
         self._bounds: "list[int] | None" = None
 
     @classmethod
-    def from_blocks(cls, plan: Sequence[Sequence[DocBlock]]) -> "BlockTable":
-        """The table of per-step :class:`DocBlock` tuples ``plan[step]``."""
+    def from_blocks(cls, steps: Sequence[Sequence[DocBlock]]) -> "BlockTable":
+        """The table of per-step :class:`DocBlock` tuples ``steps[step]``."""
         rows = [(s, b.q_start, b.q_stop, b.kv_start, b.kv_stop, UNBOUNDED if b.diag is None else b.diag,
-                 -UNBOUNDED if b.lo is None else b.lo) for s, blocks in enumerate(plan) for b in blocks]
-        return cls(torch.tensor(rows, dtype=torch.long).reshape(-1, 7), len(plan))
+                 -UNBOUNDED if b.lo is None else b.lo) for s, blocks in enumerate(steps) for b in blocks]
+        return cls(torch.tensor(rows, dtype=torch.long).reshape(-1, 7), len(steps))
 
     def bounds(self) -> list[int]:
         """Row offsets of the steps: step ``s`` is ``rows[bounds[s]:bounds[s + 1]]`` (one host read)."""
@@ -59,7 +59,7 @@ class BlockTable:
 
     def __getitem__(self, s: int) -> tuple[DocBlock, ...]:
         if not -self.steps <= s < self.steps:
-            raise IndexError(f"step {s} out of range for a plan of {self.steps} steps")
+            raise IndexError(f"step {s} out of range for a table of {self.steps} steps")
         return doc_blocks(self.step(s % self.steps))
 
     def __iter__(self) -> Iterator[tuple[DocBlock, ...]]:

@@ -116,14 +116,14 @@ def _step_blocks(qruns, kruns, docs: int, stride: int, causal: bool, window: Win
 def window_schedules(positions: Sequence[torch.Tensor], doc_of: torch.Tensor, docs: int, causal: bool, window: Window
                  ) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]:
     """Every rank's blocks per ring step under a (normalised, see :func:`normalize_window`) window:
-    ``plans[rank][step]``, from every rank's increasing ``positions`` and the document of every token.
-    The plans stop after the last step any rank computes, the same length on every rank: later K/V
+    ``steps[rank][step]``, from every rank's increasing ``positions`` and the document of every token.
+    The steps stop after the last step any rank computes, the same length on every rank: later K/V
     are neither used nor sent."""
     world_size = len(positions)
     diffs = [p[1:] - p[:-1] for p in positions if p.numel() > 1]
     stride = int(torch.cat(diffs).min()) if diffs else 1
     runs = [_runs(p, doc_of, stride) for p in positions]
-    plans = [[_step_blocks(runs[r], runs[source_rank(r, world_size, s)], docs, stride, bool(causal), window)
+    every = [[_step_blocks(runs[r], runs[source_rank(r, world_size, s)], docs, stride, bool(causal), window)
               for s in range(world_size)] for r in range(world_size)]
-    length = 1 + max((s for plan in plans for s, blocks in enumerate(plan) if blocks), default=0)
-    return tuple(tuple(plan[:length]) for plan in plans)
+    length = 1 + max((s for steps in every for s, blocks in enumerate(steps) if blocks), default=0)
+    return tuple(tuple(steps[:length]) for steps in every)

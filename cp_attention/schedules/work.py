@@ -6,7 +6,7 @@ from ..layouts.base import Layout
 from ..layouts.documents import check_cu_seqlens
 from ..layouts.registry import get_layout
 from .blocks import doc_block_pairs, task_pairs
-from .causal import get_schedule, rank_plan
+from .causal import get_schedule, rank_steps
 from .derived import block_schedules
 from .windows import normalize_window
 
@@ -29,8 +29,8 @@ def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: i
     window = normalize_window(window_size, causal, seq_len, cu)
     if cu is None and window is None and get_schedule(lay) is not None:
         n = seq_len // world_size
-        return [[sum(task_pairs(t) for t in tasks) for tasks in rank_plan(lay, causal, r, world_size, n)]
+        return [[sum(task_pairs(t) for t in tasks) for tasks in rank_steps(lay, causal, r, world_size, n)]
                 for r in range(world_size)]
-    plans = block_schedules(lay, bool(causal), world_size, seq_len, cu, window)
-    return [[sum(doc_block_pairs(b) for b in blocks) for blocks in plan] + [0] * (world_size - len(plan))
-            for plan in plans]
+    every = block_schedules(lay, bool(causal), world_size, seq_len, cu, window)
+    return [[sum(doc_block_pairs(b) for b in blocks) for blocks in steps] + [0] * (world_size - len(steps))
+            for steps in every]

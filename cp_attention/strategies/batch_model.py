@@ -1,5 +1,5 @@
 """What the cost model reads from one batch's positions: the exact (query, key) pairs of every rank,
-and the K/V rows each rank needs from each other one at every ring step (needs-only traffic, as
+and the K/V rows each rank needs from each other one at every ring step (its needs, as
 :func:`cp_attention.schedules.needs.traffic_model` counts what the engine sends).
 
 Both come from the layout's positions alone (``layout.positions``, packed as ``cu_seqlens``), the same
@@ -14,13 +14,17 @@ from typing import Optional
 
 import torch
 
+from .._deprecated import deprecated_names
 from ..layouts.documents import _as_tensor
 from ..layouts.registry import get_layout
 from ..schedules.blocks import increasing_positions
 from ..schedules.needs import traffic_model
 
-__all__ = ["rank_positions", "rank_pair_totals", "step_rows", "window_or_none", "needs_only_bytes", "ring_seconds",
+__all__ = ["rank_positions", "rank_pair_totals", "step_needs", "window_or_none", "needs_only_bytes", "ring_seconds",
            "accumulator_bytes", "kv_bytes_per_hop", "ring_bytes_per_rank"]
+
+# Deprecated names (one release): the module answers them with a DeprecationWarning.
+__getattr__ = deprecated_names(__name__, {"step_rows": "step_needs"}, globals())
 
 
 def window_or_none(causal: bool, window: tuple) -> Optional[tuple[int, int]]:
@@ -73,11 +77,11 @@ def rank_pair_totals(layout: str, causal: bool, window: tuple, seq_len: int, wor
 
 
 @functools.lru_cache(maxsize=32)
-def step_rows(layout: str, causal: bool, window: tuple, seq_len: int, world_size: int,
-              cu_seqlens: Optional[tuple]) -> tuple[tuple[int, ...], ...]:
-    """``rows[rank][step]``: the K/V rows ``rank`` receives at each ring step (step 0 and the steps the
-    ring does not run: 0), :func:`cp_attention.schedules.needs.traffic_model`'s, cached per batch;
-    rank ``r`` sends ``rows[(r + s) % N][s]`` at step ``s``.
+def step_needs(layout: str, causal: bool, window: tuple, seq_len: int, world_size: int,
+               cu_seqlens: Optional[tuple]) -> tuple[tuple[int, ...], ...]:
+    """``rows[rank][step]``: how many K/V rows ``rank`` needs, so receives, at each ring step (step 0
+    and the steps the ring does not run: 0), :func:`cp_attention.schedules.needs.traffic_model`'s,
+    cached per batch; rank ``r`` sends ``rows[(r + s) % N][s]`` at step ``s``.
 
     Raises ``ValueError`` for a length the layout cannot split, bad ``cu_seqlens`` or ``window``.
     """
@@ -88,7 +92,7 @@ def step_rows(layout: str, causal: bool, window: tuple, seq_len: int, world_size
 def needs_only_bytes(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: float, acc_row: float,
                      backward: bool, gather: bool) -> tuple[float, tuple[float, ...], int]:
     """``(critical, per_rank, messages)`` of one call whose ring of ``steps`` steps moves the needed
-    ``rows[rank][step]`` (:func:`step_rows`) of ``kv_row`` bytes (a K and a V row) forward, and with
+    ``rows[rank][step]`` (:func:`step_needs`) of ``kv_row`` bytes (a K and a V row) forward, and with
     ``backward`` the same K/V again but the last step's (kept from the forward; all of them again when
     ``gather``: the all-gather's backward gathers anew) and the rows' dK/dV partials (``acc_row``
     bytes each) home.
@@ -127,7 +131,7 @@ def needs_only_bytes(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: fl
 
 def ring_seconds(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: float, acc_row: float, backward: bool,
                  ranks_per_node: int, intra_bw: float, inter_bw: float) -> float:
-    """Seconds the needs-only ring spends moving ``rows`` (:func:`step_rows`, bytes per row as for
+    """Seconds the needs-only ring spends moving ``rows`` (:func:`step_needs`, bytes per row as for
     :func:`needs_only_bytes`): per step, the slowest exchange: the most any rank receives over its
     link, NVLink (``intra_bw``) from a rank of its own node (``ranks_per_node`` consecutive ranks),
     InfiniBand (``inter_bw``) across nodes; the dK/dV partials return over the same pair. Whole

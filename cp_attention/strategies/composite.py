@@ -22,12 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .._deprecated import deprecated_names, warn_renamed
 from ..engine.fault import RingFault
+from ..engine.needs_index import StepIndex, place_rows, post_rows
 from ..engine.tasks import KernelSettings, add_rows, merge_rows, task_backward, task_forward
-from ..engine.traffic import StepIndex, place_rows, post_rows
 from ..transport.base import Transport
 
-__all__ = ["CompositeSchedule", "pair_steps"]
+__all__ = ["CompositeSource", "pair_steps"]
+
+# Deprecated names (one release): the module answers them with a DeprecationWarning.
+__getattr__ = deprecated_names(__name__, {"CompositeSchedule": "CompositeSource"}, globals())
 
 
 def pair_steps(step_counts: "tuple[int, ...]", world_size: int, inner: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -44,31 +48,47 @@ def pair_steps(step_counts: "tuple[int, ...]", world_size: int, inner: int) -> t
 
 
 @dataclass(frozen=True)
-class CompositeSchedule:
+class CompositeSource:
     """One call's K/V source (:class:`~cp_attention.engine.function.KVSource`): ``settings`` the
-    kernel settings; ``comm`` the outer group (P ranks) that the shards travel or are gathered over;
-    ``fault_comm`` the whole group, which agrees on failures; ``virtual[a][t]`` virtual rank a's tasks
+    kernel settings; ``transport`` the outer group (P ranks) that the shards travel or are gathered over;
+    ``fault_transport`` the whole group, which agrees on failures; ``virtual[a][t]`` virtual rank a's tasks
     at ring step t; ``pairs`` from :func:`pair_steps`; ``gather``: all-gather the shards instead of a
     ring."""
 
     settings: KernelSettings
-    comm: Transport
-    fault_comm: Transport
+    transport: Transport
+    fault_transport: Transport
     virtual: tuple
     pairs: tuple
     inner: int
     gather: bool
-    # gather only: the rows each step sends and receives (engine.traffic.StepIndex, None at step 0) from
-    # the plan, so only the needed rows are gathered and go home; () moves whole shards
-    traffic: tuple = ()
+    # gather only: the rows each step sends and receives (engine.needs_index.StepIndex, None at step 0)
+    # from the plan, so only the needed rows are gathered and go home; () moves whole shards
+    needs_index: tuple = ()
 
     @property
     def steps(self) -> int:
         return len(self.pairs)
 
     def index(self, s: int, n: int) -> StepIndex:
-        """Step ``s``'s traffic (whole shards of ``n`` rows without a traffic plan)."""
-        return self.traffic[s] if self.traffic else StepIndex(None, None, n, n)
+        """Step ``s``'s needs as device indices (whole shards of ``n`` rows without them)."""
+        return self.needs_index[s] if self.needs_index else StepIndex(None, None, n, n)
+
+    # Deprecated names (one release), with a DeprecationWarning.
+    @property
+    def comm(self) -> Transport:
+        warn_renamed("CompositeSource.comm", "CompositeSource.transport")
+        return self.transport
+
+    @property
+    def fault_comm(self) -> Transport:
+        warn_renamed("CompositeSource.fault_comm", "CompositeSource.fault_transport")
+        return self.fault_transport
+
+    @property
+    def traffic(self) -> tuple:
+        warn_renamed("CompositeSource.traffic", "CompositeSource.needs_index")
+        return self.needs_index
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fault: RingFault, acc: torch.dtype):
         """Every block LSE-merged into accumulators that start empty; nothing held for backward."""
@@ -93,20 +113,20 @@ class CompositeSchedule:
 class _Shards:
     """The K/V shard held at each outer step: gathered up front, or passed round the ring."""
 
-    def __init__(self, plan: CompositeSchedule, own: tuple[torch.Tensor, ...]) -> None:
-        self.plan, self.own = plan, tuple(t.contiguous() for t in own)
-        last = plan.steps - 1
+    def __init__(self, source: CompositeSource, own: tuple[torch.Tensor, ...]) -> None:
+        self.source, self.own = source, tuple(t.contiguous() for t in own)
+        last = source.steps - 1
         self.held = self.own
         self._pending = None
-        if plan.gather:
+        if source.gather:
             # Each step's needed rows of another shard, placed in a full-length buffer whose other rows
             # are zeros (no task reads them).
             n = self.own[0].shape[1]
             posted = []
             for s in range(1, last + 1):
-                index = plan.index(s, n)
-                posted.append((*post_rows(plan.comm, self.own, index.send, index.send_count, index.recv_count, s),
-                               index))
+                index = source.index(s, n)
+                posted.append((*post_rows(source.transport, self.own, index.send, index.send_count,
+                                          index.recv_count, s), index))
             self.gathered = [self.own]
             for handle, recv, _, index in posted:
                 if handle is not None:
@@ -121,15 +141,15 @@ class _Shards:
 
     def at(self, s: int) -> tuple[torch.Tensor, ...]:
         """The shard held at step ``s`` (call in order; on a ring the next one is already on its way)."""
-        if self.plan.gather:
+        if self.source.gather:
             return self.gathered[s]
         if s > 0:
             sent, recv, handle = self._pending
             handle.wait()
             self.held = recv
-        if s < self.plan.steps - 1:
+        if s < self.source.steps - 1:
             recv = tuple(torch.empty_like(t) for t in self.held)
-            self._pending = (self.held, recv, self.plan.comm.exchange(self.held, recv, 1))
+            self._pending = (self.held, recv, self.source.transport.exchange(self.held, recv, 1))
         return self.held
 
 
@@ -137,25 +157,25 @@ def _rows(t: torch.Tensor, a: int, n: int) -> torch.Tensor:
     return t[:, a * n:(a + 1) * n]
 
 
-def _forward_blocks(plan: CompositeSchedule, s: int, q, kc, vc, k, v, out, lse, n: int, acc) -> None:
-    for a, b, t in plan.pairs[s]:
+def _forward_blocks(source: CompositeSource, s: int, q, kc, vc, k, v, out, lse, n: int, acc) -> None:
+    for a, b, t in source.pairs[s]:
         qa, oa, la = _rows(q, a, n), _rows(out, a, n), lse[:, :, a * n:(a + 1) * n]
-        for task in plan.virtual[a][t]:
-            _, results = task_forward(plan.settings, task, qa, _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
+        for task in source.virtual[a][t]:
+            _, results = task_forward(source.settings, task, qa, _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
                                       _rows(v, a, n))
             for rows, o_blk, lse_blk in results:
                 merge_rows(oa, la, rows, o_blk, lse_blk, n, acc)
 
 
-def _backward_blocks(plan: CompositeSchedule, s: int, dout, q, kc, vc, k, v, out, lse, dq, own, held, n: int,
+def _backward_blocks(source: CompositeSource, s: int, dout, q, kc, vc, k, v, out, lse, dq, own, held, n: int,
                      acc) -> None:
     """Add step ``s``'s gradients: ``dq``, this process's own shard's ``own`` (dk, dv) and the held
     shard's ``held`` (dk, dv), all accumulators of full rows."""
-    for a, b, t in plan.pairs[s]:
+    for a, b, t in source.pairs[s]:
         args = (_rows(dout, a, n), _rows(q, a, n), _rows(kc, b, n), _rows(vc, b, n), _rows(k, a, n),
                 _rows(v, a, n), _rows(out, a, n), lse[:, :, a * n:(a + 1) * n])
-        for task in plan.virtual[a][t]:
-            _, results = task_backward(plan.settings, task, *args)
+        for task in source.virtual[a][t]:
+            _, results = task_backward(source.settings, task, *args)
             for q_rows, dq_blk, keys in results:
                 add_rows(_rows(dq, a, n), q_rows, dq_blk, n, acc)
                 for home, kv_rows, dk_blk, dv_blk in keys:
@@ -164,38 +184,38 @@ def _backward_blocks(plan: CompositeSchedule, s: int, dout, q, kc, vc, k, v, out
                     add_rows(_rows(target[1], at, n), kv_rows, dv_blk, n, acc)
 
 
-def _backward_pass(plan: CompositeSchedule, dout, q, k, v, out, lse, fault: RingFault, acc):
-    n = q.shape[1] // plan.inner
-    last = plan.steps - 1
-    comm = plan.comm
+def _backward_pass(source: CompositeSource, dout, q, k, v, out, lse, fault: RingFault, acc):
+    n = q.shape[1] // source.inner
+    last = source.steps - 1
+    transport = source.transport
     # contiguous accumulators whatever the inputs' strides: they are sent as they are
     dq = q.new_zeros(q.shape, dtype=acc)
     own = (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
-    shards = _Shards(plan, (k, v))
+    shards = _Shards(source, (k, v))
     posted = []  # gather: each step's partial on its way home; ring: the accumulator on its way on
     travelling = None
     for s in range(last + 1):
         kc, vc = shards.at(s)
         if s == 0:
             held = own
-        elif plan.gather or s == 1:
+        elif source.gather or s == 1:
             held = (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
         else:  # the accumulator of the shard held now, from the rank it came from
             posted.pop().wait()
             held = travelling
         if fault.ok:
             with fault.contained():
-                _backward_blocks(plan, s, dout, q, kc, vc, k, v, out, lse, dq, own, held, n, acc)
+                _backward_blocks(source, s, dout, q, kc, vc, k, v, out, lse, dq, own, held, n, acc)
         if s == 0:
             continue
-        if plan.gather:  # home now: the needed rows to the rank s back, whose shard it is
-            index = plan.index(s, n)
-            posted.append((*post_rows(comm, held, index.recv, index.recv_count, index.send_count, -s), index))
+        if source.gather:  # home now: the needed rows to the rank s back, whose shard it is
+            index = source.index(s, n)
+            posted.append((*post_rows(transport, held, index.recv, index.recv_count, index.send_count, -s), index))
         else:
             travelling = tuple(torch.empty_like(t) for t in held)
             # on round the ring, or after the last step home: the shard held at step s is rank p - s's
-            posted.append(comm.exchange(held, travelling, 1 if s < last else -s))
-    if plan.gather:
+            posted.append(transport.exchange(held, travelling, 1 if s < last else -s))
+    if source.gather:
         for handle, home, _, index in posted:
             if handle is not None:
                 handle.wait()

@@ -21,7 +21,7 @@ workload's pair counts are cached; nothing loops over tokens).
   one rank sends (``extra["rank_bytes"]``: every rank's). A single sequence saves bytes (causal
   zigzag: a quarter) but not ring time (some rank needs a whole shard at every step); packed
   documents and windows save both. The ring of ``"a2a+p2p"`` carries whole shards. A window
-  shortens the ring (:func:`ring_steps`, the closed form of
+  shortens the ring (:func:`closed_ring_length`, the closed form of
   :func:`cp_attention.schedules.derived.ring_length` for the built-in layouts). A group inside one
   node (``ranks_per_node``) moves bytes at ``intra_bw``; across nodes whole shards are bound by
   ``inter_bw`` and an all-to-all or all-gather sends its off-node fraction there. ``"a2a+p2p"`` keeps
@@ -55,7 +55,8 @@ from .batch_model import accumulator_bytes, kv_bytes_per_hop, ring_bytes_per_ran
 from .names import STRATEGIES
 
 __all__ = ["Hardware", "HARDWARE", "Workload", "Estimate", "default_hardware", "set_hardware", "current_hardware",
-           "infeasible", "estimate", "choose", "pairs", "matmul_flops", "rank_pairs", "ring_steps"]
+           "infeasible", "estimate", "choose", "pairs", "matmul_flops", "rank_pairs",
+           "closed_ring_length"]
 
 
 @dataclass(frozen=True)
@@ -275,10 +276,10 @@ def _normal(w: Workload) -> Workload:
                    cu_seqlens=None if cu is None else tuple(int(x) for x in cu))
 
 
-def ring_steps(w: Workload) -> int:
-    """Ring steps that run for ``w`` on ``w.world_size`` ranks: N, fewer when a window keeps every
-    query away from the farther shards (the closed form of ``schedules.derived.ring_length`` for the
-    built-in layouts; N for others)."""
+def closed_ring_length(w: Workload) -> int:
+    """The ring's length for ``w`` on ``w.world_size`` ranks, the steps that run: N, fewer when a window
+    keeps every query away from the farther shards. The closed form of
+    :func:`cp_attention.schedules.derived.ring_length` for the built-in layouts (N for others)."""
     w = _normal(w)
     world, left, right = w.world_size, w.window[0], w.window[1]
     if left < 0 and (w.causal or right < 0):
@@ -310,15 +311,15 @@ def _calls(w: Workload, rows: float, steps: int) -> float:
     return 3 * math.ceil(rows / max(BAND_TILE, band // 4)) + steps - 1
 
 
-def _needs_rows(w: Workload) -> "Optional[tuple[tuple[int, ...], ...]]":
-    """The K/V rows each rank needs at each ring step (:func:`.batch_model.step_rows`), or None where
+def _step_needs(w: Workload) -> "Optional[tuple[tuple[int, ...], ...]]":
+    """The K/V rows each rank needs at each ring step (:func:`.batch_model.step_needs`), or None where
     whole shards travel: one rank, a layout no registry knows, one that cannot split T or whose
     positions do not increase."""
     layout = _layout(w.layout)
     if layout is None or w.world_size == 1:
         return None
     try:
-        return batch_model.step_rows(layout.name, w.causal, tuple(w.window), w.seq_len, w.world_size, w.cu_seqlens)
+        return batch_model.step_needs(layout.name, w.causal, tuple(w.window), w.seq_len, w.world_size, w.cu_seqlens)
     except (ValueError, NotImplementedError):
         return None
 
@@ -367,11 +368,11 @@ def estimate(w: Workload, cp_comm_type: str, hw: Hardware, needs_only: bool = Tr
     def shard(tokens: float, kv_heads: int, size: int = w.dtype_bytes) -> float:
         return w.batch * tokens * kv_heads * (w.head_dim + w.v_head_dim) * size
 
-    steps = ring_steps(w)
+    steps = closed_ring_length(w)
     own = shard(n, w.kv_heads)
     if cp_comm_type in ("p2p", "all_gather"):
         compute = work * _busiest_share(w, world) + _calls(w, n, steps) * passes * hw.kernel_call_s
-        rows = _needs_rows(w) if needs_only else None
+        rows = _step_needs(w) if needs_only else None
         if rows is not None:  # only the needed rows travel (the engine's default)
             kv_row, acc_row = shard(1, w.kv_heads), shard(1, w.kv_heads, acc)
             critical, per_rank, hops = batch_model.needs_only_bytes(rows, steps, kv_row, acc_row, bwd,

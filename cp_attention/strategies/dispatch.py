@@ -21,7 +21,7 @@ from ..kernels.base import AttentionKernel
 from ..layouts.registry import get_layout
 from ..transport.base import Seat as _Seat, Transport
 from .alltoall import heads_to_seq, seq_to_heads
-from .composite import CompositeSchedule, pair_steps
+from .composite import CompositeSource, pair_steps
 from .plan_cache import plan_cache
 
 __all__ = ["a2a_degree", "strategy_problem", "run_strategy"]
@@ -103,9 +103,9 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
     settings = KernelSettings.of(kern, scale, softcap, packed=plan.packed)
     if cp_comm_type == "all_gather":
         steps = plan.steps(n, kern, device, q.shape[-1], v.shape[-1])
-        source = CompositeSchedule(settings, transport, transport, (steps,),
-                                   pair_steps((len(steps),), plan.world_size, 1), 1, gather=True,
-                                   traffic=plan.traffic(n, device, len(steps)))
+        source = CompositeSource(settings, transport, transport, (steps,),
+                                 pair_steps((len(steps),), plan.world_size, 1), 1, gather=True,
+                                 needs_index=plan.needs_index(n, device, len(steps)))
         return AttentionFunction.apply(q, k, v, source, sinks)
     outer, inner = transport.levels if cp_comm_type == "a2a+p2p" else (None, transport)
     degree = inner.world_size
@@ -117,8 +117,8 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
         qh, kh, vh = (t.index_select(1, inverse) for t in (qh, kh, vh))
         whole = _seat_plan(plan, 0, alone=True)
         steps = whole.steps(n * degree, kern, device, q.shape[-1], v.shape[-1])
-        source = CompositeSchedule(KernelSettings.of(kern, scale, softcap, packed=whole.packed), inner, transport,
-                                   (steps,), pair_steps((len(steps),), 1, 1), 1, gather=False)
+        source = CompositeSource(KernelSettings.of(kern, scale, softcap, packed=whole.packed), inner, transport,
+                                 (steps,), pair_steps((len(steps),), 1, 1), 1, gather=False)
         out_h, lse_h = AttentionFunction.apply(qh, kh, vh, source, sinks_h)
         out_h, lse_h = out_h.index_select(1, order), lse_h.index_select(2, order)
     else:
@@ -126,7 +126,7 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
         virtual = tuple(_seat_plan(plan, p * degree + a).steps(n, kern, device, q.shape[-1], v.shape[-1])
                         for a in range(degree))
         pairs = pair_steps(tuple(len(s) for s in virtual), plan.world_size, degree)
-        source = CompositeSchedule(settings, outer, transport, virtual, pairs, degree, gather=False)
+        source = CompositeSource(settings, outer, transport, virtual, pairs, degree, gather=False)
         out_h, lse_h = AttentionFunction.apply(qh, kh, vh, source, sinks_h)
     if not return_lse:
         return heads_to_seq(inner, out_h)[0], None

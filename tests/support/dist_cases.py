@@ -15,9 +15,9 @@ from cp_attention.transport import transport_for
 from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.kernels import MathKernel
 from cp_attention.engine.function import AttentionFunction
-from cp_attention.engine.ring import RingSchedule
+from cp_attention.engine.ring import RingSource
 from cp_attention.engine.tasks import KernelSettings
-from cp_attention.schedules import rank_plan
+from cp_attention.schedules import rank_steps
 
 from .reference import excess_error, reference_attention
 
@@ -112,9 +112,10 @@ def pairs_computed(rank: int, world_size: int, *, layout: str, causal: bool, loc
     q, k, v, _ = make_inputs(1, 1, local_len * world_size, 2, 2, 8, 8, torch.float64)
     lay = cpa.get_layout(layout)
     ql, kl, vl = (lay.shard(t, 1, rank, world_size) for t in (q, k, v))
-    comm = transport_for(None)
-    plan = RingSchedule(comm, rank_plan(lay, causal, rank, world_size, local_len), KernelSettings.of(Spy(), 8 ** -0.5))
-    out, _ = AttentionFunction.apply(ql, kl, vl, plan)
+    transport = transport_for(None)
+    source = RingSource(transport, rank_steps(lay, causal, rank, world_size, local_len),
+                        KernelSettings.of(Spy(), 8 ** -0.5))
+    out, _ = AttentionFunction.apply(ql, kl, vl, source)
     out_ref, _ = reference_attention(q, k, v, causal, 8 ** -0.5)
     return {"pairs": sum(seen), "calls": len(seen),
             "max_err": (out - lay.shard(out_ref, 1, rank, world_size)).abs().max().item()}

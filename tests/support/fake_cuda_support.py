@@ -313,7 +313,7 @@ class FakeCuda:
         import cp_attention.engine.plan as plan_mod
         import cp_attention.engine.function as function
         import cp_attention.engine.varlen_batch as varlen_batch
-        import cp_attention.engine.traffic as traffic
+        import cp_attention.engine.needs_index as needs_index
         from cp_attention.engine.fault import RingFault
         from cp_attention.kernels import cuda_cudnn, cuda_efficient, cuda_flash
 
@@ -324,10 +324,10 @@ class FakeCuda:
         mp.setattr(doc_batch, "build_buckets", real_tensors(doc_batch.build_buckets))
         # a lowered step's batches build their index tensors on the host; only the uploads are fake
         mp.setattr(plan_mod, "_ready", real_tensors(plan_mod._ready))
-        # the needs-only rows: host index math, then uploads (fake) like the batches'
-        mp.setattr(plan_mod, "rank_traffic", real_tensors(plan_mod.rank_traffic))
+        # the needs: host index math, then uploads (fake) like the batches'
+        mp.setattr(plan_mod, "rank_needs", real_tensors(plan_mod.rank_needs))
         mp.setattr(plan_mod, "step_indices", real_tensors(plan_mod.step_indices))
-        for mod in (doc_batch, doc_index, varlen_batch, traffic, plan_mod):
+        for mod in (doc_batch, doc_index, varlen_batch, needs_index, plan_mod):
             mp.setattr(mod, "upload", self._faked(mod.upload))
         mp.setattr(RingFault, "_failed_rank", real_tensors(RingFault._failed_rank))
         mp.setattr(validation, "digests_agree", real_tensors(validation.digests_agree))

@@ -10,8 +10,8 @@
   block (nothing but blank lines between), it is the block's output: the printed text must equal it.
 - ``bash`` blocks: every command line runs from the repository root, unless :data:`NOT_RUN` lists it
   (comment stripped, whitespace collapsed) with the reason it does not. A listed command that no
-  document holds any more fails :func:`test_not_run_lists_only_commands_the_docs_hold`, and the files a
-  listed command names must exist.
+  document holds any more fails :func:`test_not_run_lists_only_commands_the_docs_hold`, and the files
+  and the checkout's modules (``python -m studies.memory``) a listed command names must exist.
 
 Every run has a timeout, and the process group of a timed-out run is killed.
 """
@@ -79,10 +79,10 @@ NOT_RUN: dict[str, str] = {
     "python scripts/train.py trainer.fsdp=true trainer.offload_optimizer=true": _TRAIN,
     "python examples/finetune_trainer.py --activation-checkpointing offload --mlp-chunks 4": f"{_TORCHRUN}; {_EXAMPLE}",
     # docs/guides/layouts.md
-    "python benchmarks/layout_comparison/run.py": "the full layout comparison: minutes on 2 cores",
-    "python benchmarks/layout_comparison/run.py experiment=smoke measure.world_sizes=[1,2,4] out_dir=results/layouts":
+    "python -m studies.layout_comparison": "the full layout comparison: minutes on 2 cores",
+    "python -m studies.layout_comparison experiment=smoke measure.world_sizes=[1,2,4] out_dir=results/layouts":
         "the comparison's smoke run at 3 world sizes, ~30 s (tests/system/test_compare_layouts.py runs it at one)",
-    "python benchmarks/layout_comparison/run.py plugins=[my_module] layouts=[zigzag,reversed_zigzag]":
+    "python -m studies.layout_comparison plugins=[my_module] layouts=[zigzag,reversed_zigzag]":
         "my_module stands for the reader's module (tests/unit/layouts/test_custom_layout.py runs it with tests.support.custom_layouts)",
     # docs/README.md
     "python benchmarks/attention.py": _BENCH,
@@ -99,7 +99,7 @@ NOT_RUN: dict[str, str] = {
     # docs/benchmarks/2026-11-25-plan-build.md
     "python benchmarks/plan_build.py --threads 1 --repeats 7":
         "a benchmark: about two minutes on one core (tests/unit/engine/test_plan_ahead.py and "
-        "tests/unit/schedules/test_plan_tables.py test what it times)",
+        "tests/unit/schedules/test_step_tables.py test what it times)",
 }
 
 PYTHON_TIMEOUT_S = 300  # the worker, all in-process blocks together
@@ -262,10 +262,35 @@ def test_not_run_lists_only_commands_the_docs_hold():
     assert not stale, f"NOT_RUN lists commands no document holds any more: {stale}"
 
 
+_CHECKOUT = ("scripts", "configs", "tests", "benchmarks", "studies", "examples")  # the folders a command may name
+
+
+def named_files(cmd: str) -> list[str]:
+    """The checkout's files ``cmd`` names, as paths from the root: a path under one of its folders, and a
+    module run with ``-m`` from one of them (``-m studies.memory``: ``studies/memory.py`` or its package's
+    ``__main__.py``)."""
+    words, found = shlex.split(cmd), []
+    for before, word in zip(["", *words], words):
+        if before == "-m" and word.split(".")[0] in _CHECKOUT:
+            path = word.replace(".", "/")
+            found.append(f"{path}/__main__.py" if (ROOT / path).is_dir() else f"{path}.py")
+        elif re.fullmatch(rf"({'|'.join(_CHECKOUT)})/\S+", word):
+            found.append(word)
+    return found
+
+
+def test_named_files_reads_paths_and_modules():
+    assert named_files("python benchmarks/attention.py --json x.json") == ["benchmarks/attention.py"]
+    assert named_files("python -m studies.layout_comparison.balance --seeds 2") == [
+        "studies/layout_comparison/balance.py"]
+    assert named_files("python -m studies.memory --quick") == ["studies/memory/__main__.py"]
+    assert named_files("python -m studies.no_such_study") == ["studies/no_such_study.py"]
+    assert named_files("python -m pytest tests") == []
+
+
 @pytest.mark.parametrize("cmd", sorted(NOT_RUN))
 def test_not_run_commands_name_files_that_exist(cmd):
-    missing = [w for w in shlex.split(cmd) if re.fullmatch(r"(scripts|configs|tests|benchmarks|examples)/\S+", w)
-               and not (ROOT / w).exists()]
+    missing = [f for f in named_files(cmd) if not (ROOT / f).exists()]
     assert not missing, f"{cmd!r} names files that do not exist: {missing}"
 
 

@@ -1,4 +1,4 @@
-"""Needs-only traffic (cp_attention/schedules/needs.py, engine/traffic.py, the ring and the all-gather):
+"""Needs-only (cp_attention/schedules/needs.py, engine/needs_index.py, the ring and the all-gather):
 each rank receives exactly the K/V rows some query of its own can see, every task reads only rows it
 received, the bytes on the wire are those rows and nothing else, and the results stay exact.
 """
@@ -15,7 +15,7 @@ import cp_attention as cpa
 from cp_attention.engine.plan import AttentionPlan
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids
 from cp_attention.schedules.derived import block_schedules
-from cp_attention.schedules.needs import rank_traffic, traffic_model
+from cp_attention.schedules.needs import rank_needs, traffic_model
 from cp_attention.schedules.windows import normalize_window
 from cp_attention.strategies.dispatch import _Seat
 from cp_attention.transport.loopback import LoopbackGroup
@@ -56,11 +56,11 @@ def test_needed_rows_are_what_the_mask_needs(layout, world_size, causal, lengths
     norm = normalize_window(window, causal, total, cu)
     steps = world_size
     for rank in range(world_size):
-        rows = rank_traffic(layout, causal, world_size, total, cu, norm, rank, steps)
+        needs = rank_needs(layout, causal, world_size, total, cu, norm, rank, steps)
         for s in range(1, steps):
             src, dst = (rank - s) % world_size, (rank + s) % world_size
-            assert rows[s].recv.tolist() == _oracle_rows(layout, causal, world_size, total, cu, norm, rank, src)
-            assert rows[s].send.tolist() == _oracle_rows(layout, causal, world_size, total, cu, norm, dst, rank)
+            assert needs[s].recv.tolist() == _oracle_rows(layout, causal, world_size, total, cu, norm, rank, src)
+            assert needs[s].send.tolist() == _oracle_rows(layout, causal, world_size, total, cu, norm, dst, rank)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -73,12 +73,12 @@ def test_every_block_reads_only_received_rows(layout, window, causal):
     lengths = _lengths([1, 37, 3, 9, 60, 2, 14], world_size)
     total, cu = sum(lengths), cu_seqlens_from_lengths(lengths)
     norm = normalize_window(window, causal, total, cu)
-    plans = block_schedules(cpa.get_layout(layout), causal, world_size, total, cu, norm)
-    for rank, plan in enumerate(plans):
-        rows = rank_traffic(layout, causal, world_size, total, cu, norm, rank, len(plan))
-        for s in range(1, len(plan)):
-            needed = set(rows[s].recv.tolist())
-            read = {b for blk in plan[s] for b in range(blk.kv_start, blk.kv_stop)}
+    every = block_schedules(cpa.get_layout(layout), causal, world_size, total, cu, norm)
+    for rank, steps in enumerate(every):
+        needs = rank_needs(layout, causal, world_size, total, cu, norm, rank, len(steps))
+        for s in range(1, len(steps)):
+            needed = set(needs[s].recv.tolist())
+            read = {b for blk in steps[s] for b in range(blk.kv_start, blk.kv_stop)}
             assert read <= needed, (rank, s, sorted(read - needed))
             assert read == needed  # and nothing is sent that no block reads
 
@@ -87,13 +87,13 @@ def test_every_block_reads_only_received_rows(layout, window, causal):
 @given(layout=st.sampled_from(LAYOUTS), world_size=st.integers(2, 6), causal=st.booleans(),
        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8))
 def test_the_model_counts_what_the_engine_receives(layout, world_size, causal, lengths):
-    # traffic_model counts per (document, rank) without a window; the engine's rows are per key
+    # traffic_model counts per (document, rank) without a window; the engine's needs are per key
     lengths = _lengths(lengths, world_size)
     total, cu = sum(lengths), cu_seqlens_from_lengths(lengths)
     model = traffic_model(layout, causal, total, world_size, cu)
     for rank in range(world_size):
-        rows = rank_traffic(layout, causal, world_size, total, cu, None, rank, world_size)
-        assert model[rank] == [0] + [r.recv.numel() for r in rows[1:]]
+        needs = rank_needs(layout, causal, world_size, total, cu, None, rank, world_size)
+        assert model[rank] == [0] + [r.recv.numel() for r in needs[1:]]
 
 
 def test_unpacked_rules_match_the_model():
@@ -188,11 +188,11 @@ def test_whole_shards_when_needs_only_is_off():
     assert LoopbackGroup(world_size).run(body) == [[n] * 4] * world_size
 
 
-def test_plan_traffic_is_built_once_and_skips_world_size_1():
+def test_plan_needs_index_is_built_once_and_skips_world_size_1():
     plan = AttentionPlan("zigzag", _Seat(1, 4), True, (0, 5, 16), (-1, -1), agreed=True)
-    first = plan.traffic(4, torch.device("cpu"), 4)
-    assert plan.traffic(4, torch.device("cpu"), 4) is first and len(first) == 4 and first[0] is None
-    assert AttentionPlan("zigzag", _Seat(0, 1), True, None, (-1, -1)).traffic(4, torch.device("cpu"), 1) == ()
+    first = plan.needs_index(4, torch.device("cpu"), 4)
+    assert plan.needs_index(4, torch.device("cpu"), 4) is first and len(first) == 4 and first[0] is None
+    assert AttentionPlan("zigzag", _Seat(0, 1), True, None, (-1, -1)).needs_index(4, torch.device("cpu"), 1) == ()
 
 
 def _assert_exact(errors: dict) -> None:

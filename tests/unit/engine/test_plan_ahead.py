@@ -47,7 +47,7 @@ def test_a_plan_built_ahead_runs_like_one_built_in_the_step(layout, window, monk
     def no_build(self, *args):
         raise AssertionError("a bound plan built its steps again")
     monkeypatch.setattr(AttentionPlan, "_build_steps", no_build)
-    monkeypatch.setattr("cp_attention.engine.plan.rank_traffic", no_build)
+    monkeypatch.setattr("cp_attention.engine.plan.rank_needs", no_build)
     bound = LoopbackGroup(world_size).run(lambda r: body(r, True))
     for a, b in zip(fresh, bound):
         for x, y in zip(a, b):
@@ -74,7 +74,7 @@ def test_plan_ahead_refuses_what_plan_refuses():
 
 
 @pytest.mark.parametrize("kernel,layout,lengths,window", [
-    ("flash", "balanced", [1, 60, 7, 60], (-1, -1)),  # varlen batches and needs-only rows
+    ("flash", "balanced", [1, 60, 7, 60], (-1, -1)),  # varlen batches and the needs
     ("efficient", "zigzag", [1, 60, 7, 60], (20, -1)),  # a window's tiles
     ("flash", "interleaved", None, (-1, -1)),
 ])

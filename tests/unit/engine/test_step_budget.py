@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 import cp_attention as cpa
 import cp_attention.engine.ring as ring_mod
-from cp_attention.engine.ring import RingSchedule
+from cp_attention.engine.ring import RingSource
 from cp_attention.transport import loopback
 
 from tests.support.fake_cuda_cases import check_clean, env, lengths, ring_case  # noqa: F401 - env: the fixture
@@ -93,14 +93,14 @@ def _trace(env, world: int, kernel: str, layout: str, packed: bool, needs_only: 
 
     def pass_(fn, name):
         @functools.wraps(fn)
-        def wrapped(schedule, *args, **kw):
-            counter = counters[schedule.comm.rank]
+        def wrapped(source, *args, **kw):
+            counter = counters[source.transport.rank]
             calls[(counter.rank, name)] += 1
             counter.key = (name, calls[(counter.rank, name)], "setup")
             local.counter = counter
             with counter:
                 try:
-                    return fn(schedule, *args, **kw)
+                    return fn(source, *args, **kw)
                 finally:
                     counter.key = local.counter = None
         return wrapped
@@ -112,9 +112,9 @@ def _trace(env, world: int, kernel: str, layout: str, packed: bool, needs_only: 
 
     def stepping(fn):
         @functools.wraps(fn)
-        def wrapped(schedule, s, *args):
+        def wrapped(source, s, *args):
             at(s)
-            return fn(schedule, s, *args)
+            return fn(source, s, *args)
         return wrapped
 
     def who(fn, name, what=None, forward_step=None):
@@ -148,10 +148,10 @@ def _trace(env, world: int, kernel: str, layout: str, packed: bool, needs_only: 
     with pytest.MonkeyPatch.context() as mp:
         if not needs_only:
             mp.setattr(cpa, "plan", functools.partial(cpa.plan, needs_only=False))
-        mp.setattr(RingSchedule, "forward", pass_(RingSchedule.forward, "fwd"))
-        mp.setattr(RingSchedule, "backward", pass_(RingSchedule.backward, "bwd"))
-        mp.setattr(RingSchedule, "_step_forward", stepping(RingSchedule._step_forward))
-        mp.setattr(RingSchedule, "_step_backward", stepping(RingSchedule._step_backward))
+        mp.setattr(RingSource, "forward", pass_(RingSource.forward, "fwd"))
+        mp.setattr(RingSource, "backward", pass_(RingSource.backward, "bwd"))
+        mp.setattr(RingSource, "_step_forward", stepping(RingSource._step_forward))
+        mp.setattr(RingSource, "_step_backward", stepping(RingSource._step_backward))
         for name in ("task_forward", "task_backward"):
             mp.setattr(ring_mod, name, who(getattr(ring_mod, name), "task"))
         for name in ("add_rows", "set_rows", "merge_rows"):
@@ -195,16 +195,16 @@ def _expected_bytes(world: int, layout: str, packed: bool, needs_only: bool, n: 
     """Every rank's bytes received per (rank, step) from the needs model (schedules.needs, on the
     host): forward K/V at step s (step s + 1's rows), backward K/V at step s (step s - 1's), backward
     dK/dV at step s (its own rows that rank r + s needed). bf16 K/V, fp32 partials."""
-    from cp_attention.schedules.needs import rank_traffic
+    from cp_attention.schedules.needs import rank_needs
     cu = None
     if packed:
         cu = torch.tensor([0, *torch.tensor(lengths(world, n)).cumsum(0).tolist()])
     row = (1 if packed else 2) * hkv * 2 * d  # ring_case's batch (1 when packed), K and V, every head
     fwd, bwd_kv, bwd_dkv = {}, {}, {}
     for r in range(world):
-        rows = rank_traffic(layout, True, world, world * n, cu, None, r, world)
+        needs = rank_needs(layout, True, world, world * n, cu, None, r, world)
         for s in range(1, world):
-            recv, send = (rows[s].recv.numel(), rows[s].send.numel()) if needs_only else (n, n)
+            recv, send = (needs[s].recv.numel(), needs[s].send.numel()) if needs_only else (n, n)
             if recv:
                 fwd[(r, s - 1)] = recv * row * 2
                 if s < world - 1:

@@ -85,9 +85,9 @@ def test_varlen_lowering_covers_each_pair_once(layout):
     """Every step: a few varlen batches of one mask kind each, disjoint query rows within one, and
     together exactly the pairs of the step's document blocks."""
     cu = (0, 1, 14, 17, 37, 42, 48)
-    plans = block_schedules(cpa.get_layout(layout), True, 3, 48, cu, None)
-    for plan in plans:
-        steps = lower_steps(plan, batched=False, tiled=True, local_len=16, varlen=True)
+    every = block_schedules(cpa.get_layout(layout), True, 3, 48, cu, None)
+    for blocks in every:
+        steps = lower_steps(blocks, batched=False, tiled=True, local_len=16, varlen=True)
         for s, specs in enumerate(steps):
             assert all(isinstance(x, VarlenSpec) for x in specs) and len(specs) <= 4
             pairs = Counter()
@@ -100,7 +100,7 @@ def test_varlen_lowering_covers_each_pair_once(layout):
                     pairs.update((i, j) for i in range(p.q_start, p.q_stop) for j in range(p.kv_start, p.kv_stop)
                                  if not p.causal or j - p.kv_start <= i - p.q_start)
             want = Counter()
-            for b in plan[s]:
+            for b in blocks[s]:
                 for i in range(b.q_len):
                     top = b.kv_len if b.diag is None else min(b.kv_len, i + b.diag + 1)
                     want.update((b.q_start + i, b.kv_start + j) for j in range(top))

@@ -200,21 +200,21 @@ def test_calls_without_a_plan(env, kernel):
 def _rank0_calls_per_step(env, **case) -> tuple[dict, dict, dict]:
     """``ring_case(env, **case)`` counting the fused-op calls rank 0 makes at each ring step: (forward
     calls per step, backward calls per step, the case's result)."""
-    from cp_attention.engine.ring import RingSchedule
+    from cp_attention.engine.ring import RingSource
     fwd_steps, bwd_steps = {}, {}
 
     def counting(fn, steps):
-        def wrapped(schedule, s, *args):
+        def wrapped(source, s, *args):
             before = sum(env.aten.calls.values())
             try:  # a step's tasks (forward yields each task's results: all run here)
-                return list(fn(schedule, s, *args))
+                return list(fn(source, s, *args))
             finally:  # ranks run one at a time, and never wait for a message inside a task
-                if schedule.comm.rank == 0:
+                if source.transport.rank == 0:
                     steps[s] = steps.get(s, 0) + sum(env.aten.calls.values()) - before
         return wrapped
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RingSchedule, "_step_forward", counting(RingSchedule._step_forward, fwd_steps))
-        mp.setattr(RingSchedule, "_step_backward", counting(RingSchedule._step_backward, bwd_steps))
+        mp.setattr(RingSource, "_step_forward", counting(RingSource._step_forward, fwd_steps))
+        mp.setattr(RingSource, "_step_backward", counting(RingSource._step_backward, bwd_steps))
         res = ring_case(env, **case)
     return fwd_steps, bwd_steps, res
 

@@ -177,13 +177,13 @@ def test_one_rank_holds_the_stream_in_order():
 def test_block_schedules_cover_every_pair_of_a_lognormal_batch(causal):
     cu = lognormal_cu(4, total=4096, mean=128)
     n = 4
-    plans = block_schedules(BAL, causal, n, cu[-1], cu, None)
-    pairs = sum(doc_block_pairs(b) for plan in plans for step in plan for b in step)
+    every = block_schedules(BAL, causal, n, cu[-1], cu, None)
+    pairs = sum(doc_block_pairs(b) for steps in every for step in steps for b in step)
     want = sum((b - a) * (b - a + 1) // 2 if causal else (b - a) ** 2 for a, b in zip(cu, cu[1:]))
     assert pairs == want
     # kernel calls per rank and step: never above zigzag's
     zig = block_schedules(ZIG, causal, n, cu[-1], cu, None)
-    assert max(len(s) for p in plans for s in p) <= max(len(s) for p in zig for s in p)
+    assert max(len(s) for p in every for s in p) <= max(len(s) for p in zig for s in p)
 
 
 def test_place_documents_and_the_picture_agree_with_the_positions():

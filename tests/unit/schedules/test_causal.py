@@ -17,7 +17,7 @@ def coverage(layout: str, causal: bool, seq_len: int, n: int) -> torch.Tensor:
     pos = [lay.positions(seq_len, r, n) for r in range(n)]
     counts = torch.zeros(seq_len, seq_len, dtype=torch.int64)
     for r in range(n):
-        for s, tasks in enumerate(cpa.rank_plan(layout, causal, r, n, local)):
+        for s, tasks in enumerate(cpa.rank_steps(layout, causal, r, n, local)):
             j = source_rank(r, n, s)
             for t in tasks:
                 assert t.q_stop > t.q_start and t.kv_stop > t.kv_start, f"empty task {t}"

@@ -15,8 +15,8 @@ from cp_attention.schedules import (BatchSpec, BlockTask, DocBlock, block_schedu
 from cp_attention.schedules.lowering import SMALL_BLOCK
 
 
-def _doc_plan(layout, causal, rank, n, cu):
-    """One rank's document blocks per step (the plan every rank's is built with)."""
+def _doc_steps(layout, causal, rank, n, cu):
+    """One rank's document blocks per step (built with every rank's)."""
     cu = tuple(cu)
     return block_schedules(cpa.get_layout(layout), causal, n, cu[-1], cu, None)[rank]
 
@@ -50,7 +50,7 @@ def coverage(layout: str, causal: bool, n: int, cu) -> tuple[torch.Tensor, torch
     blocks = torch.zeros(total, total, dtype=torch.int64)
     tasks = torch.zeros_like(blocks)
     for r in range(n):
-        for s, step in enumerate(_doc_plan(layout, causal, r, n, cu)):
+        for s, step in enumerate(_doc_steps(layout, causal, r, n, cu)):
             j = source_rank(r, n, s)
             for b in step:
                 keep = _block_mask(b)
@@ -108,14 +108,14 @@ def test_engine_batches_cover_each_block_once(layout):
     key = lambda b: (b.q_start, b.kv_start)  # noqa: E731
     folds = 0
     for r in range(3):
-        plan = _doc_plan(layout, True, r, 3, cu)
-        steps = lower_steps(plan, batched=True, tiled=True, local_len=cu[-1] // 3)
-        ran = [[] for _ in plan]  # per step, the plan's blocks the tasks compute
+        blocks = _doc_steps(layout, True, r, 3, cu)
+        steps = lower_steps(blocks, batched=True, tiled=True, local_len=cu[-1] // 3)
+        ran = [[] for _ in blocks]  # per step, the blocks the tasks compute
         for s, tasks in enumerate(steps):
             batches = [t for t in tasks if isinstance(t, BatchSpec)]
             assert len(batches) + sum(isinstance(t, BlockTask) for t in tasks) == len(tasks)
             plain = [t for t in tasks if isinstance(t, BlockTask)]
-            big = [b for b in plan[s] if max(b.q_len, b.kv_len) > SMALL_BLOCK]
+            big = [b for b in blocks[s] if max(b.q_len, b.kv_len) > SMALL_BLOCK]
             assert plain == [t for b in big for t in split_doc_block(b)]
             ran[s] += big
             for t in batches:
@@ -125,10 +125,11 @@ def test_engine_batches_cover_each_block_once(layout):
                     ran[0].append(home)
                     ran[s].append(later)
                     assert home.q_start <= later.q_start and later.q_stop <= home.q_stop, "the same document"
-                    assert not any(b.q_start < home.q_stop and home.q_start < b.q_stop for step in plan[1:s] for b in step), \
+                    assert not any(b.q_start < home.q_stop and home.q_start < b.q_stop
+                                   for step in blocks[1:s] for b in step), \
                         "a fold is the document's first block after step 0"
                     folds += 1
                 assert all(max(b.q_len, b.kv_len) <= SMALL_BLOCK for b in (*t.blocks, *(x for f in t.folds for x in f)))
-        for s in range(len(plan)):
-            assert sorted(ran[s], key=key) == sorted(plan[s], key=key)
+        for s in range(len(blocks)):
+            assert sorted(ran[s], key=key) == sorted(blocks[s], key=key)
     assert folds > 0 or layout in ("contiguous", "balanced")  # these keep short documents whole

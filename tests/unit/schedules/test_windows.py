@@ -72,9 +72,9 @@ def _coverage(layout: str, causal: bool, n: int, total: int, cu, window):
     tasks = torch.zeros_like(blocks)
     lengths = set()
     for r in range(n):
-        plan = block_schedules(lay, causal, n, total, None if cu is None else tuple(cu), window)[r]
-        lengths.add(len(plan))
-        for s, step in enumerate(plan):
+        steps = block_schedules(lay, causal, n, total, None if cu is None else tuple(cu), window)[r]
+        lengths.add(len(steps))
+        for s, step in enumerate(steps):
             j = source_rank(r, n, s)
             for b in step:
                 keep = _doc_mask(b)
@@ -99,12 +99,12 @@ WINDOWS = st.tuples(st.integers(-1, 40), st.integers(-1, 40))
 def test_every_pair_in_the_window_is_computed_exactly_once(layout, n, causal, window, local, lengths, tile):
     saved, lowering.BAND_TILE = lowering.BAND_TILE, tile  # small tiles split the bands
     try:
-        _check_window_plan(layout, n, causal, window, local, lengths)
+        _check_window_steps(layout, n, causal, window, local, lengths)
     finally:
         lowering.BAND_TILE = saved
 
 
-def _check_window_plan(layout, n, causal, window, local, lengths):
+def _check_window_steps(layout, n, causal, window, local, lengths):
     lay = cpa.get_layout(layout)
     cu = None
     if lengths is None:

@@ -14,8 +14,8 @@ from cp_attention.schedules.derived import ring_length
 from cp_attention.schedules.work import work_model
 from cp_attention.strategies import STRATEGIES
 from cp_attention.strategies import cost
-from cp_attention.strategies.cost import (HARDWARE, Workload, choose, estimate, infeasible, pairs, rank_pairs,
-                                          ring_steps, set_hardware)
+from cp_attention.strategies.cost import (HARDWARE, Workload, choose, closed_ring_length, estimate, infeasible,
+                                          pairs, rank_pairs, set_hardware)
 from cp_attention.transport.loopback import LoopbackGroup
 
 from tests.support.loopback_cases import loopback_errors
@@ -74,7 +74,7 @@ def test_ring_lengths_match_the_schedules(layout, world, causal, window, cu):
     """The ring's length under a window (closed forms) against the one the schedules derive from
     positions (contiguous: 1 + ceil(reach / n); interleaved: 1 + reach; zigzag: every step)."""
     w = Workload(world, 1, 48, 4, 2, 8, 8, 4, causal, window, cu, layout)
-    assert ring_steps(w) == ring_length(layout, causal, 48, world, window, cu)
+    assert closed_ring_length(w) == ring_length(layout, causal, 48, world, window, cu)
 
 
 def _sent_bytes(strategy: str, *, layout: str, window: tuple, backward: bool, cu=None, dtype=torch.bfloat16
@@ -143,7 +143,7 @@ def test_lists_and_tensors_are_taken():
     tidy = Workload(4, 1, 64, 4, 2, 16, 16, 2, True, (20, 0), (0, 10, 64), "contiguous")
     loose = Workload(4, 1, 64, 4, 2, 16, 16, 2, True, [20, 0], torch.tensor([0, 10, 64]), "contiguous")
     assert estimate(loose, "p2p", HARDWARE["h100"]) == estimate(tidy, "p2p", HARDWARE["h100"])
-    assert ring_steps(loose) == 3
+    assert closed_ring_length(loose) == 3
 
 
 def test_feasibility_matches_the_execution():

@@ -1,5 +1,5 @@
-"""The cost model's needs-only traffic and exact packed work (strategies/batch_model.py): its rows
-against the engine's rows (schedules.needs.rank_traffic, per key), its pairs per rank against the work model, a hand-worked
+"""The cost model's needs and exact packed work (strategies/batch_model.py): its needs against the
+engine's (schedules.needs.rank_needs, per key), its pairs per rank against the work model, a hand-worked
 batch, and the ring time it keeps where there is nothing to save. (That the bytes are what the
 execution sends is test_cost.py's test_bytes_follow_the_execution.)"""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cp_attention.schedules.needs import rank_traffic
+from cp_attention.schedules.needs import rank_needs
 from cp_attention.schedules.windows import normalize_window
 from cp_attention.schedules.work import work_model
 from cp_attention.strategies import batch_model, cost
@@ -29,12 +29,12 @@ def _batches(seed: int, count: int):
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved", "balanced"])
 def test_rows_and_pairs_match_the_schedules(layout):
-    """step_rows (per document and rank without a window) equals the rows the engine receives (per
+    """step_needs (per document and rank without a window) equals the rows the engine receives (per
     key, every step); rank_pair_totals (per query) equals the work model's blocks summed over the steps."""
     for world, total, cu, causal, window in _batches(sum(map(ord, layout)), 10):
-        rows = batch_model.step_rows(layout, causal, window, total, world, cu)
+        rows = batch_model.step_needs(layout, causal, window, total, world, cu)
         norm = normalize_window(window, causal, total, cu)
-        engine = [[0] + [r.recv.numel() for r in rank_traffic(layout, causal, world, total, cu, norm, rank, world)[1:]]
+        engine = [[0] + [r.recv.numel() for r in rank_needs(layout, causal, world, total, cu, norm, rank, world)[1:]]
                   for rank in range(world)]
         assert [list(r) for r in rows] == engine
         work = work_model(layout, causal, total, world, cu_seqlens=cu, window_size=window)
@@ -93,7 +93,7 @@ def test_needs_only_hops_inside_a_node_use_its_links():
     hw = HARDWARE["h100"]
     w = Workload(16, 1, 32, 4, 2, 16, 8, 2, True, (-1, -1), (0, 3, 16, 32), "contiguous", 1, False)
     est = estimate(w, "p2p", hw)
-    steps_with_rows = sum(1 for s in range(1, 16) if any(r[s] for r in batch_model.step_rows(
+    steps_with_rows = sum(1 for s in range(1, 16) if any(r[s] for r in batch_model.step_needs(
         "contiguous", True, (-1, -1), 32, 16, (0, 3, 16, 32))))
     assert est.comm_s == pytest.approx(est.extra["critical_bytes"] / hw.intra_bw + steps_with_rows * hw.latency_s)
     whole = estimate(w, "p2p", hw, needs_only=False)

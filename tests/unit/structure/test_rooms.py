@@ -1,4 +1,4 @@
-"""The rooms and the layers above them, read from the source (pure AST, nothing imported):
+"""The rooms and the levels above the core, read from the source (pure AST, nothing imported):
 
 - no import cycle anywhere in ``cp_attention/``, ``integrations/`` (installed as
   ``cp_attention.integrations``), ``benchmarks/``, ``studies/`` or ``examples/``, function-level imports included;
@@ -25,11 +25,11 @@ PACKAGE = ROOT / "cp_attention"
 ADAPTERS = ROOT / "integrations"  # installed as cp_attention.integrations (setup.py's package_dir)
 INTEGRATIONS = "cp_attention.integrations"
 ADAPTER_PACKAGES = (f"{INTEGRATIONS}.huggingface", f"{INTEGRATIONS}.megatron")
-LAYERS = ("integrations", "training", "compat")  # above the core
+ABOVE_CORE = ("integrations", "training", "compat")  # the rooms of the levels above the core
 CHECKOUT_ROOMS = ("benchmarks", "studies", "examples")  # a checkout's, not installed: above everything
 # Room -> its level; a module may import rooms of its own level or lower only.
 LEVELS = {"kernels": 0, "transport": 0, "memory": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4,
-          "strategies": 5, "api": 6, "__init__": 6, "_extras": 0, "launch": 0,
+          "strategies": 5, "api": 6, "__init__": 6, "_extras": 0, "_deprecated": 0, "launch": 0,
           "versions": 0}
 ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies")
 
@@ -51,12 +51,12 @@ def _every_module() -> dict[str, Path]:
 
 def _modules() -> dict[str, Path]:
     """The core's modules."""
-    return {name: path for name, path in _every_module().items() if not _in_layer(name)}
+    return {name: path for name, path in _every_module().items() if not _outside_core(name)}
 
 
-def _in_layer(module: str) -> bool:
+def _outside_core(module: str) -> bool:
     parts = module.split(".")
-    return parts[0] in CHECKOUT_ROOMS or (len(parts) > 1 and parts[1] in LAYERS)
+    return parts[0] in CHECKOUT_ROOMS or (len(parts) > 1 and parts[1] in ABOVE_CORE)
 
 
 def _imports(name: str, source: str, is_package: bool, known: set[str]) -> set[str]:
@@ -81,7 +81,7 @@ def _adapter_may_import(module: str, dep: str) -> bool:
     """An adapter module may import the core and its own sub-package; the rest of integrations/ (its
     __init__) the core only."""
     own = _adapter(module)
-    return not _in_layer(dep) or (own is not None and _adapter(dep) == own)
+    return not _outside_core(dep) or (own is not None and _adapter(dep) == own)
 
 
 def _module_level_source(source: str) -> str:
@@ -167,10 +167,10 @@ def test_adapter_init_only_re_exports(package):
     assert exported == imported
 
 
-@pytest.mark.parametrize("layer", ["cp_attention.training", "cp_attention.compat"])
-def test_layers_import_no_adapter_at_module_level(layer):
+@pytest.mark.parametrize("room", ["cp_attention.training", "cp_attention.compat"])
+def test_rooms_above_the_adapters_import_none_at_module_level(room):
     known = set(_every_module())
-    wrong = [(name, dep) for name, path in _every_module().items() if name.startswith(layer)
+    wrong = [(name, dep) for name, path in _every_module().items() if name.startswith(room)
              for dep in _imports(name, _module_level_source(path.read_text()), path.name == "__init__.py", known)
              if dep.startswith(INTEGRATIONS)]
     assert not wrong, wrong

@@ -1,5 +1,5 @@
-"""Needs-only traffic on the device: per ring step, which own K/V rows this rank sends and which rows
-of the held shard it receives (:mod:`cp_attention.schedules.needs` says which), ready to index with.
+"""The needs on the device: per ring step, which own K/V rows this rank sends and which rows of the
+held shard it receives (:mod:`cp_attention.schedules.needs` says which), ready to index with.
 
 A shard held at a step is a full-length buffer (so the lowered tasks index it as they always did) in
 which only the needed rows are filled; the rest keep what an earlier step left there, or zeros, and
@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..schedules.needs import StepRows
+from ..schedules.needs import StepNeeds
 from .doc_batch import upload
 
 __all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "direct_view", "post_rows", "row_count",
@@ -25,7 +25,7 @@ Rows = Union[None, slice, torch.Tensor]
 
 @dataclass(frozen=True)
 class StepIndex:
-    """One ring step's traffic: ``send`` (own rows for rank r + s, ``send_count`` of them) and
+    """One ring step's needs as device indices: ``send`` (own rows for rank r + s, ``send_count`` of them) and
     ``recv`` (rows of rank r - s's shard, ``recv_count`` of them)."""
 
     send: Rows
@@ -44,11 +44,11 @@ def _rows(idx: torch.Tensor, n: int, device: torch.device) -> Rows:
     return upload(idx, device)
 
 
-def step_indices(rows: Sequence[Optional[StepRows]], n: int, device: torch.device) -> tuple[Optional[StepIndex], ...]:
-    """The plan's per-step :class:`~cp_attention.schedules.needs.StepRows` (None at step 0) as
+def step_indices(needs: Sequence[Optional[StepNeeds]], n: int, device: torch.device) -> tuple[Optional[StepIndex], ...]:
+    """The plan's per-step :class:`~cp_attention.schedules.needs.StepNeeds` (None at step 0) as
     :class:`StepIndex` on ``device`` for a shard of ``n`` rows."""
     return tuple(None if r is None else StepIndex(_rows(r.send, n, device), _rows(r.recv, n, device),
-                                                  r.send.numel(), r.recv.numel()) for r in rows)
+                                                  r.send.numel(), r.recv.numel()) for r in needs)
 
 
 def select_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -77,7 +77,7 @@ def direct_view(buf: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
     return view if view is not None and view.is_contiguous() else None
 
 
-def post_rows(comm, tensors: Sequence[torch.Tensor], rows: Rows, count: int, recv_count: int, hop: int,
+def post_rows(transport, tensors: Sequence[torch.Tensor], rows: Rows, count: int, recv_count: int, hop: int,
               recv: "Sequence[torch.Tensor] | None" = None) -> tuple:
     """Post one exchange of needed rows: rows ``rows`` (``count`` of them) of ``tensors`` to the rank
     ``hop`` on, and ``recv_count`` rows from the rank ``hop`` back into ``recv`` (default: new compact
@@ -86,7 +86,7 @@ def post_rows(comm, tensors: Sequence[torch.Tensor], rows: Rows, count: int, rec
     send = tuple(select_rows(t, rows) for t in tensors) if count else ()
     if recv is None:
         recv = tuple(t.new_empty(t.shape[0], recv_count, *t.shape[2:]) for t in tensors) if recv_count else ()
-    return (comm.exchange(send, recv, hop) if send or recv else None), tuple(recv), send
+    return (transport.exchange(send, recv, hop) if send or recv else None), tuple(recv), send
 
 
 def row_count(rows: Rows, n: int) -> int:

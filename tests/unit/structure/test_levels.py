@@ -1,7 +1,7 @@
-"""The package's layers point one way (core <- integrations <- training <- scripts, and
+"""The package's levels point one way (core <- integrations <- training <- scripts, and
 core <- integrations <- compat; benchmarks/, studies/ and
 examples/ sit outside the package, and nothing in it imports them),
-scripts are thin entry points, and the optional layers name their extra when it is missing."""
+scripts are thin entry points, and the optional rooms name their extra when it is missing."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.support.import_graph import imported_names
 
 ROOT = Path(__file__).resolve().parents[3]
 CORE = "core"
-LAYERS = {  # layer -> the layers it must not import
+FORBIDDEN_ABOVE = {  # level -> the rooms above it (or outside the package) it must not import
     CORE: {"integrations", "training", "compat", "benchmarks", "studies", "examples"},
     "integrations": {"training", "compat", "benchmarks", "studies", "examples"},
     "training": {"compat", "benchmarks", "studies", "examples"},
@@ -24,7 +24,7 @@ LAYERS = {  # layer -> the layers it must not import
 }
 
 
-def _layer(path: Path) -> str:
+def _level(path: Path) -> str:
     rel = path.relative_to(ROOT).parts
     if rel[0] == "integrations":
         return "integrations"
@@ -38,8 +38,9 @@ def _package(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imported_layers(source: str, package: str) -> set[str]:
-    """The optional cp_attention layers a module of ``package`` imports, absolutely or relatively."""
+def _imported_rooms(source: str, package: str) -> set[str]:
+    """The optional cp_attention rooms (and the checkout's folders) a module of ``package`` imports,
+    absolutely or relatively."""
     found = set()
     for name in imported_names(source, package):
         parts = name.split(".")
@@ -55,21 +56,21 @@ MODULES = sorted([*(ROOT / "cp_attention").rglob("*.py"), *(ROOT / "integrations
 
 @pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
 def test_dependencies_point_down(path):
-    layer = _layer(path)
-    wrong = _imported_layers(path.read_text(), _package(path)) & LAYERS[layer]
-    assert not wrong, f"{path.relative_to(ROOT)} ({layer}) imports {sorted(wrong)}"
+    level = _level(path)
+    wrong = _imported_rooms(path.read_text(), _package(path)) & FORBIDDEN_ABOVE[level]
+    assert not wrong, f"{path.relative_to(ROOT)} ({level}) imports {sorted(wrong)}"
 
 
 def test_the_checker_sees_relative_and_absolute_imports():
     """The checker itself: it must find upward imports, or the test above could not fail."""
-    assert _imported_layers("from .training import steps\nimport benchmarks.measure\nfrom examples import finetune_hf\n"
-                            "from studies.memory import peak\n", "cp_attention") == {"training", "benchmarks", "studies",
-                                                                                     "examples"}
-    assert _imported_layers("from ..training.steps import train_step\n", "cp_attention.kernels") == {"training"}
-    assert _imported_layers("from . import huggingface\n", "cp_attention.integrations") == {"integrations"}
-    assert _imported_layers("from ...training import steps\n", "cp_attention.integrations.megatron") == {"training"}
+    assert _imported_rooms("from .training import steps\nimport benchmarks.measure\nfrom examples import finetune_hf\n"
+                           "from studies.memory import peak\n", "cp_attention") == {"training", "benchmarks", "studies",
+                                                                                    "examples"}
+    assert _imported_rooms("from ..training.steps import train_step\n", "cp_attention.kernels") == {"training"}
+    assert _imported_rooms("from . import huggingface\n", "cp_attention.integrations") == {"integrations"}
+    assert _imported_rooms("from ...training import steps\n", "cp_attention.integrations.megatron") == {"training"}
     assert _package(ROOT / "integrations" / "huggingface" / "fsdp.py") == "cp_attention.integrations.huggingface"
-    assert _imported_layers("from ..layouts import get_layout\nimport torch\n", "cp_attention.training") == set()
+    assert _imported_rooms("from ..layouts import get_layout\nimport torch\n", "cp_attention.training") == set()
 
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))

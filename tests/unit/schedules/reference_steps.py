@@ -1,4 +1,4 @@
-"""The packed plan's former per-block implementations (one Python object per block, one step at a
+"""A rank's packed steps' former per-block implementations (one Python object per block, one step at a
 time), kept as slow references for the vectorised ones: blocks per step, lowering, and the padded
 batches' and variable-length batches' index tensors. Not collected as tests."""
 
@@ -73,27 +73,27 @@ def _disjoint_rows(blocks):
     return groups
 
 
-def _folds(plan, small):
-    homes = sorted(small[0], key=lambda i: plan[0][i].q_start)
-    starts = [plan[0][i].q_start for i in homes]
+def _folds(step_blocks, small):
+    homes = sorted(small[0], key=lambda i: step_blocks[0][i].q_start)
+    starts = [step_blocks[0][i].q_start for i in homes]
     unseen = [True] * len(homes)
-    folds = [[] for _ in plan]
-    for s in range(1, len(plan)):
+    folds = [[] for _ in step_blocks]
+    for s in range(1, len(step_blocks)):
         is_small = set(small[s])
-        for i, b in enumerate(plan[s]):
+        for i, b in enumerate(step_blocks[s]):
             j = bisect.bisect_right(starts, b.q_start) - 1
-            if j >= 0 and unseen[j] and b.q_stop <= plan[0][homes[j]].q_stop:
+            if j >= 0 and unseen[j] and b.q_stop <= step_blocks[0][homes[j]].q_stop:
                 unseen[j] = False
                 if i in is_small:
                     folds[s].append(((0, homes[j]), (s, i)))
     return folds
 
 
-def lower_steps(plan, batched: bool, tiled: bool, varlen: bool = False):
+def lower_steps(step_blocks, batched: bool, tiled: bool, varlen: bool = False):
     """The former lowering: per step, ``Batch``/``Varlen`` records and plain ``BlockTask`` s."""
     if varlen:
         out = []
-        for s, blocks in enumerate(plan):
+        for s, blocks in enumerate(step_blocks):
             pieces = [p for b in blocks for t in split_doc_block(b) for p in square_pieces(t)]
             specs = []
             for causal in (True, False):
@@ -101,17 +101,19 @@ def lower_steps(plan, batched: bool, tiled: bool, varlen: bool = False):
                 specs += [Varlen(tuple(g), causal, tiled and s == 0) for g in _disjoint_rows(kind)]
             out.append(tuple(specs))
         return tuple(out)
-    small = [[i for i, b in enumerate(blocks) if batched and max(b.q_len, b.kv_len) <= SMALL_BLOCK] for blocks in plan]
-    folds = _folds(plan, small) if tiled else [[] for _ in plan]
+    small = [[i for i, b in enumerate(blocks) if batched and max(b.q_len, b.kv_len) <= SMALL_BLOCK]
+             for blocks in step_blocks]
+    folds = _folds(step_blocks, small) if tiled else [[] for _ in step_blocks]
     folded = {ix for pairs in folds for pair in pairs for ix in pair}
     steps = []
-    for s, blocks in enumerate(plan):
+    for s, blocks in enumerate(step_blocks):
         batched_here = [blocks[i] for i in small[s] if (s, i) not in folded]
         is_small = set(small[s])
         tasks = tuple(t for i, b in enumerate(blocks) if i not in is_small for t in split_doc_block(b))
         batches = [Batch(tuple(g), (), tiled and s == 0) for g in _disjoint_rows(batched_here)]
         if folds[s]:
-            batches.append(Batch((), tuple((plan[0][h], plan[s][i]) for (_, h), (_, i) in folds[s]), True))
+            pairs = tuple((step_blocks[0][h], step_blocks[s][i]) for (_, h), (_, i) in folds[s])
+            batches.append(Batch((), pairs, True))
         steps.append(tuple(batches) + tasks)
     return tuple(steps)
 

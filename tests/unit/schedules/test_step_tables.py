@@ -1,5 +1,5 @@
-"""The vectorised packed plan (one rank's blocks as columns, its lowering, the batches' index tensors)
-against the former per-block implementations (``reference_plans``): the same blocks, tasks, batches
+"""One rank's vectorised packed steps (its blocks as columns, their lowering, the batches' index tensors)
+against the former per-block implementations (``reference_steps``): the same blocks, tasks, batches
 and index tensors, in the same order, for every layout, causal or not, with and without a window."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from cp_attention.engine.varlen_batch import VarlenBatch
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
 from cp_attention.schedules import BatchSpec, BlockTask, VarlenSpec, block_schedules, normalize_window
 
-from tests.unit.schedules import reference_plans as ref
+from tests.unit.schedules import reference_steps as ref
 
 LENGTHS = st.one_of(st.lists(st.integers(1, 12), min_size=1, max_size=40),
                     st.lists(st.integers(1, 200), min_size=1, max_size=8))
@@ -57,11 +57,11 @@ def test_lowering_and_index_tensors_match_the_reference(layout, n, rank, lengths
     tiled = win is None
     for r in (rank % n,):
         table = block_schedules(lay, causal, n, cu[-1], cu, win, rank=r)
-        plan = tuple(table)
+        step_blocks = tuple(table)
         modes = [(True, False), (False, False)] + ([(False, True)] if tiled else [])
         for batched, varlen in modes:
             got = cpa.schedules.lower_steps(table, batched=batched, tiled=tiled, local_len=cu[-1] // n, varlen=varlen)
-            want = ref.lower_steps(plan, batched=batched, tiled=tiled, varlen=varlen)
+            want = ref.lower_steps(step_blocks, batched=batched, tiled=tiled, varlen=varlen)
             assert tuple(tuple(_comparable(t) for t in step) for step in got) == want
             for step in got:
                 for task in step:
@@ -89,8 +89,8 @@ def _same_varlen(got: VarlenBatch, want: dict) -> None:
     assert (got.max_q, got.max_k) == (want["max_q"], want["max_k"])
 
 
-def test_a_plans_batches_share_one_build():
-    """The first batch of a lowered plan builds every batch's index tensors; the others reuse them."""
+def test_lowered_steps_batches_share_one_build():
+    """The first batch of a rank's lowered steps builds every batch's index tensors; the others reuse them."""
     cu = _cu([3, 1, 7, 2, 30, 5, 2, 9, 40, 4, 11], "zigzag", 3)
     table = block_schedules(cpa.get_layout("zigzag"), True, 3, cu[-1], cu, None, rank=1)
     specs = [t for step in cpa.schedules.lower_steps(table, True, True, cu[-1] // 3) for t in step
@@ -109,9 +109,9 @@ def test_varlen_pieces_whose_rows_overlap_go_to_separate_calls():
     from cp_attention.schedules import DocBlock
     disjoint = ((DocBlock(0, 6, 0, 5, 2), DocBlock(6, 9, 5, 12, None), DocBlock(9, 12, 12, 14, 0)),)
     overlapping = ((DocBlock(0, 6, 0, 5, 2), DocBlock(3, 9, 5, 12, None), DocBlock(1, 4, 12, 14, 0)),)
-    for plan in (disjoint, overlapping):
-        got = cpa.schedules.lower_steps(plan, batched=False, tiled=False, local_len=12, varlen=True)
-        want = ref.lower_steps(plan, batched=False, tiled=False, varlen=True)
+    for step_blocks in (disjoint, overlapping):
+        got = cpa.schedules.lower_steps(step_blocks, batched=False, tiled=False, local_len=12, varlen=True)
+        want = ref.lower_steps(step_blocks, batched=False, tiled=False, varlen=True)
         assert tuple(tuple(_comparable(t) for t in step) for step in got) == want
         assert sum(not spec.causal for spec in got[0]) >= 2
 
