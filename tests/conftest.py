@@ -37,7 +37,7 @@ if _ROOT not in sys.path:  # benchmarks/, studies/, examples/ (not installed) im
 
 from benchmarks.stress import POOL_STDERR_ENV  # noqa: E402  (the standard library only: no hydra)
 
-from .support.dist_pool import WorkerPool
+from .support.core.dist_pool import WorkerPool
 
 _ABORTED = (-6, 134)  # SIGABRT: "terminate called without an active exception"
 _TESTS = Path(__file__).resolve().parent
@@ -92,7 +92,7 @@ def _no_process_unless_dist(request, monkeypatch):
 
 def pytest_terminal_summary(terminalreporter):
     """How many bad inputs the fuzz tests tried (tests/distributed/test_fuzz_*.py, tests/adapters/test_fuzz_*.py)."""
-    common = sys.modules.get("tests.support.fuzz_common")
+    common = sys.modules.get("tests.support.core.fuzz_common")
     tried = getattr(common, "TRIED", None)
     if tried:
         terminalreporter.write_line(

@@ -146,7 +146,7 @@ def ring_seconds(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: float,
     return total
 
 
-# Whole shards: the ring's bytes, shared with the benchmarks' projections (benchmarks/layout_comparison/
+# Whole shards: the ring's bytes, shared with the studies' projections (studies/layout_comparison/
 # analysis.py) through cost.py, so that the library holds the one performance model.
 
 def accumulator_bytes(elem_bytes: int) -> int:

@@ -5,7 +5,7 @@ for one document and a few milliseconds the first time it sees thousands of pack
 workload's pair counts are cached; nothing loops over tokens).
 
 - compute: attention's matmul FLOPs (:func:`matmul_flops`: ``2(D + Dv)`` per (query, key) pair and
-  query head forward, ``2(3D + 2Dv)`` backward, as benchmarks/layout_comparison/analysis.py projects
+  query head forward, ``2(3D + 2Dv)`` backward, as studies/layout_comparison/analysis.py projects
   the ring) at ``Hardware.flops``, plus ``Hardware.kernel_call_s`` per kernel call. The ring and
   all-gather are bound by the busiest rank: with packed documents exact for every layout whose
   positions increase (each rank's pairs from its positions, :mod:`.batch_model`); else exact in
@@ -50,7 +50,7 @@ from ..schedules.causal import get_schedule
 from ..schedules.lowering import BAND_TILE
 from ..schedules.work import work_model
 from . import batch_model
-# the ring's whole-shard bytes, shared with the benchmarks' projections (benchmarks/layout_comparison)
+# the ring's whole-shard bytes, shared with the studies' projections (studies/layout_comparison)
 from .batch_model import accumulator_bytes, kv_bytes_per_hop, ring_bytes_per_rank  # noqa: F401
 from .names import STRATEGIES
 

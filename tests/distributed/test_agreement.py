@@ -1,4 +1,4 @@
-"""Validation runs its all-gather once per distinct call signature (cp_attention/agreement.py)."""
+"""Validation runs its all-gather once per distinct call signature (cp_attention/checks/agreement.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from cp_attention.checks.agreement import Verdicts, in_agreed_forward, agreed_forward
 
-from tests.support import agreement_cases as cases
+from tests.support.core import agreement_cases as cases
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

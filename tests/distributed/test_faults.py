@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import dist_cases
+from tests.support.core import dist_cases
 
 
 @pytest.mark.parametrize("phase", ("forward", "backward"))

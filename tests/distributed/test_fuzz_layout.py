@@ -9,8 +9,8 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from tests.support import fuzz_cases
-from tests.support.fuzz_common import CASE_TIMEOUT, TRIED, _cu, _layout, _settings, judge
+from tests.support.core import fuzz_cases
+from tests.support.core.fuzz_common import CASE_TIMEOUT, TRIED, _cu, _layout, _settings, judge
 
 # ----------------------------------------------------------------------------------------------------
 # 2. Layouts: shard / unshard / positions / gather (no process group: index math only)

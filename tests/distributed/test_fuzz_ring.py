@@ -21,14 +21,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from tests.support import fuzz_cases
-from tests.support.fuzz_common import CASE_TIMEOUT, _cu, _settings, judge
+from tests.support.core import fuzz_cases
+from tests.support.core.fuzz_common import CASE_TIMEOUT, _cu, _settings, judge
 
 # ----------------------------------------------------------------------------------------------------
 # 1. ring_attention at world sizes 2 and 3: per-rank calls
 # ----------------------------------------------------------------------------------------------------
 
-# reversed_zigzag: tests/support/custom_layouts.py's user-defined layout (registered in the workers; no packed documents)
+# reversed_zigzag: tests/support/core/custom_layouts.py's user-defined layout (registered in the workers; no packed documents)
 LAYOUTS = ("contiguous", "zigzag", "interleaved", "dualchunkswap", "head_tail", "striped", "modulo", "ZigZag",
            "reversed_zigzag")
 CANONICAL = {"contiguous": "contiguous", "zigzag": "zigzag", "interleaved": "interleaved",

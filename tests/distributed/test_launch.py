@@ -11,7 +11,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from cp_attention.launch import free_port, process_group, spawn
 
-from tests.support import dist_cases
+from tests.support.core import dist_cases
 
 
 def _where_am_i(tag: str) -> tuple:

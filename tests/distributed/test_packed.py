@@ -11,8 +11,8 @@ import cp_attention as cpa
 from cp_attention.layouts.documents import (cu_seqlens_from_lengths, cu_seqlens_from_position_ids, document_ids, document_position_ids,
                                     pad_cu_seqlens, zigzag_chunks)
 
-from tests.support import dist_cases
-from tests.support.reference import tolerance
+from tests.support.core import dist_cases
+from tests.support.core.reference import tolerance
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -131,7 +131,7 @@ def test_document_helpers():
 
 
 def test_custom_layout_without_packing_is_refused_by_name():
-    from tests.support.custom_layouts import ReversedZigzagLayout  # noqa: F401 - registers it
+    from tests.support.core.custom_layouts import ReversedZigzagLayout  # noqa: F401 - registers it
 
     with pytest.raises(NotImplementedError, match="does not support packed documents"):
         cpa.get_layout("reversed_zigzag").positions(8, 0, 2, cu_seqlens=[0, 3, 8])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import plan_setting_cases as cases
+from tests.support.core import plan_setting_cases as cases
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

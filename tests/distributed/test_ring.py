@@ -10,8 +10,8 @@ import torch
 import cp_attention as cpa
 from cp_attention.kernels.dtypes import dtype_from_name
 
-from tests.support import dist_cases
-from tests.support.reference import tolerance
+from tests.support.core import dist_cases
+from tests.support.core.reference import tolerance
 
 WORLD_SIZES = (1, 2, 3, 4)
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import stress
 
-from tests.support.dist_pool import CaseError, CaseTimeout, WorkerPool
+from tests.support.core.dist_pool import CaseError, CaseTimeout, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def _ring_with_a_subgroup(rank: int, world_size: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from tests.support import dist_cases
+    from tests.support.core import dist_cases
 
     errors = dist_cases.attention_errors(rank, world_size, layout="zigzag", causal=True, dtype="float64",
                                          kernel="math", atol=1e-10, rtol=0.0)
@@ -180,7 +180,7 @@ import ctypes, json, os, signal, subprocess, sys
 
 
 def parent(stderr_path):  # start a pool, run a case, then die without closing it
-    from tests.support.dist_pool import WorkerPool
+    from tests.support.core.dist_pool import WorkerPool
     from tests.distributed.test_stress import _ring_with_a_subgroup
 
     pool = WorkerPool(2, stderr_path=stderr_path)

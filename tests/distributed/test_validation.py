@@ -9,7 +9,7 @@ import torch
 
 import cp_attention as cpa
 
-from tests.support import dist_cases
+from tests.support.core import dist_cases
 
 CASES = {
     # name: (kwargs for every rank, per-rank overrides, expected message fragment)

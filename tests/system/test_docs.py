@@ -83,7 +83,7 @@ NOT_RUN: dict[str, str] = {
     "python -m studies.layout_comparison experiment=smoke measure.world_sizes=[1,2,4] out_dir=results/layouts":
         "the comparison's smoke run at 3 world sizes, ~30 s (tests/system/test_compare_layouts.py runs it at one)",
     "python -m studies.layout_comparison plugins=[my_module] layouts=[zigzag,reversed_zigzag]":
-        "my_module stands for the reader's module (tests/unit/layouts/test_custom_layout.py runs it with tests.support.custom_layouts)",
+        "my_module stands for the reader's module (tests/unit/layouts/test_custom_layout.py runs it with tests.support.core.custom_layouts)",
     # docs/README.md
     "python benchmarks/attention.py": _BENCH,
     # docs/benchmarks/2026-11-25-strategies.md, docs/benchmarks/2026-11-25-generate.md

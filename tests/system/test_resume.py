@@ -239,12 +239,12 @@ class _Output:
 
 
 def _torchrun(run_dir: Path, *overrides: str, kill: "str | None" = None) -> _Output:
-    """scripts/train.py under torchrun; ``kill="RANK:STEP"``: through tests/support/train_killing_a_rank.py,
+    """scripts/train.py under torchrun; ``kill="RANK:STEP"``: through tests/support/core/train_killing_a_rank.py,
     whose ``before_step`` callback SIGKILLs rank RANK as it starts step STEP (torchrun's first attempt only)."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
     keys = {o.split("=", 1)[0] for o in overrides}
     tiny = [o for o in TINY if o.split("=", 1)[0] not in keys]
-    script = ["tests/support/train_killing_a_rank.py", kill] if kill else ["scripts/train.py"]
+    script = ["tests/support/core/train_killing_a_rank.py", kill] if kill else ["scripts/train.py"]
     cmd = [*TORCHRUN, *script, *tiny, *overrides, f"hydra.run.dir={run_dir}"]
     return _Output(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
 

@@ -21,8 +21,8 @@ import cp_attention as cpa  # noqa: E402
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens  # noqa: E402
 from cp_attention.transport.loopback import LoopbackGroup  # noqa: E402
 
-from tests.support import generate_cases  # noqa: E402
-from tests.support.hf_loopback_cases import loopback_documents  # noqa: E402
+from tests.support.hf import generate_cases  # noqa: E402
+from tests.support.hf.hf_loopback_cases import loopback_documents  # noqa: E402
 
 FP64 = 1e-10
 # Two packed rows: documents of 1 to 22 tokens (62 in all: one padding document rounds the stream up)
@@ -121,7 +121,7 @@ def test_the_layout_matrix_batches_tell_balanced_from_zigzag():
     sharding with zigzag's positions."""
     from cp_attention.integrations.huggingface.batch import _shard_batch
 
-    from tests.support.hf_cases import _documents_batch
+    from tests.support.hf.hf_cases import _documents_batch
 
     lay = cpa.get_layout("balanced")
     for mode in ("packed_positions", "collator", "padded_right", "padded_left"):

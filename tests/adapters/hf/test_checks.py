@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import hf_checks_cases as cases
+from tests.support.hf import hf_checks_cases as cases
 
 pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu,
 
 pytest.importorskip("transformers")
 
-from tests.support.hf_loopback_cases import loopback_equivalence  # noqa: E402
+from tests.support.hf.hf_loopback_cases import loopback_equivalence  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved"])

@@ -10,8 +10,8 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 
 import cp_attention as cpa  # noqa: E402
 
-from tests.support import hf_cases  # noqa: E402
-from tests.support.hf_versions import BIDIRECTIONAL_CONFIG, has  # noqa: E402
+from tests.support.hf import hf_cases  # noqa: E402
+from tests.support.hf.hf_versions import BIDIRECTIONAL_CONFIG, has  # noqa: E402
 
 # gpt_oss: learned attention sinks (s_aux); gemma2_softcap: attention logit softcapping
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gemma2_softcap", "gpt_oss")

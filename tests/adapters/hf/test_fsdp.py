@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
-from tests.support import fsdp_cases  # noqa: E402
+from tests.support.hf import fsdp_cases  # noqa: E402
 
 EXACT = 1e-9  # relative, fp64 (the bound; AdamW's division amplifies rounding to ~1e-13)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import generate_cases
-from tests.support.generate_cases import ATOL
+from tests.support.hf import generate_cases
+from tests.support.hf.generate_cases import ATOL
 
 FAMILIES = ("llama", "qwen2", "mistral_window", "gemma2_window", "gpt_oss_window")
 LAYOUTS = ("contiguous", "zigzag", "interleaved")

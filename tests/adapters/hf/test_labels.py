@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from cp_attention.transport.loopback import LoopbackGroup  # noqa: E402
 
-from tests.support.hf_cases import SEQ, VOCAB, batch, build  # noqa: E402
+from tests.support.hf.hf_cases import SEQ, VOCAB, batch, build  # noqa: E402
 
 FP64 = 1e-10
 

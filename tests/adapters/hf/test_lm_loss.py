@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from tests.support import lm_loss_cases  # noqa: E402
+from tests.support.hf import lm_loss_cases  # noqa: E402
 
 EXACT = 1e-10
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.support.hf_loopback_cases import loopback_equivalence  # noqa: E402
+from tests.support.hf.hf_loopback_cases import loopback_equivalence  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "interleaved"])
@@ -36,7 +36,7 @@ def test_unknown_or_impossible_strategies_are_refused():
     from cp_attention.integrations import huggingface as cphf
     from cp_attention.transport.loopback import LoopbackGroup
 
-    from tests.support.hf_cases import build
+    from tests.support.hf.hf_cases import build
 
     with pytest.raises(ValueError, match="unknown cp_comm_type 'ulysses'"):
         cphf.apply_context_parallel(build("llama"), group=LoopbackGroup(2).rank(0), cp_comm_type="ulysses")
@@ -58,7 +58,7 @@ def test_generate_after_a_strategys_prefill_equals_one_process(comm, mesh):
     from cp_attention.integrations import huggingface as cphf
     from cp_attention.transport.loopback import LoopbackGroup
 
-    from tests.support.generate_cases import _compare, build, prompts
+    from tests.support.hf.generate_cases import _compare, build, prompts
 
     world = 4 if mesh else 2
     ref = build("qwen2")

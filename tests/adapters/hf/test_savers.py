@@ -1,6 +1,6 @@
 """``cphf.save_memory`` on CP-patched HF models (fp64, every rank in one process on the loopback transport):
 each saver alone and together leaves the loss and every rank-summed parameter gradient within 1e-10 of the
-same CP model without savers, on every family of tests/support/hf_cases.py, plain, padded and packed
+same CP model without savers, on every family of tests/support/hf/hf_cases.py, plain, padded and packed
 batches, N=2 and 4, every cp_comm_type, with ``causal_lm_loss`` and with ``lm_loss``; and the savers
 really ran (layers recomputed, inputs stashed in host memory and restored, MLPs run chunk by chunk).
 Mixture-of-experts MLPs are refused by name under ``mlp_chunks``; calls are re-callable and undoable."""
@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from tests.support.hf_cases import build  # noqa: E402
-from tests.support.hf_versions import checkpointing_on  # noqa: E402
-from tests.support.savers_cases import cp_step, difference, make_batch  # noqa: E402
+from tests.support.hf.hf_cases import build  # noqa: E402
+from tests.support.hf.hf_versions import checkpointing_on  # noqa: E402
+from tests.support.hf.savers_cases import cp_step, difference, make_batch  # noqa: E402
 
 TOL = 1e-10
 CHUNKS = 3

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
-from tests.support import trainer_cases  # noqa: E402
+from tests.support.hf import trainer_cases  # noqa: E402
 
 FP32 = 1e-6  # relative: transformers' loss runs in fp32 (the models are fp64)
 
@@ -174,7 +174,7 @@ def test_strategies_the_cp_group_cannot_run_are_refused_at_once():
 
     from cp_attention.integrations import huggingface as cphf
 
-    from tests.support.hf_cases import build
+    from tests.support.hf.hf_cases import build
 
     CPTrainer = cphf.context_parallel_trainer(tf.Trainer)
     with pytest.raises(NotImplementedError, match=r"cp_comm_type='a2a\+p2p' needs two: use 'a2a', 'all_gather' or"):
@@ -242,7 +242,7 @@ def test_models_without_loss_kwargs_are_refused(tmp_path):
 
     from cp_attention.integrations import huggingface as cphf
 
-    from tests.support.hf_cases import build
+    from tests.support.hf.hf_cases import build
 
     model = build("llama")
     model.accepts_loss_kwargs = False
@@ -280,7 +280,7 @@ def test_memory_arguments_that_cannot_be_honoured_are_refused(tmp_path, kwargs, 
 
     from cp_attention.integrations import huggingface as cphf
 
-    from tests.support.hf_cases import build
+    from tests.support.hf.hf_cases import build
 
     arguments = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **args)
     with pytest.raises(ValueError, match=words):
@@ -295,7 +295,7 @@ def test_a_head_the_chunked_loss_cannot_apply_is_refused_when_built(tmp_path):
 
     from cp_attention.integrations import huggingface as cphf
 
-    from tests.support.hf_cases import build
+    from tests.support.hf.hf_cases import build
 
     class Custom(tf.LlamaForCausalLM):
         def forward(self, *args, **kwargs):

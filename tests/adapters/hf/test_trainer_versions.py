@@ -17,7 +17,7 @@ pytest.importorskip("accelerate", reason="needs the trainer extra: pip install -
 import torch  # noqa: E402
 
 from cp_attention import versions  # noqa: E402
-from tests.support import trainer_cases  # noqa: E402
+from tests.support.hf import trainer_cases  # noqa: E402
 
 OLD = "0.1.0"  # below every floor
 
@@ -42,7 +42,7 @@ def test_the_label_count_is_the_installed_trainers(tmp_path, name):
 
     from cp_attention.integrations.huggingface.loss import trainer_label_count
 
-    from tests.support.hf_cases import build
+    from tests.support.hf.hf_cases import build
 
     args = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     trainer = tf.Trainer(model=build("llama"), args=args)

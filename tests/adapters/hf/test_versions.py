@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from cp_attention import versions  # noqa: E402
-from tests.support.hf_cases import batch, build  # noqa: E402
+from tests.support.hf.hf_cases import batch, build  # noqa: E402
 
 OLD = "4.57.1"  # below every floor cp_attention's HF adapter has had
 

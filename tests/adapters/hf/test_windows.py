@@ -11,8 +11,8 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 
 import cp_attention as cpa  # noqa: E402
 
-from tests.support import hf_cases, hf_window_cases  # noqa: E402
-from tests.support.hf_versions import BIDIRECTIONAL_CONFIG, needs  # noqa: E402
+from tests.support.hf import hf_cases, hf_window_cases  # noqa: E402
+from tests.support.hf.hf_versions import BIDIRECTIONAL_CONFIG, needs  # noqa: E402
 from tests.adapters.hf.test_equivalence import FP64, PLAIN_LAYOUTS, _assert_equivalent  # noqa: E402
 
 # Every layer, max_window_layers, mask-only windows (Qwen2-MoE), alternating with softcap (Gemma2),

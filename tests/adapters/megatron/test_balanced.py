@@ -21,7 +21,7 @@ import cp_attention as cpa  # noqa: E402
 from cp_attention.layouts.documents import document_position_ids  # noqa: E402
 from cp_attention.transport.loopback import LoopbackGroup  # noqa: E402
 
-from tests.support import megatron_packed_cases as mpc  # noqa: E402
+from tests.support.megatron import megatron_packed_cases as mpc  # noqa: E402
 
 
 def _differs_from_zigzag(cu: "tuple[int, ...]", world_size: int) -> bool:

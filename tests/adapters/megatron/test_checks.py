@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
-from tests.support import megatron_checks_cases as mcc  # noqa: E402
+from tests.support.megatron import megatron_checks_cases as mcc  # noqa: E402
 
 FP64 = 1e-10
 

@@ -10,8 +10,8 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 
 import cp_attention as cpa  # noqa: E402
 
-from tests.support import megatron_cases as mc  # noqa: E402
-from tests.support import megatron_packed_cases as mpc  # noqa: E402
+from tests.support.megatron import megatron_cases as mc  # noqa: E402
+from tests.support.megatron import megatron_packed_cases as mpc  # noqa: E402
 
 FP64 = 1e-10  # docs/design.md: fp64 model, fp64 reference
 FP32 = 2e-6  # megatron's own loss is computed in fp32

@@ -11,9 +11,9 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 
 import cp_attention as cpa  # noqa: E402
 
-from tests.support import megatron_cases as mc  # noqa: E402
-from tests.support import megatron_packed_cases as mpc  # noqa: E402
-from tests.support import megatron_window_cases as mwc  # noqa: E402
+from tests.support.megatron import megatron_cases as mc  # noqa: E402
+from tests.support.megatron import megatron_packed_cases as mpc  # noqa: E402
+from tests.support.megatron import megatron_window_cases as mwc  # noqa: E402
 from tests.adapters.megatron.test_equivalence import PLAIN_LAYOUTS, _packed_references  # noqa: E402
 
 FP64 = 1e-10

@@ -1,7 +1,7 @@
 """ring-flash-attention 0.1.8's batch API on cp_attention (``cp_attention.compat.ring_flash_attn``): the same
 signatures as the original, the original's shard placements, its refusals, and on gloo ranks (world sizes
 2, 3, 4) the outputs and LSE of ring-flash-attention's own functions on the same shards and the outputs and
-gradients of one process's attention (tests/support/rfa_cases.py)."""
+gradients of one process's attention (tests/support/core/rfa_cases.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import cp_attention
 import cp_attention.compat.ring_flash_attn as ours
 from cp_attention.compat import rfa_batch
 
-from tests.support import rfa_cases
-from tests.support.reference import reference_attention
+from tests.support.core import rfa_cases
+from tests.support.core.reference import reference_attention
 
 WORLD_SIZES = (2, 3, 4)
 BATCH_NAMES = [rfa_cases.function_name(p, k) for p in rfa_cases.PLACEMENTS for k in rfa_cases.PACKINGS]

@@ -1,7 +1,7 @@
 """ring-flash-attention's HF adapter on cp_attention (``cp_attention.compat.rfa_hf_adapter``): the names its callers
 import, the flash-attention entry points it patches, a script written for it (Axolotl's pattern: patch, then
 ``update_ring_flash_attn_params`` per batch) equal to one process on gloo ranks, and the refusals, raised alike
-on every rank (tests/support/rfa_hf_cases.py)."""
+on every rank (tests/support/hf/rfa_hf_cases.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from cp_attention.compat import rfa_hf_adapter
 
-from tests.support import rfa_hf_cases
+from tests.support.hf import rfa_hf_cases
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 

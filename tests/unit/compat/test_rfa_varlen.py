@@ -2,7 +2,7 @@
 the original's signatures, its shard placements, ``llama3_flash_attn_prepare_cu_seqlens`` equal to the
 original's, the refusals, the flash-attn varlen stand-in the comparisons run on, and on gloo ranks (world sizes
 2, 3, 4) the outputs and LSE of ring-flash-attention's own functions on the same shards and the outputs and
-gradients of one process's attention over the packed documents (tests/support/rfa_varlen_cases.py)."""
+gradients of one process's attention over the packed documents (tests/support/core/rfa_varlen_cases.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import cp_attention
 import cp_attention.compat.ring_flash_attn as ours
 from cp_attention.compat import rfa_varlen
 
-from tests.support import flash_attn_standin, rfa_cases
-from tests.support import rfa_varlen_cases as vc
+from tests.support.cuda import flash_attn_standin
+from tests.support.core import rfa_cases
+from tests.support.core import rfa_varlen_cases as vc
 
 WORLD_SIZES = (2, 3, 4)
 VARLEN_NAMES = [vc.function_name(kind, p) for kind in vc.KINDS for p in vc.PACKINGS]

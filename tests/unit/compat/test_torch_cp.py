@@ -2,7 +2,7 @@
 by the layout (torch's head-tail placement = zigzag) and restored, SDPA calls inside run on the ring and
 equal full attention (loopback ranks, threads in this process), the patch undone and confined to the
 thread, the refusals by name; on gloo ranks a tiny HF Llama trained under it equals one process
-(tests/support/torch_cp_cases.py)."""
+(tests/support/hf/torch_cp_cases.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cp_attention.compat import torch_cp
 from cp_attention.compat.torch_cp import context_parallel, context_parallel_unshard
 from cp_attention.transport.loopback import LoopbackGroup
 
-from tests.support import torch_cp_cases
+from tests.support.hf import torch_cp_cases
 
 SDPA = F.scaled_dot_product_attention  # torch's own, taken before any context patches it
 FP64 = 1e-12

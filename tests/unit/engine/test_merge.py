@@ -1,5 +1,5 @@
 """The ring's out/LSE merge (issue 41, item 3): the torch path and the fused Triton kernel against an
-independent fp64 reference (``tests/support/merge_cases.py``), and which path a merge takes.
+independent fp64 reference (``tests/support/core/merge_cases.py``), and which path a merge takes.
 
 The kernel runs here through triton's interpreter on CPU tensors, in a subprocess (``TRITON_INTERPRET``
 must be set before triton is imported); without triton (or numpy, which the interpreter needs) that test
@@ -20,7 +20,7 @@ import torch
 from cp_attention.engine import merge
 from cp_attention.engine.merge import merge_at, merge_block
 
-from tests.support.merge_cases import CASES, Case, check, make, rows_arg, run
+from tests.support.core.merge_cases import CASES, Case, check, make, rows_arg, run
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -133,7 +133,7 @@ def test_importing_the_library_never_imports_triton():
     """``import cp_attention`` (and a CPU merge) imports neither the kernel module nor triton beyond what
     torch imports itself (``torch._dynamo`` imports triton when it is installed)."""
     code = ("import sys, torch, torch._dynamo\nbefore = set(sys.modules)\nimport cp_attention\n"
-            "from tests.support.merge_cases import CASES, run\nrun(CASES[0])\n"
+            "from tests.support.core.merge_cases import CASES, run\nrun(CASES[0])\n"
             "new = {m for m in set(sys.modules) - before if m.split('.')[0] == 'triton'}\n"
             "new |= {'cp_attention.engine.merge_triton'} & set(sys.modules)\nassert not new, new")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -184,7 +184,7 @@ def test_the_triton_kernel_matches_the_reference():
     if reason:
         pytest.skip(reason)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "tests.support.merge_cases"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.core.merge_cases"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok ") == len(CASES), proc.stdout

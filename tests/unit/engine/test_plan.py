@@ -11,7 +11,7 @@ from cp_attention.engine import plan as plan_module
 from benchmarks.gpu import ReplayComm
 from cp_attention.transport import LoopbackGroup, ProcessGroupTransport, Transport
 
-from tests.support.loopback_cases import loopback_errors
+from tests.support.core.loopback_cases import loopback_errors
 
 
 class TailFirstLayout(cpa.Layout):

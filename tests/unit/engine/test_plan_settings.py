@@ -11,7 +11,7 @@ import torch
 import cp_attention as cpa
 from cp_attention.transport.loopback import LoopbackGroup
 
-from tests.support.reference import reference_attention
+from tests.support.core.reference import reference_attention
 
 TIMEOUT_S = 10.0  # the loopback's wait for a message: what a hang becomes here
 LOCAL = 8

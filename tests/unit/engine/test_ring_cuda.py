@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.loopback_cases import loopback_errors
-from tests.support.reference import BF16_GQA, TOLERANCES
+from tests.support.core.loopback_cases import loopback_errors
+from tests.support.core.reference import BF16_GQA, TOLERANCES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

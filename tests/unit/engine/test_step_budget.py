@@ -1,5 +1,5 @@
 """Issue 41 item 3: the ring's launch and byte budget per ring step (docs/design.md, "Per-step
-budget"), counted on every rank with the fake-CUDA dispatch trace (``tests/support/fake_cuda_cases.py``).
+budget"), counted on every rank with the fake-CUDA dispatch trace (``tests/support/cuda/fake_cuda_cases.py``).
 
 Every aten op a rank dispatches on a CUDA tensor inside the ring is counted per ring step and
 attributed to who issued it: the step's block tasks (``task``: the kernel calls and their gathers),
@@ -37,7 +37,7 @@ import cp_attention.engine.ring as ring_mod
 from cp_attention.engine.ring import RingSource
 from cp_attention.transport import loopback
 
-from tests.support.fake_cuda_cases import check_clean, env, lengths, ring_case  # noqa: F401 - env: the fixture
+from tests.support.cuda.fake_cuda_cases import check_clean, env, lengths, ring_case  # noqa: F401 - env: the fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 

@@ -17,8 +17,8 @@ import torch
 from cp_attention import kernels
 from cp_attention.kernels.base import unit_stride
 
-from tests.support.loopback_cases import loopback_errors
-from tests.support.strides import STRIDE_FORMS
+from tests.support.core.loopback_cases import loopback_errors
+from tests.support.core.strides import STRIDE_FORMS
 
 # (cp_comm_type, world size, mesh shape): one rank alone, the ring at an odd N, and every other strategy
 STRATEGIES = [("p2p", 1, None), ("p2p", 3, None), ("all_gather", 2, None), ("a2a", 2, None),

@@ -1,5 +1,5 @@
 """Issue 41: ``auto``'s declared table, each kernel's refusals, and flash's native windows, proven on CPU
-(the CUDA ops' stand-ins of ``tests/support/aten_standins.py``: the real schemas, the CUDA code's checks
+(the CUDA ops' stand-ins of ``tests/support/cuda/aten_standins.py``: the real schemas, the CUDA code's checks
 and masking conventions, computed in fp64)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from cp_attention.kernels._cuda import band_pieces
 from cp_attention.kernels.choice import AUTO_TABLE, KernelChoice
 from cp_attention.layouts import get_layout
 
-from tests.support.aten_standins import AtenStandIns
-from tests.support.flash_attn_standin import attend, band
+from tests.support.cuda.aten_standins import AtenStandIns
+from tests.support.cuda.flash_attn_standin import attend, band
 
 FP16 = torch.float16
 TOL = dict(atol=2e-5, rtol=1e-5)

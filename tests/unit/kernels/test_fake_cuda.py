@@ -1,8 +1,8 @@
 """Issue 23, the GPU path proven without a GPU: the CUDA kernels (``flash``, ``efficient``, ``cudnn``, and
-``flash_attn`` through ``tests/support/flash_attn_standin.py``: 2.8's custom ops with fake kernels as the package
+``flash_attn`` through ``tests/support/cuda/flash_attn_standin.py``: 2.8's custom ops with fake kernels as the package
 registers them, and 2.6's stand-in computing) run through the ring on the in-process loopback
 transport, forward and backward, on fake CUDA tensors (torch's FakeTensorMode: the real aten ops'
-fake kernels, so real output shapes, dtypes and strides, no data). See ``tests/support/fake_cuda_support.py``
+fake kernels, so real output shapes, dtypes and strides, no data). See ``tests/support/cuda/fake_cuda_support.py``
 for what is patched and how.
 
 Every case fails on a host sync (a read of device data on the host: ``.item()``, ``.tolist()``,
@@ -25,9 +25,9 @@ import torch
 import cp_attention as cpa
 from cp_attention.kernels import cuda_flash_attn, get_kernel
 
-from tests.support import flash_attn_standin
-from tests.support.fake_cuda_cases import check_clean, env, lengths, ring_case  # noqa: F401 - env: the fixture
-from tests.support.strides import STRIDE_FORMS
+from tests.support.cuda import flash_attn_standin
+from tests.support.cuda.fake_cuda_cases import check_clean, env, lengths, ring_case  # noqa: F401 - env: the fixture
+from tests.support.core.strides import STRIDE_FORMS
 
 # pad_head reads data_ptr(): a fake tensor's is its storage offset in bytes (a real one's is 256-aligned)
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")

@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
-from tests.support.fake_cuda_cases import check_clean, env, ring_case  # noqa: F401 - env: the fixture
-from tests.support.fake_cuda_checks import PreconditionError
-from tests.support.fake_cuda_support import SyncWatch
+from tests.support.cuda.fake_cuda_cases import check_clean, env, ring_case  # noqa: F401 - env: the fixture
+from tests.support.cuda.fake_cuda_checks import PreconditionError
+from tests.support.cuda.fake_cuda_support import SyncWatch
 
 # pad_head reads data_ptr(): a fake tensor's is its storage offset in bytes (a real one's is 256-aligned)
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")

@@ -9,7 +9,7 @@ import cp_attention as cpa
 from cp_attention.kernels import get_kernel, reference as math_kernel
 from cp_attention.engine.merge import merge_block
 
-from tests.support.reference import reference_attention
+from tests.support.core.reference import reference_attention
 
 
 def naive_block(q, k, v, causal, scale):

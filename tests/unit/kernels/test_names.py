@@ -12,7 +12,7 @@ from cp_attention.kernels import (KERNEL_NAMES, CpuFlashKernel, SdpaCpuKernel, c
                                   resolve_kernel_name)
 from cp_attention.kernels import SdpaCpuKernel as OldImport
 
-from tests.support import flash_attn_standin
+from tests.support.cuda import flash_attn_standin
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 

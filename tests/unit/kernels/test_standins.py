@@ -1,6 +1,6 @@
 """The CUDA kernels' plumbing, on CPU: each kernel runs against plain-torch stand-ins of the ops it
-calls (``tests/support/aten_standins.py``: bound to the installed torch's real schemas, with the CUDA code's
-checks and masking conventions; ``tests/support/flash_attn_standin.py``: flash-attn 2.6 / 2.7 / 2.8 with
+calls (``tests/support/cuda/aten_standins.py``: bound to the installed torch's real schemas, with the CUDA code's
+checks and masking conventions; ``tests/support/cuda/flash_attn_standin.py``: flash-attn 2.6 / 2.7 / 2.8 with
 their exact signatures), and must match fp64 top-left-causal attention, forward, LSE and backward.
 The ``flash`` and ``cudnn`` kernels also run on meta tensors through the real ops' schemas."""
 
@@ -14,9 +14,9 @@ import torch
 from cp_attention.kernels import cuda_cudnn, cuda_efficient, cuda_flash, cuda_flash_attn, get_kernel
 from cp_attention.kernels.cuda_flash_attn import FlashAttnKernel, split_window_api
 
-from tests.support import flash_attn_standin
-from tests.support.aten_standins import AtenStandIns, bind
-from tests.support.flash_attn_standin import attend
+from tests.support.cuda import flash_attn_standin
+from tests.support.cuda.aten_standins import AtenStandIns, bind
+from tests.support.cuda.flash_attn_standin import attend
 
 SHAPES = [  # (Sq, Sk, H, Hkv, D, Dv, causal): GQA, MQA, v head dim != q's, Sq != Sk both ways
     (8, 8, 4, 4, 8, 8, True), (7, 5, 4, 2, 8, 12, True), (5, 7, 2, 1, 16, 8, True), (6, 6, 4, 1, 8, 8, False),

@@ -14,7 +14,7 @@ import cp_attention as cpa
 from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple
 from cp_attention.transport.loopback import LoopbackGroup
 
-from tests.support.reference import reference_attention
+from tests.support.core.reference import reference_attention
 
 CU = [0, 5, 9, 16]
 INTEGER_FORMS = {

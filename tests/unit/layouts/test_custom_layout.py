@@ -1,4 +1,4 @@
-"""A user-defined layout (tests/support/custom_layouts.py: reversed zigzag) works end to end: the mask
+"""A user-defined layout (tests/support/core/custom_layouts.py: reversed zigzag) works end to end: the mask
 oracle, ring_attention on real ranks (by name and as an object), work_model and the layout comparison."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import cp_attention as cpa
 from cp_attention.layouts import register_layout
 
-from tests.support import custom_layouts
-from tests.support.reference import tolerance
+from tests.support.core import custom_layouts
+from tests.support.core.reference import tolerance
 from tests.distributed.test_ring import _assert_within
 from tests.unit.schedules.test_causal import allowed, coverage
 
@@ -86,7 +86,7 @@ def test_compare_layouts_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "studies.layout_comparison", "experiment=smoke", f"out_dir={tmp_path}",
-         "plugins=[tests.support.custom_layouts]", f"layouts=[zigzag,{NAME}]", "model.world_sizes=[2,4]",
+         "plugins=[tests.support.core.custom_layouts]", f"layouts=[zigzag,{NAME}]", "model.world_sizes=[2,4]",
          "model.seq_lens=[1024]", "projection.world_sizes=[8]", "projection.seq_lens=[32768]"],
         cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

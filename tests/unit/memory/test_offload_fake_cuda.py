@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_attention.memory import offload as off
 
-from tests.support.fake_cuda_support import _SYNC_OPS, _is_pinned, _pin_memory, cuda_guard_problem
+from tests.support.cuda.fake_cuda_support import _SYNC_OPS, _is_pinned, _pin_memory, cuda_guard_problem
 
 aten = torch.ops.aten
 

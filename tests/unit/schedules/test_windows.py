@@ -16,8 +16,8 @@ from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids
 from cp_attention.schedules import BlockTask, source_rank, task_pairs
 from cp_attention.schedules import block_schedules, normalize_window, ring_length
 
-from tests.support import dist_cases
-from tests.support.reference import tolerance
+from tests.support.core import dist_cases
+from tests.support.core.reference import tolerance
 
 
 def _allowed(total: int, cu, causal: bool, window) -> torch.Tensor:

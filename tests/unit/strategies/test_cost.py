@@ -18,7 +18,7 @@ from cp_attention.strategies.cost import (HARDWARE, Workload, choose, closed_rin
                                           pairs, rank_pairs, set_hardware)
 from cp_attention.transport.loopback import LoopbackGroup
 
-from tests.support.loopback_cases import loopback_errors
+from tests.support.core.loopback_cases import loopback_errors
 
 
 def _seen(total: int, causal: bool, window: tuple, cu: "tuple | None") -> torch.Tensor:
@@ -199,7 +199,7 @@ def test_auto_is_agreed_when_ranks_model_different_hardware(monkeypatch):
     from cp_attention.strategies import auto
     from cp_attention.strategies.plan_cache import plan_cache
 
-    from tests.support.reference import reference_attention
+    from tests.support.core.reference import reference_attention
 
     seat = threading.local()
     profiles = {0: HARDWARE["h100"], 1: HARDWARE["cpu_gloo"]}

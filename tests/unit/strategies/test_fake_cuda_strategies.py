@@ -13,9 +13,9 @@ import cp_attention as cpa
 from cp_attention.strategies import alltoall, dispatch
 from cp_attention.engine.function import AttentionFunction
 
-from tests.support.fake_cuda_support import ManualRingFunction, phase, tape
-from tests.support.strides import restride
-from tests.support.fake_cuda_cases import check_clean, env  # noqa: F401 - env: the fixture
+from tests.support.cuda.fake_cuda_support import ManualRingFunction, phase, tape
+from tests.support.core.strides import restride
+from tests.support.cuda.fake_cuda_cases import check_clean, env  # noqa: F401 - env: the fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
@@ -35,7 +35,7 @@ def strategy_case(env, comm: str, world: int, mesh, kernel: str, layout: str, h:
                   stride_form: "str | None" = None) -> dict:
     """Two layers' calls with one plan, then their backwards (the composite's and the all-to-all's) in
     reverse; the problems and the watcher's events of every rank. ``stride_form``: q, k, v and dout in
-    that memory form of :mod:`tests.support.strides` (a last dim whose stride is not 1)."""
+    that memory form of :mod:`tests.support.core.strides` (a last dim whose stride is not 1)."""
     form = (lambda t: restride(t, stride_form)) if stride_form else (lambda t: t)  # noqa: E731
     cu = None
     if lengths is not None:

@@ -14,8 +14,8 @@ import cp_attention as cpa
 from cp_attention.strategies.composite import pair_steps
 from cp_attention.transport.loopback import LoopbackGroup
 
-from tests.support import dist_cases
-from tests.support.loopback_cases import loopback_errors
+from tests.support.core import dist_cases
+from tests.support.core.loopback_cases import loopback_errors
 
 # (cp_comm_type, world size, mesh shape, heads, kv heads): N in {2, 3, 4} (6 for a 2-D mesh of 2 x 3);
 # GQA with fewer K/V heads than the all-to-all degree, so they are repeated.

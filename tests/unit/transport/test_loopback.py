@@ -1,4 +1,4 @@
-"""The in-process loopback ring (cp_attention/loopback.py) is exact on CPU: the GPU tests and the GPU
+"""The in-process loopback ring (cp_attention/transport/loopback.py) is exact on CPU: the GPU tests and the GPU
 benchmark rely on it to run N ranks on one device."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from cp_attention.transport.loopback import LoopbackGroup
 
-from tests.support.loopback_cases import loopback_errors, loopback_refusal
+from tests.support.core.loopback_cases import loopback_errors, loopback_refusal
 
 
 def _assert_exact(errors: dict) -> None:

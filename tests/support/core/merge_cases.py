@@ -1,5 +1,5 @@
 """Cases for the out/LSE merge (``cp_attention.engine.merge``) and an independent fp64 reference, shared
-by ``tests/unit/engine/test_merge.py`` and its Triton run: ``python -m tests.support.merge_cases``
+by ``tests/unit/engine/test_merge.py`` and its Triton run: ``python -m tests.support.core.merge_cases``
 with ``TRITON_INTERPRET=1`` (set before triton is imported: triton 3.x decides at ``@triton.jit`` time
 whether a kernel is interpreted, and its own ``tl`` helpers are jitted when triton is imported) runs
 every case through ``merge_block``/``merge_at`` with the fused kernel on CPU tensors, counting launches.

@@ -1,6 +1,6 @@
 """The varlen drop-in (``cp_attention.compat.rfa_varlen``) against ring-flash-attention's own varlen functions and
 against one process's attention over the packed documents, on gloo pool workers through
-:func:`tests.support.rfa_cases.run_cases` (``modules=VARLEN_MODULES``).
+:func:`tests.support.core.rfa_cases.run_cases` (``modules=VARLEN_MODULES``).
 
 - :func:`varlen_place`: the original's shard placements of a packed stream ``[T, ...]``, written from its code
   and independently of cp_attention's layouts: ``"ring"`` (every document cut in N contiguous parts, rank r

@@ -3,7 +3,7 @@
 ``tests/unit/strategies/test_fake_cuda_strategies.py``): the ``env`` fixture (fake CUDA installed for a
 module), :func:`ring_case` (layers of ``ring_attention`` on every rank, forward and backward, under the
 sync watcher) and :func:`check_clean` (no host sync, the kernel's own ops ran). See
-``tests/support/fake_cuda_support.py`` for what is patched and how."""
+``tests/support/cuda/fake_cuda_support.py`` for what is patched and how."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 import cp_attention as cpa
 from cp_attention.kernels import cuda_flash_attn
 
-from tests.support import flash_attn_standin
-from tests.support.fake_cuda_checks import register_flash_attn_fakes
-from tests.support.fake_cuda_support import FakeCuda, SyncWatch, cuda_guard_problem, phase, summarize, tape
-from tests.support.strides import restride
+from tests.support.cuda import flash_attn_standin
+from tests.support.cuda.fake_cuda_checks import register_flash_attn_fakes
+from tests.support.cuda.fake_cuda_support import FakeCuda, SyncWatch, cuda_guard_problem, phase, summarize, tape
+from tests.support.core.strides import restride
 
 # Which aten ops each kernel's forward / backward must reach (a kernel that fell back to another ran
 # somewhere else). flash_attn's calls are counted on the stand-in.
@@ -68,7 +68,7 @@ def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dt
     """``layers`` ring_attention calls on every rank with one plan (``implicit``: no plan, the plan's
     arguments given to every call), then their backwards in reverse order; returns the problems found
     and the watcher's events per rank, and the fused-op calls. ``stride_form``: q, k, v and dout in that
-    memory form of :mod:`tests.support.strides` (a last dim whose stride is not 1). ``ahead``: each rank's
+    memory form of :mod:`tests.support.core.strides` (a last dim whose stride is not 1). ``ahead``: each rank's
     plan is built by ``cpa.plan_ahead`` on the host (real tensors, as a loader worker would), pickled,
     and bound to the group and the device in the plan phase."""
     form = (lambda t: restride(t, stride_form)) if stride_form else (lambda t: t)  # noqa: E731

@@ -7,7 +7,7 @@ import torch
 
 from cp_attention.checks.agreement import VERDICTS
 
-from .agreement_cases import counting
+from ..core.agreement_cases import counting
 from .hf_cases import SEQ, batch, build
 
 

@@ -1,6 +1,6 @@
 """scripts/train.py with one rank SIGKILLing itself: the rank death of tests/system/test_resume.py.
 
-    torchrun --nproc-per-node=2 --max-restarts=1 tests/support/train_killing_a_rank.py 1:5 trainer.steps=8 ...
+    torchrun --nproc-per-node=2 --max-restarts=1 tests/support/core/train_killing_a_rank.py 1:5 trainer.steps=8 ...
 
 The first argument, ``RANK:STEP``, makes rank RANK SIGKILL itself as it starts step STEP, on torchrun's
 first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0, so the restarted ranks run through);

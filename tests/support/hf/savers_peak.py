@@ -1,5 +1,5 @@
 """Peak live bytes of one training step (forward and backward) of a small fp32 Llama on the CPU, with each
-memory saver: ``python -m tests.support.savers_peak`` from a checkout (a measurement, not a test).
+memory saver: ``python -m tests.support.hf.savers_peak`` from a checkout (a measurement, not a test).
 
 How: the profiler's CPU memory events (``profile_memory=True``: every allocation and free of torch's CPU
 allocator, in time order); their running sum over the step, maximised, is the peak live bytes above what

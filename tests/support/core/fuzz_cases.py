@@ -167,7 +167,7 @@ def megatron_attention_call(rank: int, world_size: int, *, specs: list, layout: 
 
     from cp_attention.integrations import megatron as cpm
 
-    from .megatron_cases import _qkv, _ring, parallel_state
+    from ..megatron.megatron_cases import _qkv, _ring, parallel_state
 
     parallel_state(world_size)
     spec = specs[rank]

@@ -1,6 +1,6 @@
 """Megatron-core cases for packed (THD) batches, run inside the gloo workers: documents of any length
 against each document run alone at CP=1, the padded convention, batch sharding and the refusals.
-Shared model, batch and reference helpers come from :mod:`tests.support.megatron_cases`."""
+Shared model, batch and reference helpers come from :mod:`tests.support.megatron.megatron_cases`."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def packed_core_attention(rank: int, world_size: int, layout: str, causal: bool)
 
     from cp_attention.integrations import megatron as cpm
 
-    from .reference import reference_attention
+    from ..core.reference import reference_attention
 
     parallel_state(world_size)
     ring = _ring(world_size, layout=layout, attn_mask_type=AttnMaskType.causal if causal else AttnMaskType.no_mask)

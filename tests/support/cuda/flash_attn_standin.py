@@ -8,7 +8,7 @@ plain torch in fp64 on any device, with flash-attn's conventions and checks: bsh
 windows aligned BOTTOM-RIGHT, ``seqlen_q == 1`` turns causal off, softcap on the scaled scores, GQA, LSE
 ``[B, H, Sq]`` fp32 natural log (read contiguous by the backward), equal head dims at most 256 (2.7+:
 a multiple of 8). :func:`install` puts it into ``sys.modules``. Also home of the fp64 attention math
-the aten stand-ins (``tests/support/aten_standins.py``) share.
+the aten stand-ins (``tests/support/cuda/aten_standins.py``) share.
 """
 
 from __future__ import annotations

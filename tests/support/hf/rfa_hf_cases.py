@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from tests.support import torch_cp_cases
+from tests.support.hf import torch_cp_cases
 
 STEPS = 3
 
@@ -34,7 +34,7 @@ def original_adapter_signatures() -> "dict[str, list[tuple[str, object]]] | None
     import inspect
     import pathlib
 
-    from tests.support.rfa_cases import rfa_missing
+    from tests.support.core.rfa_cases import rfa_missing
 
     spec = importlib.util.find_spec("ring_flash_attn") if rfa_missing() is None else None
     if spec is None or not spec.submodule_search_locations:

@@ -47,7 +47,7 @@ def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.
     ``use_plan``: each rank builds the batch's plan and calls with it (twice: the second call reuses it).
     ``mesh_shape``: a two-level group (outer, inner), for ``cp_comm_type="a2a+p2p"``. ``lse_grad``: the
     loss also weighs the LSE, so its gradient flows back. ``strided``: which of ``"q"``, ``"k"``, ``"v"``,
-    ``"dout"`` each rank passes in the memory form ``stride_form`` (:mod:`tests.support.strides`: same values, a
+    ``"dout"`` each rank passes in the memory form ``stride_form`` (:mod:`tests.support.core.strides`: same values, a
     last dim whose stride is not 1).
     """
     total = local_len * world_size

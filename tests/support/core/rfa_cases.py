@@ -6,7 +6,7 @@ A generic harness, for any of ring-flash-attention's functions:
 - :func:`rfa_missing`: why ring-flash-attention 0.1.8 cannot be the reference here (a skip reason), or None.
 - :func:`original`: a context manager giving ring-flash-attention's own functions (a namespace of every
   public callable of the named modules), imported fresh on the flash-attn stand-in
-  (``tests/support/flash_attn_standin.py``) and forgotten afterwards.
+  (``tests/support/cuda/flash_attn_standin.py``) and forgotten afterwards.
 - :func:`run_cases`: the pool entry. ``pools(N).run(run_cases, cases, modules=..., flash_attn_version=...)``
   runs each ``(fn, kwargs)`` of ``cases`` as ``fn(rank, world_size, original, **kwargs)`` (``original``:
   the namespace above, None if ring-flash-attention is missing or ``modules`` is empty) and returns, per
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from cp_attention.kernels.dtypes import dtype_from_name
 
 from .dist_cases import make_inputs
-from .flash_attn_standin import install
+from ..cuda.flash_attn_standin import install
 from .reference import excess_error, reference_attention
 
 RFA_VERSION = "0.1.8"

@@ -52,4 +52,4 @@ def _cu(draw, total: int) -> list:
 def _layout(name: str):
     import cp_attention as cpa
 
-    return cpa.get_layout(name)  # reversed_zigzag: registered by fuzz_cases' import of tests.support.custom_layouts
+    return cpa.get_layout(name)  # reversed_zigzag: registered by fuzz_cases' import of tests.support.core.custom_layouts

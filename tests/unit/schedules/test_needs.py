@@ -20,7 +20,7 @@ from cp_attention.schedules.windows import normalize_window
 from cp_attention.strategies.dispatch import _Seat
 from cp_attention.transport.loopback import LoopbackGroup
 
-from tests.support.loopback_cases import loopback_errors
+from tests.support.core.loopback_cases import loopback_errors
 
 LAYOUTS = ("contiguous", "zigzag", "interleaved", "balanced")
 

@@ -377,7 +377,7 @@ def pg_collection_group(rank: int, world_size: int, layout: str) -> dict:
 
     from cp_attention.integrations import megatron as cpm
 
-    from .reference import reference_attention
+    from ..core.reference import reference_attention
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
@@ -416,7 +416,7 @@ def softmax_sinks(rank: int, world_size: int, layout: str, softmax_type: str) ->
     input gradients, and the learnable offset's gradient summed over the CP ranks."""
     import cp_attention as cpa
 
-    from .reference import reference_attention
+    from ..core.reference import reference_attention
 
     parallel_state(world_size)
     torch.manual_seed(3)  # the learnable offset is initialised alike on every rank

@@ -1,4 +1,4 @@
-"""The fused ops under ``tests/support/fake_cuda_support.py``: P7, each aten fused-op call bound to the real op's
+"""The fused ops under ``tests/support/cuda/fake_cuda_support.py``: P7, each aten fused-op call bound to the real op's
 schema and checked against what the CUDA code checks or assumes (metadata only; flash_api.cpp,
 mem_eff_attention, cudnn/MHA.cpp), then run (the real op's fake kernel); and fake kernels for the
 flash-attn 2.7+ stand-in's custom ops."""
@@ -163,7 +163,7 @@ def _eff_bwd_checks(a, values):
 
 
 def _cudnn_common(q, k, v, causal):
-    # the conventions tests/support/aten_standins.py models for cuDNN's MHA
+    # the conventions tests/support/cuda/aten_standins.py models for cuDNN's MHA
     yield all(t.device.type == "cuda" for t in (q, k, v)), "cuda tensors"
     yield q.dtype in HALF and k.dtype == q.dtype and v.dtype == q.dtype, "fp16/bf16, one dtype"
     yield all(t.dim() == 4 and t.stride(-1) == 1 for t in (q, k, v)), "bhsd, contiguous last dim"
@@ -232,7 +232,7 @@ class CheckedAten:
 
 # ------------------------------------------------------------------ flash-attn 2.7+ fake kernels
 def register_flash_attn_fakes(iface, calls: Counter) -> Callable[[], None]:
-    """Fake kernels for the flash-attn 2.7+ stand-in's custom ops (``tests/support/flash_attn_standin.py``),
+    """Fake kernels for the flash-attn 2.7+ stand-in's custom ops (``tests/support/cuda/flash_attn_standin.py``),
     as flash-attn itself registers them (``register_fake`` in ``flash_attn_interface.py``: ``out``
     like q, ``softmax_lse [B, H, Sq]`` fp32, ``rng_state [2]`` int64; the backward writes the given
     dq/dk/dv), after the stand-in's own argument checks (the package's ``CHECK``s). Returns the undo."""

@@ -1,7 +1,7 @@
 """Running cp_attention's CUDA path without a GPU: every tensor the library sees is a FakeTensor on
 ``cuda:0`` (torch's FakeTensorMode: aten ops run their meta/fake kernels, giving the real output
 shapes, dtypes and strides and no data), through the ring on the in-process loopback transport.
-Used through ``tests/support/fake_cuda_cases.py`` by the fake-CUDA tests (issue 23); the method is the shared ``tools/fake_cuda_trace.py``'s.
+Used through ``tests/support/cuda/fake_cuda_cases.py`` by the fake-CUDA tests (issue 23); the method is that of the shared ``/work/shared/tools/fake_cuda_trace.py`` (outside the repository).
 
 What is patched, none of it in cp_attention's source, all of it undone by the caller's
 ``pytest.MonkeyPatch`` (and :meth:`FakeCuda.close`) except P1:

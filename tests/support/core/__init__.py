@@ -1,0 +1,1 @@
+"""Test support for core: see tests/support/__init__.py."""

@@ -1,0 +1,1 @@
+"""Test support for cuda: see tests/support/__init__.py."""

@@ -1,0 +1,1 @@
+"""Test support for hf: see tests/support/__init__.py."""

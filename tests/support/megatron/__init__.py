@@ -1,0 +1,1 @@
+"""Test support for megatron: see tests/support/__init__.py."""
