@@ -7,6 +7,8 @@ from setuptools import setup
 
 # The supported versions, written once (cp_attention/versions.py imports the standard library only).
 FLOORS = runpy.run_path(str(Path(__file__).resolve().parent / "cp_attention" / "versions.py"))["FLOORS"]
+# The sub-packages to install, written once in cp_attention/rooms.py (it imports nothing).
+ROOMS = runpy.run_path(str(Path(__file__).resolve().parent / "cp_attention" / "rooms.py"))["PACKAGE_ROOMS"]
 
 
 def floor(package: str) -> str:
@@ -14,8 +16,9 @@ def floor(package: str) -> str:
 
 
 EXTRAS = {
-    # Training (scripts/train.py); also what the examples (examples/) and the benchmarks (benchmarks/,
-    # not installed: run them from a checkout) need for their summaries and the layout comparison.
+    # Training (scripts/train.py); also what the examples (examples/), the benchmarks and the studies
+    # (benchmarks/, studies/, not installed: run them from a checkout) need for their summaries and the
+    # layout comparison.
     "train": ["hydra-core>=1.3", "tqdm"],
     "hf": [floor("transformers")],  # AttentionInterface + AttentionMaskInterface
     # context_parallel_trainer: transformers' Trainer (needs accelerate) and TRL's SFTTrainer
@@ -27,11 +30,10 @@ EXTRAS = {
     # backend="transformer_engine" (imported by megatron-core's TE layer spec, not by us).
     "gpu": ["flash-attn>=2.6,<2.9", "transformer-engine[pytorch]>=2.0"],
     # ring-flash-attn: pure Python, no requirements; the compat tests run it on CPU through a flash-attn stand-in
-    "test": ["pytest>=7", "hypothesis>=6", "ring-flash-attn==0.1.8"],
+    # ruff, mypy: pinned, so a new release's rules cannot turn a clean tree red; pytest-xdist: make test-fast's -n 2
+    "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "ring-flash-attn==0.1.8", "ruff==0.17.6", "mypy==2.4.1"],
 }
 # The core's rooms (sub-packages), then the rooms above them.
-ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies", "training",
-         "compat")
 # Everything that installs on a CPU-only machine.
 EXTRAS["all"] = sorted({req for name, reqs in EXTRAS.items() if name != "gpu" for req in reqs})
 

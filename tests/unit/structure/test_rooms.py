@@ -14,24 +14,22 @@
 from __future__ import annotations
 
 import ast
+import runpy
 from pathlib import Path
 
 import pytest
 
-from tests.support.import_graph import imported_names
+from tests.support.core.import_graph import imported_names
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "cp_attention"
 ADAPTERS = ROOT / "integrations"  # installed as cp_attention.integrations (setup.py's package_dir)
 INTEGRATIONS = "cp_attention.integrations"
 ADAPTER_PACKAGES = (f"{INTEGRATIONS}.huggingface", f"{INTEGRATIONS}.megatron")
-ABOVE_CORE = ("integrations", "training", "compat")  # the rooms of the levels above the core
-CHECKOUT_ROOMS = ("benchmarks", "studies", "examples")  # a checkout's, not installed: above everything
-# Room -> its level; a module may import rooms of its own level or lower only.
-LEVELS = {"kernels": 0, "transport": 0, "memory": 0, "layouts": 1, "schedules": 2, "checks": 3, "engine": 4,
-          "strategies": 5, "api": 6, "__init__": 6, "_extras": 0, "_deprecated": 0, "launch": 0,
-          "versions": 0}
-ROOMS = ("kernels", "transport", "memory", "layouts", "schedules", "checks", "engine", "strategies")
+# The rooms and their levels, written once (cp_attention/rooms.py, read by path: nothing is imported).
+_ROOMS = runpy.run_path(str(ROOT / "cp_attention" / "rooms.py"))
+ROOMS, LEVELS, ABOVE_CORE = _ROOMS["CORE_ROOMS"], _ROOMS["LEVELS"], _ROOMS["ABOVE_CORE"]
+CHECKOUT_ROOMS, PACKAGE_ROOMS = _ROOMS["CHECKOUT_ROOMS"], _ROOMS["PACKAGE_ROOMS"]
 
 
 def _module_name(path: Path) -> str:
@@ -206,13 +204,12 @@ def test_every_core_module_is_in_a_room():
 def test_setup_installs_every_room():
     """setup.py's ROOMS (the sub-packages it installs) name every sub-package of cp_attention/: one left
     out imports from a checkout but is missing from an installed wheel."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    listed = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                  and [getattr(t, "id", None) for t in node.targets] == ["ROOMS"])
+    source = (ROOT / "setup.py").read_text()
+    assert 'runpy.run_path(str(Path(__file__).resolve().parent / "cp_attention" / "rooms.py"))["PACKAGE_ROOMS"]' \
+        in source, "setup.py must install cp_attention/rooms.py's PACKAGE_ROOMS"
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert packages == set(listed), f"setup.py ROOMS misses {sorted(packages - set(listed))}, " \
-                                    f"names no package {sorted(set(listed) - packages)}"
-    assert set(ROOMS) | {"training", "compat"} == packages, "test_rooms' ROOMS must name every core room"
+    assert packages == set(PACKAGE_ROOMS), f"rooms.py's PACKAGE_ROOMS misses {sorted(packages - set(PACKAGE_ROOMS))}, " \
+                                           f"names no package {sorted(set(PACKAGE_ROOMS) - packages)}"
 
 
 def test_the_checkers_can_fail():
