@@ -36,7 +36,7 @@ __all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_
 class CallSpec:
     """What a rank was called with, decoded from its signature."""
 
-    shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    shapes: "tuple[tuple[int, ...] | None, ...]"  # q's, k's and v's; None: not a tensor
     dtype: int  # index into FLOAT_DTYPES, or -1 when not one float dtype shared by q, k, v
     device: int  # index into _DEVICE_TYPES, -1 other, -2 when q, k, v are on different devices
     layout: int  # index into the registered schedules, -1 unknown
@@ -77,15 +77,25 @@ def _spec(row: dict) -> CallSpec:
                     given=decode_text(row["given"]), plan_given=decode_text(row["plan_given"]))
 
 
+def _tensor_shapes(c: CallSpec) -> "tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]":
+    """``c.shapes`` of a call whose q, k and v are tensors (:func:`_local_problem` refuses any other first)."""
+    q, k, v = c.shapes
+    if q is None or k is None or v is None:
+        raise ValueError(f"ring_attention: q, k and v must be tensors [batch, seq, heads, head_dim], got "
+                         f"shapes {c.shapes} (None: not a tensor)")
+    return q, k, v
+
+
 def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     """What is wrong with one rank's call on its own, or None."""
     if any(s is None for s in c.shapes):
         names = ", ".join(n for n, s in zip("qkv", c.shapes) if s is None)
         return f"q, k and v must be tensors [batch, seq, heads, head_dim], got something else for {names}"
-    if any(len(s) != 4 for s in c.shapes):
-        dims = ", ".join(f"{n}.dim()={len(s)}" for n, s in zip("qkv", c.shapes))
+    shapes = _tensor_shapes(c)
+    if any(len(s) != 4 for s in shapes):
+        dims = ", ".join(f"{n}.dim()={len(s)}" for n, s in zip("qkv", shapes))
         return f"q, k and v must be 4-D [batch, seq, heads, head_dim], got {dims}"
-    (bq, sq, hq, dq), (bk, sk, hk, dk), (bv, sv, hv, dv) = c.shapes
+    (bq, sq, hq, dq), (bk, sk, hk, dk), (bv, sv, hv, dv) = shapes
     if not bq == bk == bv:
         return f"q, k and v must share the batch size, got {bq}, {bk}, {bv}"
     if not sq == sk == sv:
@@ -272,7 +282,8 @@ def check_table(rows: list[dict], layout: "Layout | None" = None) -> None:
     specs = [_spec(r) for r in rows]
     raise_first("ring_attention", [_local_problem(c, world_size) for c in specs])
     raise_differing("ring_attention", specs, _labels(GATHERED_FIELDS, _CALL_FIELDS), _show)
-    sq = specs[0].shapes[0][1]
+    q_shape, _, v_shape = _tensor_shapes(specs[0])
+    sq = q_shape[1]
     if layout is None:
         layout = get_layout(_layout_label(specs[0].layout))
     try:
@@ -283,8 +294,8 @@ def check_table(rows: list[dict], layout: "Layout | None" = None) -> None:
     c = specs[0]
     if KERNEL_NAMES[c.kernel] != "auto":
         kernel = get_kernel(KERNEL_NAMES[c.kernel], _DEVICE_TYPES[c.device], FLOAT_DTYPES[c.dtype],
-                            softcap=c.softcap > 0, mask=c.window != (-1, -1), head_dim=c.shapes[0][3],
-                            v_head_dim=c.shapes[2][3])
+                            softcap=c.softcap is not None and c.softcap > 0,  # None: refused above
+                            mask=c.window != (-1, -1), head_dim=q_shape[3], v_head_dim=v_shape[3])
         problem = named_kernel_problem(KERNEL_NAMES[c.kernel], kernel, layout, bool(c.causal), world_size, sq,
                                        bool(c.documents), c.window != (-1, -1), CP_COMM_TYPES[c.comm_type])
         if problem is not None:

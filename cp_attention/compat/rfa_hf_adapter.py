@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -189,7 +189,7 @@ def create_ring_flash_attention_forward(process_group: ProcessGroup, heads_k_str
             _agree_batch(position_ids, cu, local * world_size, process_group, world_size, rank)
             _Accepted.accept(position_ids, DATA_PARAMS["cu_seqlens_q"])
         causal = bool(is_causal)
-        window = {} if sliding_window is None or sliding_window >= longest_document(cu, cu[-1]) else {
+        window: Dict[str, Any] = {} if sliding_window is None or sliding_window >= longest_document(cu, cu[-1]) else {
             "window_size": (sliding_window - 1, -1 if causal else sliding_window - 1)}
         q, k, v = query_states, key_states, value_states
         if target_dtype is not None and q.dtype == torch.float32:  # transformers' fa_peft_integration_check
@@ -215,7 +215,7 @@ def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     seq_len = query.shape[2]
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     is_causal = kwargs.pop("is_causal", None)
-    is_causal = module.is_causal if is_causal is None else is_causal
+    is_causal = cast(bool, module.is_causal) if is_causal is None else is_causal  # a plain attribute of HF's
     original_dtype = query.dtype
     out = fa_utils._flash_attention_forward(query, key, value, attention_mask, query_length=seq_len,
                                             is_causal=is_causal, dropout=dropout, softmax_scale=scaling,

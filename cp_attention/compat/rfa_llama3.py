@@ -79,8 +79,8 @@ def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool,
                          f"got {rank}")
     cu = cu_seqlens_tuple(cu_seqlens)
     q, k, max_q, max_k, local_k_slice = _view(cu, causal, rank, world_size)
-    like = dict(dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    cu_q, cu_k = torch.tensor(q, **like), torch.tensor(k, **like)
+    cu_q = torch.tensor(q, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    cu_k = torch.tensor(k, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     key = id(cu_q)
     _PREPARED[key] = (weakref.ref(cu_q), weakref.ref(cu_k), cu, bool(causal), world_size)
     weakref.finalize(cu_q, _PREPARED.pop, key, None)
@@ -108,9 +108,9 @@ def _gathered(name: str, view: View, total_local: int, causal: bool, group, devi
     dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
     payload = torch.tensor(mine + [0] * (longest - len(mine)), dtype=torch.int64, device=device)
-    rows = [torch.empty_like(payload) for _ in range(world_size)]
-    dist.all_gather(rows, payload, group=group)
-    rows = [r.tolist() for r in rows]
+    gathered = [torch.empty_like(payload) for _ in range(world_size)]
+    dist.all_gather(gathered, payload, group=group)
+    rows = [r.tolist() for r in gathered]
     lengths = sorted({r[0] for r in rows})
     if len(lengths) != 1:
         raise ValueError(f"{name}: every rank must hold an equal contiguous slice of the packed batch, got local "

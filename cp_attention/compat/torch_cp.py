@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, TypedDict, Union
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,23 @@ __all__ = ["context_parallel", "context_parallel_unshard"]
 
 _STATE = threading.local()  # .active: this thread's _Context, or absent
 _PATCH_LOCK = threading.Lock()
-_PATCH = {"users": 0, "original": None}
+
+
+class _Patch(TypedDict):
+    users: int  # contexts entered (in any thread) and not yet left
+    original: Optional[Callable[..., torch.Tensor]]  # torch's F.scaled_dot_product_attention, saved by _install
+
+
+_PATCH: _Patch = {"users": 0, "original": None}
+
+
+def _original() -> Callable[..., torch.Tensor]:
+    """The function our patch replaced (saved before the patch went in)."""
+    original = _PATCH["original"]
+    if original is None:
+        raise RuntimeError("cp_attention's scaled_dot_product_attention patch is in place without the function it "
+                           "replaced; this is a bug in cp_attention.compat.torch_cp, please report it")
+    return original
 
 
 class _Context:
@@ -110,8 +126,8 @@ def _sdpa_dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     context runs it on the ring; any other thread gets torch's own function."""
     ctx = getattr(_STATE, "active", None)
     if ctx is None:
-        return _PATCH["original"](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                  scale=scale, enable_gqa=enable_gqa)
+        return _original()(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
     return ctx.attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -129,7 +145,7 @@ def _uninstall() -> None:
         # Restore only our own patch: one installed over ours (torch's CP, a profiler) is its owner's to
         # undo, and ours passes every call through to the original while no thread is inside a context.
         if _PATCH["users"] == 0 and F.scaled_dot_product_attention is _sdpa_dispatch:
-            F.scaled_dot_product_attention = _PATCH["original"]
+            F.scaled_dot_product_attention = _original()
 
 
 def _buffer_list(buffers: Optional[Sequence[torch.Tensor]], seq_dims: Optional[Sequence[int]], what: str,

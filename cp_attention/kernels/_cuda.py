@@ -19,6 +19,8 @@ None of this touches CUDA at import or in :meth:`FusedKernel.supports`, so ``get
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from .base import KernelBase, band_mask, pad_last, positive_scale
@@ -35,7 +37,8 @@ def device_capability(device: torch.device) -> "tuple[int, int] | None":
     if device.type != "cuda" or not torch.cuda.is_initialized():
         return None
     try:
-        return tuple(torch.cuda.get_device_capability(device))
+        major, minor = torch.cuda.get_device_capability(device)
+        return major, minor
     except (RuntimeError, AssertionError, ValueError):
         return None
 
@@ -100,6 +103,10 @@ def _slice_kwargs(kwargs: dict, rows: slice, keys: slice) -> dict:
     return kwargs if mask is None else {**kwargs, "mask": mask[:, rows, keys]}
 
 
+def _abstract_hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError
+
+
 class FusedKernel(KernelBase):
     """Base of the CUDA kernels: subclasses implement ``_fwd``/``_bwd`` for blocks whose causal mask,
     if any, is square (unless ``top_left_native``); this class handles the rest of the protocol.
@@ -154,12 +161,11 @@ class FusedKernel(KernelBase):
             if problem is not None:
                 raise ValueError(f"{problem}; use kernel='auto', which runs such blocks on the next kernel")
 
-    def _fwd(self, q, k, v, causal: bool, scale: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _bwd(self, dout, q, k, v, out, lse, causal: bool, scale: float, **kwargs
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    # The op's calls: ``_fwd(q, k, v, causal, scale, **op_keywords) -> (out, lse)`` and
+    # ``_bwd(dout, q, k, v, out, lse, causal, scale, **op_keywords) -> (dq, dk, dv)``. Each op takes its
+    # own keywords (mask, window, softcap), so the hooks are typed as callables of any arguments.
+    _fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _abstract_hook
+    _bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = _abstract_hook
 
     def _pieces(self, sq: int, sk: int, causal: bool) -> "list[tuple[slice, slice, bool]] | None":
         """``(query rows, key rows, causal)`` calls that compute a top-left causal block with square

@@ -19,8 +19,8 @@ import torch
 
 import torch.nn.functional as F
 
-__all__ = ["AttentionKernel", "KernelBase", "MaskCache", "accumulation_dtype", "band_mask", "pad_last",
-           "positive_scale", "unit_stride"]
+__all__ = ["AttentionKernel", "KernelBase", "MaskCache", "VarlenKernel", "accumulation_dtype", "band_mask",
+           "pad_last", "positive_scale", "unit_stride"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -101,6 +101,23 @@ class AttentionKernel(Protocol):
 
         Returns ``dq [B, Sq, H, D]``, ``dk [B, Sk, Hkv, D]``, ``dv [B, Sk, Hkv, Dv]`` in any float dtype.
         """
+        ...
+
+
+class VarlenKernel(AttentionKernel, Protocol):
+    """A kernel with ``supports_varlen``: it also runs variable-length batches of packed sequences
+    (see :meth:`~cp_attention.kernels.cuda_flash.FlashKernel.forward_varlen` for the shapes)."""
+
+    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                       cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out [Tq, H, Dv]`` and ``lse [H, Tq]`` of sequences packed along dim 0."""
+        ...
+
+    def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+                        max_k: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``dq [Tq, H, D]``, ``dk [Tk, Hkv, D]``, ``dv [Tk, Hkv, Dv]`` given the final ``out``/``lse``."""
         ...
 
 

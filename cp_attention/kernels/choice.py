@@ -29,12 +29,12 @@ once, and is the same on every rank (it reads only the table and the shape).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 
 from ._cuda import device_capability
-from .base import AttentionKernel, KernelBase, band_mask
+from .base import AttentionKernel, KernelBase, VarlenKernel, band_mask
 from .dtypes import FLOAT_DTYPES
 
 __all__ = ["AUTO_TABLE", "BLOCK_KINDS", "KernelChoice", "TableRow", "table_row"]
@@ -193,11 +193,14 @@ class KernelChoice(KernelBase):
                        cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``varlen`` kernel's ``forward_varlen`` (see :class:`~cp_attention.kernels.cuda_flash.FlashKernel`)."""
-        return self.candidates["varlen"][0].forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return self._varlen().forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
     def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
                         max_k: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The ``varlen`` kernel's ``backward_varlen``."""
-        return self.candidates["varlen"][0].backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                                            causal, scale)
+        return self._varlen().backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+
+    def _varlen(self) -> VarlenKernel:
+        # the "varlen" candidates were kept for their supports_varlen, so each is a VarlenKernel
+        return cast(VarlenKernel, self.candidates["varlen"][0])

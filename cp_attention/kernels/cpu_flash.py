@@ -76,7 +76,7 @@ class CpuFlashKernel(KernelBase):
             dq_c, dk_c, dv_c = self._backward(dout[:, a:b], q[:, a:b], k[:, :b], v[:, :b], out[:, a:b], lse[..., a:b],
                                               a == 0, scale, None if a == 0 else _chunk_mask(b - a, b))
             dqs.append(dq_c)
-            if dk is None:
+            if dk is None or dv is None:  # both or neither
                 dk, dv = dk_c, dv_c
             else:
                 dk[:, :b] += dk_c

@@ -31,6 +31,7 @@ import importlib
 import inspect
 import re
 import sys
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
@@ -72,6 +73,7 @@ def split_window_api(fai: ModuleType) -> "bool | None":
 @functools.lru_cache(maxsize=8)
 def _split_for(fn) -> "bool | None":
     # cached per function object: inspect.signature costs tens of microseconds per kernel call
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     except (TypeError, ValueError):
@@ -103,7 +105,7 @@ class FlashAttnKernel(FusedKernel):
     def _interface() -> tuple[ModuleType, bool]:
         fai = flash_attn_interface()
         split = None if fai is None else split_window_api(fai)
-        if split is None:
+        if fai is None or split is None:
             raise ImportError(_NOT_INSTALLED)
         return fai, split
 

@@ -73,7 +73,8 @@ class _Stream:
 
     def __init__(self, docs: np.ndarray, lengths: np.ndarray):
         self.docs, self.lengths = docs.astype(np.int64), lengths.astype(np.int64)
-        self.pos, self.ends = 0, []
+        self.pos = 0
+        self.ends: list[int] = []  # self.pos after each take
         self._index()
 
     def _index(self) -> None:
@@ -259,13 +260,13 @@ def _solve(lengths: np.ndarray, world_size: int, tuner: float, by_small: bool) -
             d_take = dense_s.left
         else:
             min_dense = 1 if dense_s.inside() else 0
-            lam = _tune_light(dense_s, light_s, avail, min(avail, light_s.left), target - held_w[r], min_dense)
-            d_take = min(max(avail - lam, 0), dense_s.left)
-        lam = avail - d_take
-        got[r] = held_w[r] + float(dense_s.work(d_take)) + float(light_s.work(lam))
+            l_take = _tune_light(dense_s, light_s, avail, min(avail, light_s.left), target - held_w[r], min_dense)
+            d_take = min(max(avail - l_take, 0), dense_s.left)
+        l_take = avail - d_take
+        got[r] = held_w[r] + float(dense_s.work(d_take)) + float(light_s.work(l_take))
         w_left -= got[r]
         dense_s.take(d_take)
-        light_s.take(lam)
+        light_s.take(l_take)
     dense_s.owners(rank_of, split)  # a stream document that landed on one rank is whole after all
     light_s.owners(rank_of, split)
     return rank_of, split, float(got.max() / got.mean())

@@ -117,8 +117,8 @@ class Layout:
             sizes = [s.shape[dim] for s in shards]
             raise ValueError(f"unshard needs equal shard lengths along dim {dim}, got {sizes}")
         if any(s.shape != first.shape for s in shards):
-            sizes = [tuple(s.shape) for s in shards]
-            raise ValueError(f"unshard needs shards of one shape, got {sizes}")
+            shapes = [tuple(s.shape) for s in shards]
+            raise ValueError(f"unshard needs shards of one shape, got {shapes}")
         seq_len = local * world_size
         order = torch.cat([self.positions(seq_len, r, world_size, cu_seqlens) for r in range(world_size)])
         inverse = torch.argsort(order).to(first.device)

@@ -31,7 +31,7 @@ class ZigzagLayout(Layout):
     """Rank r holds chunks r and 2N-1-r of 2N equal chunks, in that order (DualChunkSwap)."""
 
     name = "zigzag"
-    aliases = ("dualchunkswap", "head_tail")
+    aliases: tuple[str, ...] = ("dualchunkswap", "head_tail")  # balanced, a zigzag, has none
     _divisor_expr = "2*world_size"
 
     def divisor(self, world_size: int) -> int:

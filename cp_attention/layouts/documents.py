@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import array
 import operator
-from typing import Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 import torch
 
@@ -56,8 +56,9 @@ def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
     if kind is not None and kind not in ("i", "u"):  # a numpy array of floats or bools
         raise ValueError(f"cu_seqlens must hold integers [0, l1, l1+l2, ..., T], got {dtype} values "
                          f"({type(cu_seqlens).__name__}); pass ints, an integer tensor or an integer numpy array")
-    if kind is not None and callable(getattr(cu_seqlens, "tolist", None)):
-        cu_seqlens = cu_seqlens.tolist()  # a numpy integer array: Python ints in one call
+    tolist = getattr(cu_seqlens, "tolist", None) if kind is not None else None
+    if callable(tolist):
+        cu_seqlens = tolist()  # a numpy integer array: Python ints in one call
     try:
         values = tuple(cu_seqlens)
     except TypeError:
@@ -71,7 +72,7 @@ def cu_seqlens_tuple(cu_seqlens: CuSeqlens) -> tuple[int, ...]:
     return values
 
 
-def _as_index(i: int, x: object) -> int:
+def _as_index(i: int, x: Any) -> int:
     """Boundary ``i`` as a Python int: any integer (numpy's, a 0-d integer tensor) but a bool.
 
     Raises ``ValueError`` naming the value given otherwise (a float, a bool, a string...)."""

@@ -97,7 +97,7 @@ class TiledFunction(torch.autograd.Function):
             found = torch.autograd.grad(y, targets, grad_out.narrow(ctx.dim, start, stop - start),
                                         allow_unused=True)
             del y
-            if needs_x:
+            if grad_x is not None:  # needs_x
                 grad_x.narrow(ctx.dim, start, stop - start).copy_(found[0])
                 found = found[1:]
             for i, g in zip(wanted, found):

@@ -33,7 +33,7 @@ import pickletools
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -96,10 +96,10 @@ def _pickle_globals(data: bytes) -> list[str]:
                     pushed.append(str(arg))
                 elif op.name == "MEMOIZE":
                     memo[len(memo)] = pushed[-1] if pushed else None
-                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                    memo[int(arg)] = pushed[-1] if pushed else None
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):  # these opcodes carry an int argument
+                    memo[int(cast(int, arg))] = pushed[-1] if pushed else None
                 elif op.name in ("GET", "BINGET", "LONG_BINGET"):
-                    pushed.append(memo.get(int(arg)))
+                    pushed.append(memo.get(int(cast(int, arg))))
                 elif op.name not in ("FRAME", "PROTO", "MARK"):
                     pushed.append(None)
         except Exception:  # noqa: BLE001 - the end of the pickles (a legacy file's raw storage bytes) or garbage
@@ -161,7 +161,7 @@ def safe_torch_load(path: "str | Path", source: "str | Path | io.BytesIO") -> An
                                      f"{type(e).__name__}: {e}") from e
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     with open(tmp, "rb+") as f:
@@ -173,7 +173,7 @@ def _manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: "bytes | memoryview") -> str:
     return hashlib.sha256(data).hexdigest()
 
 

@@ -70,7 +70,8 @@ def memory_savers(args: argparse.Namespace) -> "tuple[Optional[int], bool | str,
     """``(loss chunk tokens or None for full logits, checkpoint, mlp_chunks)`` from :func:`memory_options`'
     flags, the defaults where ``args`` lacks them (no chunks of the loss: 1024 tokens, no savers)."""
     chunk = getattr(args, "loss_chunk_tokens", 1024)
-    checkpoint = {"off": False, "on": True, "offload": "offload"}[getattr(args, "activation_checkpointing", "off")]
+    modes: "dict[str, bool | str]" = {"off": False, "on": True, "offload": "offload"}
+    checkpoint = modes[getattr(args, "activation_checkpointing", "off")]
     return (chunk or None), checkpoint, getattr(args, "mlp_chunks", None)
 
 

@@ -35,11 +35,14 @@ def resume_point(cfg: dict, world_size: int, run_dir: "str | Path | None") -> Op
     if not spec:
         return None
     if spec == "auto":
+        if run_dir is None:
+            raise ValueError("trainer.resume_from=auto needs the run directory to look in for checkpoints/, got "
+                             "run_dir=None; pass the run directory (validate_config leaves auto to the ranks)")
         directory = Path(run_dir) / "checkpoints"
         path, info, skipped = find_complete_checkpoint(directory)
         for why in skipped:
             print(f"resume_from=auto: skipping {why}", file=sys.stderr, flush=True)
-        if path is None:
+        if path is None or info is None:  # both or neither
             print(f"resume_from=auto: no complete checkpoint in {directory}; starting fresh", file=sys.stderr,
                   flush=True)
             return None
@@ -184,6 +187,7 @@ def build_model(model_cfg: dict):
 
 def optimizer(params, optim_cfg: dict, steps: int):
     kind = optim_cfg["name"]
+    opt: torch.optim.Optimizer
     if kind == "adamw":
         opt = torch.optim.AdamW(params, lr=optim_cfg["lr"], weight_decay=optim_cfg["weight_decay"],
                                 betas=tuple(optim_cfg["betas"]))

@@ -130,11 +130,12 @@ class PackedBatches:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.documents, self.seq_len, self.seed = documents, seq_len, seed
         self.epoch, self.doc, self.offset = 0, 0, 0
-        self._order_epoch, self._order = -1, None
+        self._order_epoch = -1
+        self._order: Optional[list[int]] = None
 
     def order(self, epoch: int) -> "list[int]":
         """The documents' order in ``epoch``: a permutation drawn from ``(seed, epoch)`` alone."""
-        if epoch != self._order_epoch:
+        if self._order is None or epoch != self._order_epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._order, self._order_epoch = torch.randperm(len(self.documents), generator=g).tolist(), epoch
         return self._order

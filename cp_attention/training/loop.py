@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from .config import resume_point, trainer_placement, validate_config
 from .device import all_reduce_, rank_device
 from .run import Run, restore, save, set_up
 from .steps import train_step
+
+if TYPE_CHECKING:
+    from torch.multiprocessing import ProcessExitedException
 
 require_extra("train", ("hydra", "tqdm"), "cp_attention.training.loop")
 
@@ -138,7 +141,8 @@ class _Progress:
         from tqdm import tqdm
 
         t = run.cfg["trainer"]
-        self.run, self.path, self.start, self.last = run, metrics_path, start, {}
+        self.run, self.path, self.start = run, metrics_path, start
+        self.last: dict[str, Any] = {}
         self.bar = tqdm(total=t["steps"], initial=start, dynamic_ncols=True,
                         desc=f"train {run.cfg['layout']['name']} dp={run.dp} cp={run.cfg['cp_size']} "
                              f"{run.device.type} {t.get('precision', 'fp32')}")
@@ -224,7 +228,7 @@ def _train_in_shared_dir(cfg: dict, run_dir: str, device: str = "auto",
     return train(cfg, run_dir, found[0], device, before_step)
 
 
-def _died_message(e: BaseException, run_dir: str) -> str:
+def _died_message(e: ProcessExitedException, run_dir: str) -> str:
     logged = Path(run_dir) / "metrics.jsonl"
     steps = logged.read_text().splitlines() if logged.is_file() else []
     after = f" after step {json.loads(steps[-1])['step']} (the last one logged)" if steps else ""

@@ -75,10 +75,10 @@ def _released_by_gloo(tensors: Sequence[torch.Tensor], gloo: bool) -> Iterator[N
     if not gloo:
         yield
         return
-    before = [t._use_count() for t in tensors]
+    before = [t._use_count() for t in tensors]  # type: ignore[attr-defined]  # private, not in torch's stubs
     yield
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-    while any(t._use_count() > n for t, n in zip(tensors, before)):
+    while any(t._use_count() > n for t, n in zip(tensors, before)):  # type: ignore[attr-defined]  # as above
         if time.monotonic() > deadline:
             warnings.warn(f"gloo's worker still holds a finished collective's tensors after {_RELEASE_TIMEOUT_S} s; "
                           "if the script ends now, the process may abort at exit", RuntimeWarning, stacklevel=3)
@@ -135,6 +135,9 @@ class ProcessGroupTransport:
     def peer(self, offset: int) -> int:
         """The global rank ``offset`` places on along the ring (P2P ops address peers globally)."""
         pg = self.group if self._group is not None else dist.group.WORLD
+        if pg is None:
+            raise RuntimeError("the default process group is gone (destroy_process_group?); call "
+                               "torch.distributed.init_process_group before a context-parallel call")
         return dist.get_global_rank(pg, (self.rank + offset) % self.world_size)
 
     @eager_only

@@ -30,7 +30,7 @@ any attention argument it does not implement.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,9 @@ from .checks import ForwardChecks, check_positions, documents
 from .gen_state import active_generation
 from .loss import model_loss
 from .masks import RingMask, layer_window, ring_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["apply_context_parallel", "causal_lm_loss", "gather_sequence", "ATTN_IMPLEMENTATION"]
 
@@ -148,7 +151,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         check_positions(position_ids, state.layout, total, state.rank, state.world_size, cu)
     longest = longest_document(cu, total)
     # A window covering every sequence (or document) is no window: the call stays the plain one.
-    extra = {} if window is None or window >= longest else {
+    extra: dict[str, Any] = {} if window is None or window >= longest else {
         "window_size": (window - 1, -1 if causal else window - 1)}
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
@@ -158,8 +161,8 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    common = dict(softmax_scale=scaling, kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0,
-                  cp_comm_type=state.cp_comm_type)
+    common: dict[str, Any] = dict(softmax_scale=scaling, kernel=state.kernel, sinks=s_aux, softcap=softcap or 0.0,
+                                  cp_comm_type=state.cp_comm_type)
     plan = state.checks.plan_for(cu_seq_lens_q, causal, extra.get("window_size", (-1, -1)))
     if plan is not None:  # the forward's plan, built once in its pre-hook
         return cpa.ring_attention(q, k, v, plan=plan, **common), None
@@ -226,18 +229,20 @@ def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str
         return model
     _register()
     checks = ForwardChecks(group, lay, rank, world_size)
+    hf = cast("PreTrainedModel", model)  # a transformers model: its loss_function and set_attn_implementation
     # labels given to the model: the exact CP loss, or refused by name in the checks (never a per-rank mean)
-    model.loss_function = checks.loss = model_loss(model, given, group, causal_lm_loss)
+    hf.loss_function = checks.loss = model_loss(model, given, group, causal_lm_loss)
     state = _CPState(group, lay, kernel, rank, world_size, checks, cp_comm_type)
+    # The plain attributes below: torch's stubs type Module.__setattr__ for tensors and submodules only
     for m in model.modules():
-        m._cp_attention = state
+        m._cp_attention = state  # type: ignore[assignment]
     for previous in getattr(model, "_cp_checks_hooks", ()):  # patched again: the new checks replace the old
         previous.remove()
-    model._cp_checks_hooks = (model.register_forward_pre_hook(_eager_hook(checks), with_kwargs=True),
-                              model.register_forward_hook(_eager_hook(checks.post_hook), with_kwargs=True,
-                                                          always_call=True))
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    model.generate = _refuse_generate
+    model._cp_checks_hooks = (  # type: ignore[assignment]
+        model.register_forward_pre_hook(_eager_hook(checks), with_kwargs=True),
+        model.register_forward_hook(_eager_hook(checks.post_hook), with_kwargs=True, always_call=True))
+    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.generate = _refuse_generate  # type: ignore[assignment]
     return model
 
 

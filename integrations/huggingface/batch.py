@@ -24,7 +24,7 @@ IGNORE_INDEX = -100  # the label cross-entropy ignores (padding, the last token 
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str, cpa.Layout] = "zigzag"
-                ) -> dict[str, torch.Tensor]:
+                ) -> dict[str, Any]:
     """This rank's share of a batch of full ``[batch, seq]`` tensors.
 
     Plain batches: every ``[batch, seq, ...]`` entry sharded along the sequence, plus ``position_ids``
@@ -76,6 +76,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str
         raise ValueError(f"shard_batch got different batches on the ranks of the group (local input_ids {shapes}, "
                          "or other document boundaries or token values); every rank of a CP group must pass the "
                          "same full batch (with FSDP over dp x cp: the same batch within each dp rank's CP group)")
+    if local is None:  # agree() raised this rank's refusal on every rank
+        raise RuntimeError("shard_batch: this rank refused its batch, but the group's agreement did not raise it"
+                           ) from cause
     return local
 
 
@@ -104,7 +107,7 @@ def batch_fingerprint(batch: Mapping[str, Any]) -> list[int]:
 
 
 def _shard_batch(batch: Mapping[str, torch.Tensor], lay: cpa.Layout, rank: int, world_size: int
-                 ) -> dict[str, torch.Tensor]:
+                 ) -> dict[str, Any]:
     """:func:`shard_batch` on this rank alone (its refusals not yet agreed)."""
     batch = {key: val for key, val in batch.items() if val is not None}  # None entries: as if absent
     if "input_ids" not in batch:
@@ -185,6 +188,8 @@ def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
     restarting = given is not None and not torch.equal(given, arange.expand_as(given))
     if cu_q is not None or cu_k is not None:
         cu = documents(cu_q, cu_k, batch.get("max_length_q"), batch.get("max_length_k"), s)
+        if cu is None:  # documents() returns the boundaries whenever cu_seq_lens_q/k are given
+            raise RuntimeError("cu_seq_lens_q/k were given, but documents() found no boundaries in them")
         if b != 1 or padded:
             raise ValueError(f"cu_seq_lens_q/k describe one packed row without padding, got {b} rows"
                              + (" and an attention_mask with zeros" if padded else ""))
@@ -193,10 +198,10 @@ def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
             if not torch.equal(given, doc_pos.expand_as(given)):
                 raise ValueError("position_ids disagree with cu_seq_lens_q: they must restart at 0 at every document")
         return [(0, 0, s, cu)]
-    if restarting and not padded:
+    if given is not None and restarting and not padded:
         return [(r, 0, s, cu_seqlens_from_position_ids(given.expand(b, s)[r])) for r in range(b)]
-    if padded:
-        out = []
+    if mask is not None and padded:
+        out: "list[tuple[int, int, int, tuple[int, ...]]]" = []
         for r in range(b):
             real = torch.nonzero(mask[r]).flatten()
             if real.numel() == 0:
@@ -205,7 +210,7 @@ def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
             if stop - start != real.numel():
                 raise ValueError(f"attention_mask row {r} has padding between real tokens; only left or right "
                                  "padding (one contiguous run of ones per row) is supported")
-            if restarting:
+            if given is not None and restarting:
                 _check_padded_row_positions(given.expand(b, s)[r], r, start, stop)
             out.append((r, start, stop, (0, stop - start)))
         if not out:
@@ -239,7 +244,7 @@ def _check_padded_row_positions(row: torch.Tensor, r: int, start: int, stop: int
 
 
 def _shard_packed(batch: Mapping[str, torch.Tensor], rows, lay: cpa.Layout, rank: int, world_size: int
-                  ) -> dict[str, torch.Tensor]:
+                  ) -> dict[str, Any]:
     """One packed row of every row's documents, padded to the layout's divisor, sharded by documents."""
     ids = batch["input_ids"]
     b, s = ids.shape
@@ -259,6 +264,7 @@ def _shard_packed(batch: Mapping[str, torch.Tensor], rows, lay: cpa.Layout, rank
     last = torch.tensor(cu[1:], device=labels.device) - 1
     shifted = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
     shifted[last] = IGNORE_INDEX
+    out: dict[str, Any]  # tensors, and the ints max_length_q/k
     out = {key: lay.shard(stream(t, IGNORE_INDEX if key == "labels" else 0), 1, rank, world_size, cu)
            for key, t in batch.items()
            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[:2] == (b, s)

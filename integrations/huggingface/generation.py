@@ -22,7 +22,7 @@ of a generation is per thread (a loopback rank is a thread): :mod:`.gen_state`.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
@@ -37,6 +37,9 @@ from .gen_args import GENERATE_PARAMETERS, differing_arguments, digest, effectiv
 from .gen_args import refused_option
 from .gen_draws import shared_draws
 from .gen_state import running
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
 
 __all__ = ["generate", "Generation"]
 
@@ -95,14 +98,15 @@ class Generation:
         width = max(1, max(len(p) for p in per_row))
         rows_index = torch.zeros(b, width, dtype=torch.long)
         positions = torch.full((b, width), -1, dtype=torch.long)
-        for r, local in enumerate(per_row):
-            rows_index[r, :len(local)] = local
-            positions[r, :len(local)] = index_in_row[local]
+        for r, picked in enumerate(per_row):
+            rows_index[r, :len(picked)] = picked
+            positions[r, :len(picked)] = index_in_row[picked]
         for layer in self.cache.layers:
             layer.start(rows_index.to(device), positions.to(device), s)
         last = real & (held == bounds[(row + 1).clamp(max=b)] - 1)  # a row's last token
         self._logit_rows = row[last].to(device)
         self.batch = b
+        local: dict[str, Any]  # tensors, and the ints max_length_q/k
         local = {"input_ids": stream[held.to(device)][None],
                  "position_ids": (held if documents is None else document_position_ids(held, cu)).to(device)[None],
                  "logits_to_keep": torch.nonzero(last).flatten().to(device)}
@@ -211,10 +215,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, group=None, layout
     _, world = group_rank_and_size(group)
     if state is None:
         if world == 1:  # apply_context_parallel leaves a world of one untouched
-            return type(model).generate(model, input_ids, attention_mask=attention_mask, **generate_kwargs)
+            return _class_generate(model)(model, input_ids, attention_mask=attention_mask, **generate_kwargs)
+        unpatched = ("generate needs a model patched for context parallelism: call "
+                     "apply_context_parallel(model, group=group, layout=layout) first")
         # agreed, so that ranks whose model is patched are not left waiting for this one
-        agree(group, world, (0, "generate needs a model patched for context parallelism: call "
-                                "apply_context_parallel(model, group=group, layout=layout) first"), _KINDS, _NOTE, [0])
+        agree(group, world, (0, unpatched), _KINDS, _NOTE, [0])
+        raise _KINDS[0](unpatched)  # not reached: agree raised it on every rank
     problem, named = _problem(model, state, group, layout, input_ids, attention_mask, generate_kwargs)
     # One digest of every argument's value rides on the agreement; the names come only if it differs.
     header = [0] if problem else [digest(";".join(f"{k}={v[0]}" for k, v in sorted(named.items())))]
@@ -226,11 +232,17 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, group=None, layout
     from .kvcache import sharded_cache
 
     gen = Generation(state, None)
-    gen.cache = sharded_cache(model.config.get_text_config().num_hidden_layers, gen.keeps_new_token)
+    config = cast("PreTrainedModel", model).config  # the patched model is a transformers one
+    gen.cache = sharded_cache(config.get_text_config().num_hidden_layers, gen.keeps_new_token)
     cache_name = "cache" if "cache" in _forward_parameters(model) else "past_key_values"
     with running(gen), shared_draws(model, gen.transport):  # sampled tokens: group rank 0's draws
-        return type(model).generate(model, input_ids, attention_mask=attention_mask, **{cache_name: gen.cache},
-                                    **generate_kwargs)
+        return _class_generate(model)(model, input_ids, attention_mask=attention_mask, **{cache_name: gen.cache},
+                                      **generate_kwargs)
+
+
+def _class_generate(model: torch.nn.Module) -> Callable[..., Any]:
+    """The model class's own ``generate`` (apply_context_parallel replaces the instance's with a refusal)."""
+    return cast("type[GenerationMixin]", type(model)).generate
 
 
 def _forward_parameters(model: torch.nn.Module) -> set[str]:

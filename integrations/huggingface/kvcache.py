@@ -58,18 +58,27 @@ class ShardedLayer(DynamicLayer):
             raise NotImplementedError(f"the sharded KV cache decodes one token per step, got {key_states.shape[-2]}")
         self.query_position = self.length
         self.length += 1
+        keys, values, positions = self._held()
         if self.owner():
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            new = self.positions.new_full((self.positions.shape[0], 1), self.query_position)
-            self.positions = torch.cat([self.positions, new], dim=1)
-        return self.keys, self.values
+            keys = self.keys = torch.cat([keys, key_states], dim=-2)
+            values = self.values = torch.cat([values, value_states], dim=-2)
+            new = positions.new_full((positions.shape[0], 1), self.query_position)
+            self.positions = torch.cat([positions, new], dim=1)
+        return keys, values
+
+    def _held(self) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+        """This share's keys, values and positions, which the prefill sets; ``RuntimeError`` before it."""
+        if self.keys is None or self.values is None or self.positions is None:
+            raise RuntimeError("the sharded KV cache holds nothing before its sharded prefill: decode through "
+                               "cp_attention's generate(), which runs the prefill first")
+        return self.keys, self.values, self.positions
 
     def visible(self, left: "int | None") -> torch.Tensor:
         """``[B, L]``: which held keys the current query sees (its row's, at most ``left`` tokens back)."""
-        seen = self.positions >= 0
+        positions = self._held()[2]
+        seen = positions >= 0
         if left is not None:
-            seen &= self.positions >= self.query_position - left
+            seen &= positions >= self.query_position - left
         return seen
 
     def get_seq_length(self) -> int:
@@ -85,17 +94,18 @@ class ShardedLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             super().reorder_cache(beam_idx)
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+            positions = self._held()[2]
+            self.positions = positions.index_select(0, beam_idx.to(positions.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             super().batch_repeat_interleave(repeats)
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+            self.positions = self._held()[2].repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             super().batch_select_indices(indices)
-            self.positions = self.positions[indices]
+            self.positions = self._held()[2][indices]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the sharded KV cache cannot be cropped (assisted or speculative decoding); "

@@ -24,7 +24,7 @@ refusal is raised on every rank alike.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from cp_attention.transport import mesh_group, transport_for
 
 from .batch import IGNORE_INDEX, model_inputs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["lm_loss", "HEAD_TRANSFORMS"]
 
@@ -74,14 +77,15 @@ def head_kind(model: torch.nn.Module) -> str:
     class, or a subclass that overrides ``forward``), or its output embedding is not a plain ``nn.Linear``."""
     inner = _unwrap(model)
     cls = type(inner)
-    known = next((c for c in cls.__mro__ if c.__name__ in _KIND and c.__module__.startswith("transformers.")), None)
+    known = next((c for c in cls.__mro__ if issubclass(c, torch.nn.Module) and c.__name__ in _KIND
+                  and c.__module__.startswith("transformers.")), None)
     if known is None or cls.forward is not known.forward:
         what = f"its forward overrides {known.__name__}'s" if known is not None else "it is not a class lm_loss knows"
         raise NotImplementedError(
             f"lm_loss cannot apply the LM head of {cls.__name__} exactly as its forward does ({what}; known: "
             f"{', '.join(sorted(_KIND))}); compute the loss from the full logits instead: "
             "causal_lm_loss(model(**model_inputs(local)).logits, local['shift_labels'], group=...)")
-    head = inner.get_output_embeddings()
+    head = cast("PreTrainedModel", inner).get_output_embeddings()  # one of transformers' causal LMs (above)
     if type(head).forward is not torch.nn.Linear.forward or not isinstance(head, torch.nn.Linear):
         raise NotImplementedError(
             f"lm_loss needs {cls.__name__}'s output embedding to be a plain torch.nn.Linear, got "
@@ -93,15 +97,19 @@ class _Transform:
     """What the model's forward does to ``logits = self.lm_head(hidden_states)``, op for op (``__call__``),
     and its backward as autograd computes it (:meth:`backward`)."""
 
-    def __init__(self, inner: torch.nn.Module, kind: str) -> None:
-        self.kind, self.const = kind, None
+    def __init__(self, inner: PreTrainedModel, kind: str) -> None:
+        self.kind = kind
+        self.const: float = 1.0  # the family's constant (kind "none" reads none)
         if kind == "final_logit_softcapping":
-            self.const = inner.config.final_logit_softcapping
-            self.kind = "none" if self.const is None else kind
+            cap = inner.config.final_logit_softcapping
+            if cap is None:  # no softcapping configured: the plain logits
+                self.kind = "none"
+            else:
+                self.const = cap
         elif kind == "divide_by_logits_scaling":
             self.const = inner.config.logits_scaling
         elif kind == "times_logit_scale":
-            self.const = inner.logit_scale
+            self.const = cast(float, inner.logit_scale)  # a plain float attribute (Cohere's config.logit_scale)
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         if self.kind == "final_logit_softcapping":
@@ -118,6 +126,8 @@ class _Transform:
         """The gradient at the head's output ``z`` (read by the softcap only) from ``grad`` at the
         transform's (in place)."""
         if self.kind == "final_logit_softcapping":  # MulBackward, TanhBackward (1 - tanh**2), DivBackward
+            if z is None:
+                raise RuntimeError("the softcap's backward needs the head's output z (_wide_logits(keep=True))")
             slope = (z / self.const).tanh_()
             slope = slope.mul_(slope).neg_().add_(1)
             return grad.mul_(self.const).mul_(slope).div_(self.const)
@@ -200,6 +210,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             part = _chunk_sum(hidden[start:start + chunk], params, transform, labels[start:start + chunk])
             total = part if total is None else total + part
+        if total is None:
+            raise ValueError(f"lm_loss needs at least one token, got hidden states of shape {tuple(hidden.shape)}")
         return total
 
     @staticmethod
@@ -216,7 +228,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 h = hidden[start:start + ctx.chunk]
                 with torch.autocast(device, dtype=dtype, enabled=enabled):
                     dz = _chunk_grad(h, params, ctx.transform, labels[start:start + ctx.chunk], grad_total)
-                if want_h:
+                if grad_hidden is not None:  # want_h
                     weight = params[0].to(dz.dtype) if weight is None else weight
                     grad_hidden[start:start + ctx.chunk] = torch.mm(dz, weight)
                 _accumulate(acc, want, dz, h.to(dz.dtype), params)  # h as the linear took it (autocast casts)
@@ -357,7 +369,7 @@ def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tok
     from the model's own logits on any rank.
     """
     _check_arguments(local, chunk_tokens, num_items_in_batch)
-    inner = _unwrap(model)
+    inner = cast("PreTrainedModel", _unwrap(model))  # head_kind refuses any class but transformers' causal LMs
     kind = head_kind(inner)
     head_module = inner.get_output_embeddings()
     hooks = _hooks(head_module)  # refused after the all-reduce: another rank may have none, and must raise too
@@ -403,6 +415,7 @@ def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tok
             "its forward does something to the logits lm_loss does not: compute the loss with "
             "causal_lm_loss(model(**model_inputs(local)).logits, ...) and report it to cp_attention")
     total = stats[0].to(local_sum.dtype)
+    denominator: "torch.Tensor | float"
     if num_items_in_batch is None:
         denominator = stats[1].clamp_min(1).to(local_sum.dtype)
     elif isinstance(num_items_in_batch, torch.Tensor):

@@ -124,7 +124,7 @@ class CPModelLoss:
 def model_loss(model: torch.nn.Module, group_arg: Any, group: Any, cp_loss: Callable) -> CPModelLoss:
     """The :class:`CPModelLoss` for ``model`` patched over ``group`` (``group_arg``: what the caller passed,
     perhaps a mesh), computing the CP loss with ``cp_loss`` (:func:`causal_lm_loss`)."""
-    base = model.loss_function if hasattr(model, "loss_function") else None
+    base: Optional[Callable] = getattr(model, "loss_function", None)  # transformers' loss of the model's class
     base = base.base if isinstance(base, CPModelLoss) else base  # patched again: wrap the model's own
     refusal = uncounted_refusal = None
     if base is not None and base is not _causal_lm_base():

@@ -16,11 +16,14 @@ Three savers, for the activations that grow with the sequence (see ``cp_attentio
 from __future__ import annotations
 
 import types
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union, cast
 
 import torch
 
 from cp_attention.memory import offload_checkpoint, tiled_apply
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["save_memory", "checkpoint_activations", "check_savers"]
 
@@ -32,6 +35,7 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
     """Turn on transformers' activation checkpointing (non-reentrant) on ``model``: each decoder layer
     runs again in backward, reusing its forward's attention plan (see ``.checks.ForwardChecks``). Sets
     every layer's checkpoint function anew, so it also undoes an earlier offload."""
+    model = cast("PreTrainedModel", model)  # transformers' model: its config and checkpointing methods
     model.config.use_cache = False  # training reads no KV cache; transformers warns on every forward else
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
@@ -41,6 +45,7 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
 
 
 def _disable_checkpointing(model: torch.nn.Module) -> None:
+    model = cast("PreTrainedModel", model)  # save_memory checked supports_gradient_checkpointing
     if hasattr(model, "activation_checkpointing_disable"):
         model.activation_checkpointing_disable()
     else:
@@ -163,14 +168,15 @@ def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
         checkpoint_activations(model)
         if checkpoint == "offload":
             for layer in layers:
-                layer._gradient_checkpointing_func = offload_checkpoint
+                # a plain attribute; torch's stubs type Module.__setattr__ for tensors and submodules only
+                layer._gradient_checkpointing_func = offload_checkpoint  # type: ignore[assignment]
     for layer in layers:
         for module in _per_token_parts(layer):
             _set_chunks(module, mlp_chunks)
     return model
 
 
-def _fp32_weight(cls: type) -> bool:
+def _fp32_weight(cls: "type[torch.nn.Module]") -> bool:
     """Whether a norm class casts its weight to fp32 in forward (Gemma's ``1 + self.weight.float()``): its
     weight's gradient is then an fp32 sum over the tokens, which chunks would round differently (1e-7
     relative even in an fp64 model), so such a norm stays whole."""

@@ -39,7 +39,7 @@ override points (``get_batch_samples``, ``get_*_dataloader``, ``compute_loss``, 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import torch
 
@@ -57,6 +57,12 @@ from .trainer_eval import (EvalSteps, fill_eval_loader, gather_real_rows, refuse
                            world_gathers)
 
 __all__ = ["context_parallel_trainer"]
+
+if TYPE_CHECKING:  # the mixin only ever runs mixed into a Trainer (context_parallel_trainer): typed as one
+    from transformers import PreTrainedModel
+    from transformers import Trainer as _TrainerBase
+else:
+    _TrainerBase = object
 
 
 def _refusals(trainer, cp_size: int, world: int) -> None:
@@ -157,8 +163,10 @@ def context_parallel_trainer(base: type) -> type:
                 {"__doc__": f"{base.__name__} with context parallelism: see context_parallel_trainer."})
 
 
-class _ContextParallelMixin:
+class _ContextParallelMixin(_TrainerBase):
     """The overrides of :func:`context_parallel_trainer` (placed before the Trainer in the MRO)."""
+
+    _metrics: dict[str, dict[str, list]]  # TRL's SFTTrainer's (compute_loss writes it only under TRL)
 
     def __init__(self, *args: Any, cp_size: int = 1, cp_layout: Union[str, cpa.Layout] = "zigzag",
                  cp_kernel: str = "auto", cp_comm_type: str = "p2p", cp_loss_chunk_tokens: Optional[int] = 1024,
@@ -181,7 +189,7 @@ class _ContextParallelMixin:
         _refusals(self, cp_size, world)
         self._dp, self._dp_rank = world // cp_size, 0
         if cp_activation_checkpointing or cp_mlp_chunks is not None:
-            save_memory(self.model, checkpoint=cp_activation_checkpointing, mlp_chunks=cp_mlp_chunks)
+            save_memory(self._cp_model(), checkpoint=cp_activation_checkpointing, mlp_chunks=cp_mlp_chunks)
         if cp_size == 1:
             return
         from torch.distributed.device_mesh import init_device_mesh
@@ -189,9 +197,16 @@ class _ContextParallelMixin:
         self._cp_mesh = init_device_mesh(self.args.device.type, (self._dp, cp_size), mesh_dim_names=("dp", "cp"))
         self._cp_group = self._cp_mesh["cp"].get_group()
         self._dp_rank = self._cp_mesh["dp"].get_local_rank()
-        apply_context_parallel(self.model, group=self._cp_group, layout=self.cp_layout, kernel=cp_kernel,
+        model = self._cp_model()
+        apply_context_parallel(model, group=self._cp_group, layout=self.cp_layout, kernel=cp_kernel,
                                cp_comm_type=cp_comm_type)
-        self.model.config.use_cache = False  # training and evaluation read no KV cache
+        cast("PreTrainedModel", model).config.use_cache = False  # training and evaluation read no KV cache
+
+    def _cp_model(self) -> torch.nn.Module:
+        """The Trainer's model, which its constructor sets (from ``model`` or ``model_init``)."""
+        if self.model is None:
+            raise ValueError("context_parallel_trainer needs the Trainer's model: pass model= (or model_init=)")
+        return self.model
 
     # ---------------------------------------------------------------------------- data
     def get_cp_size(self) -> int:
@@ -277,8 +292,9 @@ class _ContextParallelMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         tokens = inputs.pop(_TRAIN_TOKENS, None)
-        if self._chunked_loss(inputs, return_outputs, num_items_in_batch):
-            loss = lm_loss(model, inputs, group=self._cp_group, chunk_tokens=self.cp_loss_chunk_tokens,
+        chunk = self.cp_loss_chunk_tokens
+        if chunk is not None and self._chunked_loss(inputs, return_outputs, num_items_in_batch):
+            loss = lm_loss(model, inputs, group=self._cp_group, chunk_tokens=chunk,
                            num_items_in_batch=num_items_in_batch)
             if self.args.average_tokens_across_devices:  # as the base does, for DDP's average over the world
                 loss = loss * (self.accelerator.num_processes // self.get_tp_size())
@@ -332,12 +348,13 @@ class _ContextParallelMixin:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         real = self._cp_eval.advance() if self._cp_eval is not None else None
         inputs = self._prepare_inputs(inputs)
-        refused = local = None
+        refused = None
+        local: dict = {}  # this rank's share; stays empty where its batch is refused
         try:  # agreed within the CP group by shard_batch; across the dp groups below
             local = self._cp_shard(inputs)
         except (ValueError, NotImplementedError, TypeError) as e:
             refused = e
-        labelled = local is not None and "labels" in local
+        labelled = "labels" in local
         filler = real is not None and real[self._dp_rank] == 0
         if labelled and filler:  # no token of it counts
             local["labels"] = local["shift_labels"] = torch.full_like(local["shift_labels"], -100)

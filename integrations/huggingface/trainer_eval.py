@@ -26,7 +26,8 @@ class EvalBatches:
     a filler, set when an iteration starts."""
 
     def __init__(self, inner, dp: int) -> None:
-        self.inner, self.dp, self.sizes = inner, dp, []
+        self.inner, self.dp = inner, dp
+        self.sizes: list[int] = []
         # what BatchSamplerShard and DataLoaderShard read from the sampler they wrap
         self.batch_size, self.drop_last = getattr(inner, "batch_size", None), getattr(inner, "drop_last", False)
         self.sampler = getattr(inner, "sampler", None)

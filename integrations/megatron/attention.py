@@ -231,6 +231,9 @@ class RingDotProductAttention(MegatronModule):
         # Agreed across the CP group: by the model's forward check, else here in one all-gather.
         documents = check_layer_call(self, attention_mask, packed_seq_params, causal, query, key, value)
         if packed_seq_params is not None:
+            if documents is None:  # check_layer_call returns a packed call's documents
+                raise RuntimeError("RingDotProductAttention: the checks of a packed (THD) call returned no documents; "
+                                   "this is a bug in cp_attention, please report it")
             return self._packed_forward(query, key, value, documents, causal)
         out = self._ring(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), None, causal)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
@@ -238,8 +241,8 @@ class RingDotProductAttention(MegatronModule):
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[tuple[int, ...]],
               causal: bool) -> torch.Tensor:
         """The ring on bshd tensors: with the forward's plan when its check accepted this call."""
-        common = dict(softmax_scale=self.softmax_scale, kernel=self.kernel, sinks=self.softmax_offset,
-                      cp_comm_type=self.cp_comm_type)
+        common: dict[str, Any] = dict(softmax_scale=self.softmax_scale, kernel=self.kernel,
+                                      sinks=self.softmax_offset, cp_comm_type=self.cp_comm_type)
         plan = None if self.forward_checks is None else self.forward_checks.plan_for(documents, causal, self.window_size)
         if plan is not None:
             return cpa.ring_attention(q, k, v, plan=plan, **common)

@@ -278,7 +278,9 @@ def _outermost(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for child in module.children() for m in _outermost(child)]
 
 
-def install_forward_checks(model: torch.nn.Module, rings: Sequence[torch.nn.Module]) -> int:
+# rings: RingDotProductAttention modules; typed Any because .attention imports this module (no cycle, even
+# one for the type checker only).
+def install_forward_checks(model: torch.nn.Module, rings: Sequence[Any]) -> int:
     """Hook :class:`ForwardChecks` on the outermost model forwards of ``model`` that hold ring
     attentions (replacing the hooks of an earlier call) and link those rings to it; rings outside
     them check each call themselves. Returns the number of hooked modules."""
@@ -289,10 +291,10 @@ def install_forward_checks(model: torch.nn.Module, rings: Sequence[torch.nn.Modu
             delattr(m, _HOOKS_ATTR)
     for m in rings:
         m.forward_checks = None
-    ring_ids = {id(m) for m in rings}
+    ring_of = {id(m): m for m in rings}
     hooked = 0
     for module in _outermost(model):
-        mine = [m for m in module.modules() if id(m) in ring_ids]
+        mine = [ring_of[id(m)] for m in module.modules() if id(m) in ring_of]
         if not mine:
             continue
         flags = set()

@@ -93,6 +93,8 @@ def ring_group(cp_group, pg_collection, cp_comm_type: str):
         levels = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
     if levels is not None and len(levels) == 2:
         transport = two_level_transport(cp_group, outer=levels[1], inner=levels[0])
+        if transport.levels is None:  # two_level_transport sets them
+            raise RuntimeError("two_level_transport returned a transport without its two levels")
         outer, inner = transport.levels
         if (outer.rank * inner.world_size + inner.rank, outer.world_size * inner.world_size) == \
                 (transport.rank, transport.world_size):

@@ -16,13 +16,16 @@ each token's position WITHIN its document, through megatron's own (unpacked) ``a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 import cp_attention as cpa
 from cp_attention.transport import group_rank_and_size
 from cp_attention.layouts.documents import CuSeqlens, check_cu_seqlens, document_position_ids, longest_document
+
+if TYPE_CHECKING:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 __all__ = ["LayoutRotaryEmbedding"]
 
@@ -46,7 +49,7 @@ class LayoutRotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: torch.nn.Module, layout: "str | cpa.Layout", group) -> None:
         super().__init__()
-        self.rope = rope
+        self.rope: RotaryEmbedding = rope  # megatron's (or a subclass): its inv_freq and table methods
         self.layout = cpa.get_layout(layout)
         self.group = group
         self.rank, self.world_size = group_rank_and_size(group)
@@ -114,7 +117,7 @@ class LayoutRotaryEmbedding(torch.nn.Module):
         ring attention rotates itself: their table is never built, so ``max_seqlen_q``/``max_seqlen_kv``
         may be left unset (returns them when set, else 0)."""
         psp = kwargs.get("packed_seq_params", args[4] if len(args) > 4 else None)
-        if self.applies_in_attention and _is_thd(psp):
+        if self.applies_in_attention and psp is not None and _is_thd(psp):
             given = [n for n in (psp.max_seqlen_q, psp.max_seqlen_kv) if n is not None]
             return int(max(given)) if given else 0
         return self.rope.get_rotary_seq_len(*args, **kwargs)
