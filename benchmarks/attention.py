@@ -137,13 +137,13 @@ def ring_worker(args, seq: int, extra: Optional[Callable] = None) -> dict:
     shard = {name: [lay.shard(t, 1, rank, ws) for t in full] for name, lay in needed.items()}
     from cp_attention.transport.process_group import transport_for
 
-    comm = transport_for(group)  # one transport for our rings, so its sent_bytes counts them
-    mine = {f"ring/{lay.name}": ours(*shard[lay.name], comm, lay, args.kernel, args.causal) for lay in timed}
+    transport = transport_for(group)  # one transport for our rings, so its sent_bytes counts them
+    mine = {f"ring/{lay.name}": ours(*shard[lay.name], transport, lay, args.kernel, args.causal) for lay in timed}
     impls = dict(mine)
     if torch_error is None:
         impls["torch_ring/zigzag"] = torch_ring(*shard["zigzag"], group, args.causal)
     rows = measure(impls, seq, args.repeats, group)
-    meta["bytes"] = sent_bytes(mine, {name: comm for name in mine}, group)
+    meta["bytes"] = sent_bytes(mine, {name: transport for name in mine}, group)
     if torch_error is not None:
         rows.append(Row(seq, "torch_ring/zigzag", error=torch_error))
     if extra is not None:

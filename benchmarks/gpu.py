@@ -32,17 +32,17 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import args as flags
-from benchmarks.gpu_common import ReplayComm, fmt, fwd_and_fwdbwd
+from benchmarks.gpu_common import ReplayTransport, fmt, fwd_and_fwdbwd
 from benchmarks.gpu_packed import packed_rows, print_packed
 from benchmarks.measure import Stopwatch, time_cuda
 from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, flops_per_pair, min_pairs
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
-from cp_attention.schedules import rank_plan
+from cp_attention.schedules import rank_steps
 
-__all__ = ["add_arguments", "resolve_defaults", "KernelRow", "ScheduleRow", "ReplayComm", "causal_flops", "time_cuda",
-           "fwd_and_fwdbwd", "fmt", "kernel_picks", "run"]
+__all__ = ["add_arguments", "resolve_defaults", "KernelRow", "ScheduleRow", "ReplayTransport", "causal_flops",
+           "time_cuda", "fwd_and_fwdbwd", "fmt", "kernel_picks", "run"]
 
 CUDA_KERNELS = ("auto", "flash", "cudnn", "efficient", "flash_attn")
 # Defaults that differ by device: (CPU, CUDA). The CUDA ones are Llama-3-8B's attention.
@@ -99,8 +99,8 @@ class ScheduleRow:
     fwd_efficiency: Optional[float] = None
     fwdbwd_efficiency: Optional[float] = None
     peak_mib_per_rank: Optional[float] = None
-    sent_mib_per_rank: Optional[float] = None  # the busiest sender's bytes in one fwd+bwd (ReplayComm.sent_bytes)
-    model_mib_per_rank: Optional[float] = None  # the model's: whole shards (the replay runs without a traffic plan)
+    sent_mib_per_rank: Optional[float] = None  # the busiest sender's bytes in one fwd+bwd (ReplayTransport.sent_bytes)
+    model_mib_per_rank: Optional[float] = None  # the model's: whole shards (the replay runs without a needs index)
     error: Optional[str] = None
 
 
@@ -175,24 +175,24 @@ def _replay(args, layout, rank: int, n: int, kernel) -> tuple[float, float, floa
     """(fwd ms, fwd+bwd ms, peak MiB beyond the inputs, MiB sent in one fwd+bwd) of rank ``rank``'s
     whole schedule."""
     from cp_attention.engine.function import AttentionFunction  # the engine's internals: CUDA path only
-    from cp_attention.engine.ring import RingSchedule
+    from cp_attention.engine.ring import RingSource
     from cp_attention.engine.tasks import KernelSettings
 
     local = args.tokens_per_rank
     q, k, v, dout = _inputs(args, local, seed=rank)
-    comm = ReplayComm(rank, n)
-    plan = RingSchedule(comm, rank_plan(layout, True, rank, n, local),
+    transport = ReplayTransport(rank, n)
+    source = RingSource(transport, rank_steps(layout, True, rank, n, local),
                         KernelSettings.of(kernel, args.head_dim ** -0.5))
-    call = lambda a, b, c: AttentionFunction.apply(a, b, c, plan, None)[0]  # noqa: E731
+    call = lambda a, b, c: AttentionFunction.apply(a, b, c, source, None)[0]  # noqa: E731
     fwd, fwdbwd = fwd_and_fwdbwd(call, q, k, v, dout)
     t_fwd, t_fb = time_cuda(fwd, args.repeats), time_cuda(fwdbwd, args.repeats)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    sent = comm.sent_bytes
+    sent = transport.sent_bytes
     fwdbwd()
     torch.cuda.synchronize()
-    return t_fwd, t_fb, (torch.cuda.max_memory_allocated() - base) / 2**20, (comm.sent_bytes - sent) / 2**20
+    return t_fwd, t_fb, (torch.cuda.max_memory_allocated() - base) / 2**20, (transport.sent_bytes - sent) / 2**20
 
 
 def _schedule_rows(args, n: int, seq: int, sdpa_ms: tuple[float, float]) -> list[ScheduleRow]:

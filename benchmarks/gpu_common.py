@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["ReplayComm", "fmt", "fwd_and_fwdbwd"]
+__all__ = ["ReplayTransport", "fmt", "fwd_and_fwdbwd"]
 
 
 class _Done:
@@ -17,7 +17,7 @@ class _Done:
         pass
 
 
-class ReplayComm:
+class ReplayTransport:
     """A :class:`~cp_attention.transport.base.Transport` for one rank replayed alone: rank ``rank`` of
     ``world_size`` whose exchanges copy what it sends into what it receives, so its schedule runs with
     the memory traffic of a real receive. Collectives see only this rank (its own values).

@@ -10,7 +10,7 @@ For each N, one packed batch of T = N x ``--tokens-per-rank`` tokens: seeded log
   signature differs between torch releases, the op's does not), forward and forward+backward;
 - **per layout, needs-only rows on and off** (the plan's ``needs_only=``): each rank's schedule replayed
   alone, ``ring_attention(q, k, v, plan=plan)`` with the rank's real packed plan and
-  ``--kernel``, its exchanges local copies (:class:`~benchmarks.gpu.ReplayComm`); the busiest rank's
+  ``--kernel``, its exchanges local copies (:class:`~benchmarks.gpu_common.ReplayTransport`); the busiest rank's
   forward and forward+backward time, and **efficiency** = (whole batch / N) / busiest rank;
 - the K/V + dK/dV bytes all ranks send in one forward+backward, counted by the replay, and the work
   model's figure for them (:func:`~benchmarks.modelled.model_bytes`).
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from benchmarks.documents import fit_lengths, lognormal_lengths
-from benchmarks.gpu_common import ReplayComm, fmt, fwd_and_fwdbwd
+from benchmarks.gpu_common import ReplayTransport, fmt, fwd_and_fwdbwd
 from benchmarks.measure import time_cuda
 from benchmarks.modelled import AttentionShape, model_bytes
 from cp_attention import ring_attention
@@ -65,7 +65,7 @@ class PackedRow:
     busiest_rank: Optional[int] = None  # the rank with the longest forward+backward
     fwd_efficiency: Optional[float] = None
     fwdbwd_efficiency: Optional[float] = None
-    sent_mib: Optional[float] = None  # K/V + dK/dV all ranks sent in one fwd+bwd (ReplayComm.sent_bytes)
+    sent_mib: Optional[float] = None  # K/V + dK/dV all ranks sent in one fwd+bwd (ReplayTransport.sent_bytes)
     model_mib: Optional[float] = None  # the work model's figure for the same traffic
     error: Optional[str] = None
 
@@ -89,11 +89,11 @@ def efficiency(whole_ms: Optional[float], world_size: int, busiest_ms: Optional[
 
 
 def replay_plan(layout: str, rank: int, world_size: int, cu_seqlens: tuple[int, ...], needs_only: bool
-                ) -> tuple[AttentionPlan, ReplayComm]:
-    """Rank ``rank``'s causal plan of the packed batch on a :class:`ReplayComm` (its agreement answers at
+                ) -> tuple[AttentionPlan, ReplayTransport]:
+    """Rank ``rank``'s causal plan of the packed batch on a :class:`ReplayTransport` (its agreement answers at
     once): the plan a real group's rank builds, and the transport that counts what it sends."""
-    comm = ReplayComm(rank, world_size)
-    return build_plan(layout, comm, True, cu_seqlens, needs_only=needs_only), comm
+    transport = ReplayTransport(rank, world_size)
+    return build_plan(layout, transport, True, cu_seqlens, needs_only=needs_only), transport
 
 
 def _inputs(args, local: int, device: "torch.device | str", seed: int) -> tuple[torch.Tensor, ...]:
@@ -107,14 +107,14 @@ def replay_rank(args, layout: str, rank: int, world_size: int, cu_seqlens: tuple
                 device: "torch.device | str" = "cuda", timer: Timer = time_cuda) -> tuple[float, float, int]:
     """(fwd ms, fwd+bwd ms, bytes sent in one fwd+bwd) of rank ``rank``'s whole packed schedule, replayed
     alone through ``ring_attention`` with ``args.kernel``; ``timer(fn, args.repeats)`` times a call."""
-    plan, comm = replay_plan(layout, rank, world_size, cu_seqlens, needs_only)
+    plan, transport = replay_plan(layout, rank, world_size, cu_seqlens, needs_only)
     q, k, v, dout = _inputs(args, cu_seqlens[-1] // world_size, device, seed=rank)
     call = lambda a, b, c: ring_attention(a, b, c, plan=plan, kernel=args.kernel)  # noqa: E731
     fwd, fwdbwd = fwd_and_fwdbwd(call, q, k, v, dout)
     t_fwd, t_fb = timer(fwd, args.repeats), timer(fwdbwd, args.repeats)
-    sent = comm.sent_bytes
+    sent = transport.sent_bytes
     fwdbwd()
-    return t_fwd, t_fb, comm.sent_bytes - sent
+    return t_fwd, t_fb, transport.sent_bytes - sent
 
 
 def layout_row(args, world_size: int, cu_seqlens: tuple[int, ...], layout: str, needs_only: bool,

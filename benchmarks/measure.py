@@ -295,27 +295,27 @@ def command_line(doc: str, add_arguments: Callable[[argparse.ArgumentParser], No
 
 # ---------------------------------------------------------------- traffic
 
-def _counted(comm) -> Optional[int]:
-    """``comm.sent_bytes`` plus its levels' (a 2-D mesh's dims count their own exchanges); None if the
+def _counted(transport) -> Optional[int]:
+    """``transport.sent_bytes`` plus its levels' (a 2-D mesh's dims count their own exchanges); None if the
     transport has no counter."""
-    own = getattr(comm, "sent_bytes", None)
+    own = getattr(transport, "sent_bytes", None)
     if own is None:
         return None
-    return own + sum(getattr(t, "sent_bytes", 0) for t in (getattr(comm, "levels", None) or ()))
+    return own + sum(getattr(t, "sent_bytes", 0) for t in (getattr(transport, "levels", None) or ()))
 
 
-def sent_bytes(impls: "dict[str, tuple[Callable, Callable]]", comms: "dict[str, object]", group
+def sent_bytes(impls: "dict[str, tuple[Callable, Callable]]", transports: "dict[str, object]", group
                ) -> "dict[str, Optional[int]]":
     """Bytes all ranks sent in one forward+backward call of each impl, measured from the counter of the
-    transport it runs on (``comms[name]``: its ``sent_bytes`` after minus before, levels included),
+    transport it runs on (``transports[name]``: its ``sent_bytes`` after minus before, levels included),
     summed over the ranks of ``group`` (None: this process alone). An impl without a transport in
-    ``comms``, or one without a counter, gets None."""
+    ``transports``, or one without a counter, gets None."""
     out: dict[str, Optional[int]] = {}
     for name, (_, fwdbwd) in impls.items():
-        comm = comms.get(name)
-        before = None if comm is None else _counted(comm)
+        transport = transports.get(name)
+        before = None if transport is None else _counted(transport)
         fwdbwd()
-        out[name] = None if before is None else _counted(comm) - before
+        out[name] = None if before is None else _counted(transport) - before
     known = [n for n, b in out.items() if b is not None]
     if group is not None and known:
         total = torch.tensor([out[n] for n in known], dtype=torch.float64)

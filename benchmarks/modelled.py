@@ -105,15 +105,15 @@ def kv_bytes_per_hop(seq_len: int, world_size: int, shape: AttentionShape, elem_
     return _shard_bytes(shape.batch, seq_len // world_size, shape.kv_heads, shape.head_dim, shape.dv, elem)
 
 
-def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape, ring_steps: int | None = None
+def comm_bytes_per_rank(seq_len: int, world_size: int, shape: AttentionShape, ring_length: int | None = None
                         ) -> tuple[int, int]:
     """Bytes each rank sends: ``(forward, backward)``, the same for every layout.
 
-    Mirrors the engine for a ring of ``ring_steps`` steps (default ``world_size``; fewer under a
+    Mirrors the engine for a ring of ``ring_length`` steps (default ``world_size``; fewer under a
     sliding window, see :func:`cp_attention.ring_length`): the cost model's
     :func:`cp_attention.strategies.cost.ring_bytes_per_rank`.
     """
-    steps = world_size if ring_steps is None else ring_steps
+    steps = world_size if ring_length is None else ring_length
     if world_size == 1:
         return 0, 0
     return ring_bytes_per_rank(kv_bytes_per_hop(seq_len, world_size, shape),
@@ -149,10 +149,10 @@ def model_bytes(layout: str, total: int, world_size: int, shape: AttentionShape,
     Raises ``ValueError`` if the layout cannot split ``total`` over ``world_size`` ranks."""
     if world_size == 1:
         return 0, 0
-    rows = batch_model.step_rows(layout, causal, (-1, -1), total, world_size,
-                                 None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens))
+    needs = batch_model.step_needs(layout, causal, (-1, -1), total, world_size,
+                                   None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens))
     n = total // world_size
-    return training_bytes(rows, shape), training_bytes([[0] + [n] * (world_size - 1)] * world_size, shape)
+    return training_bytes(needs, shape), training_bytes([[0] + [n] * (world_size - 1)] * world_size, shape)
 
 
 @contextlib.contextmanager

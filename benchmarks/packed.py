@@ -98,15 +98,15 @@ def ring_worker(args, seq: int) -> dict:
     cu = _cu(args)
     rank, ws = dist.get_rank(), dist.get_world_size()
     full = make_inputs(args, seq)
-    comm = transport_for(dist.group.WORLD)
+    transport = transport_for(dist.group.WORLD)
     impls = {}
     for name in args.layouts:
         lay = get_layout(name)
         shard = [lay.shard(t, 1, rank, ws, cu_seqlens=cu) for t in full]
-        impls[f"ring/{lay.name}"] = ours(*shard, comm, lay, args.kernel, cu_seqlens=cu)
+        impls[f"ring/{lay.name}"] = ours(*shard, transport, lay, args.kernel, cu_seqlens=cu)
     rows = measure(impls, seq, args.repeats, dist.group.WORLD)
     return {"rows": rows, "threads": torch.get_num_threads(), "memory": memory_method(),
-            "bytes": sent_bytes(impls, {name: comm for name in impls}, dist.group.WORLD)}
+            "bytes": sent_bytes(impls, {name: transport for name in impls}, dist.group.WORLD)}
 
 
 def model_bytes(args) -> dict[str, tuple[float, float]]:

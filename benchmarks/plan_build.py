@@ -3,7 +3,7 @@ lowering to kernel tasks, and the index tensors the tasks run with.
 
 Each build is timed on a fresh plan of rank ``r`` of ``N`` (a seat: no process group, no
 communication) with a fresh copy of the boundaries, so nothing of an earlier build is reused:
-``plan.steps(n, kernel, "cpu", D, Dv)`` and the needs-only rows (``plan.traffic``), the work of a
+``plan.steps(n, kernel, "cpu", D, Dv)`` and the needs-only rows (``plan.needs_index``), the work of a
 batch's first attention call. The phases are
 timed apart by running the same three calls ``_build_steps`` makes, one after another: ``blocks``
 (``block_schedules`` for this rank: the layout's positions and each step's blocks), ``lowering``
@@ -136,7 +136,7 @@ def _whole_ms(layout: str, cu: tuple[int, ...], rank: int, world_size: int, mode
 
     def build() -> None:
         steps = plan.steps(n, kernel, _CPU, _HEAD_DIM, _HEAD_DIM)
-        plan.traffic(n, _CPU, len(steps))  # the needs-only rows are part of the plan too
+        plan.needs_index(n, _CPU, len(steps))  # the needs-only rows are part of the plan too
 
     return wall_and_cpu_ms(build)
 

@@ -125,10 +125,10 @@ def _calibrate(group) -> dict:
         tiny = torch.randn(1, 16, h, d)
         call = best(lambda: [cpa.ring_attention(tiny, tiny, tiny, group=alone) for _ in range(20)]) / 20
     flops = 4 * (n * (n + 1) / 2) * d * h / attn
-    comm = transport_for(group)
+    transport = transport_for(group)
     big, small = torch.randn(2 << 20), torch.zeros(1)  # 8 MiB: the shards the cases pass round
-    bw = big.numel() * 4 / best(lambda: comm.exchange([big], [torch.empty_like(big)]).wait(), repeats=5)
-    latency = best(lambda: comm.exchange([small], [torch.empty_like(small)]).wait(), repeats=20)
+    bw = big.numel() * 4 / best(lambda: transport.exchange([big], [torch.empty_like(big)]).wait(), repeats=5)
+    latency = best(lambda: transport.exchange([small], [torch.empty_like(small)]).wait(), repeats=20)
     stats = torch.tensor([flops, bw, latency, call], dtype=torch.float64)
     dist.all_reduce(stats, group=group)
     flops, bw, latency, call = (stats / dist.get_world_size(group)).tolist()
@@ -148,18 +148,18 @@ def _worker(args: argparse.Namespace, todo: "list[Case]") -> dict:
     # one transport per group, passed as the group, so that its sent_bytes counts the calls (plans are
     # cached per group: a second transport of the same group would get the first one's plan)
     flat, two_level = transport_for(None), transport_for(mesh)
-    comms = {s: two_level if s == "a2a+p2p" else flat for s in STRATEGIES}
+    transports = {s: two_level if s == "a2a+p2p" else flat for s in STRATEGIES}
     results = []
     for case in todo:
         q, k, v, dout = _tensors(case)
         cu = case.cu_seqlens()
         shard = lambda t: lay.shard(t, 1, rank, WORLD, cu_seqlens=cu)  # noqa: E731
         ql, kl, vl, dl = (shard(t) for t in (q, k, v, dout))
-        impls = {s: _calls(ql, kl, vl, dl, group=comms[s], cp_comm_type=s, **_mask_kwargs(case, args.layout))
+        impls = {s: _calls(ql, kl, vl, dl, group=transports[s], cp_comm_type=s, **_mask_kwargs(case, args.layout))
                  for s in STRATEGIES}
         rows = measure(impls, case.seq, args.repeats, dist.group.WORLD)  # the slowest rank per call
         results.append({"case": asdict(case), "rows": [asdict(r) for r in rows],
-                        "bytes": sent_bytes(impls, comms, dist.group.WORLD)})
+                        "bytes": sent_bytes(impls, transports, dist.group.WORLD)})
     return {"calibration": calibration, "results": results}
 
 

@@ -77,13 +77,13 @@ def check_fractions(fractions, allow_none: bool) -> None:
 
 def modelled_window(layout: str, causal: bool, seq_len: int, world_size: int, fraction: int,
                     convention: str = "hf") -> dict:
-    """The work model under one window: ``{"window_size", "work", "ring_steps"}`` (``work[rank][step]``,
+    """The work model under one window: ``{"window_size", "work", "ring_length"}`` (``work[rank][step]``,
     zeros on the steps the ring does not run). Run it on one torch thread (:func:`benchmarks.modelled.one_thread`)
     for speed at large N."""
     ws = window_size(seq_len, fraction, causal, convention)
-    steps = ring_length(layout, causal, seq_len, world_size, ws)
+    length = ring_length(layout, causal, seq_len, world_size, ws)
     return {"window_size": ws, "work": work_model(layout, causal, seq_len, world_size, window_size=ws),
-            "ring_steps": steps}
+            "ring_length": length}
 
 
 # ---------------------------------------------------------------- measured
@@ -113,7 +113,7 @@ def measure_windows(args, seq: int) -> list[dict]:
     fastest call of each, which a shared machine disturbs least), the work model's
     ``model_busiest_x_none`` (the busiest rank's pairs over its pairs without the window),
     ``model_sync_x_none`` (the sum over ring steps of the busiest rank's pairs, the same ratio),
-    ring steps and the K/V + dK/dV bytes each rank sends.
+    the ring length and the K/V + dK/dV bytes each rank sends.
     """
     args = argparse.Namespace(**{**vars(args), "windows": [NO_WINDOW] + [d for d in args.windows if d != NO_WINDOW]})
     ring = spawn(ring_worker, args.world_size, args, seq, threads=1, timeout_s=args.timeout)
@@ -129,7 +129,7 @@ def measure_windows(args, seq: int) -> list[dict]:
         for d in args.windows:
             m, r = model[d], timed[f"ring/{name} {window_label(d)}"]
             w = m["work"]
-            fwd_b, bwd_b = comm_bytes_per_rank(seq, args.world_size, shape, m["ring_steps"])
+            fwd_b, bwd_b = comm_bytes_per_rank(seq, args.world_size, shape, m["ring_length"])
             out.append({
                 "world_size": args.world_size, "seq_len": seq, "layout": name, "window": window_label(d),
                 "fraction": d, "window_left": m["window_size"][0], "window_right": m["window_size"][1],
@@ -138,7 +138,7 @@ def measure_windows(args, seq: int) -> list[dict]:
                 "best_x_none": min(r.fwdbwd_runs_ms) / min(base_t.fwdbwd_runs_ms),
                 "model_busiest_x_none": max(map(sum, w)) / max(map(sum, base_w)),
                 "model_sync_x_none": _sync(w) / _sync(base_w),
-                "ring_steps": m["ring_steps"], "modelled_imbalance": imbalance(w),
+                "ring_length": m["ring_length"], "modelled_imbalance": imbalance(w),
                 "modelled_step_sync_efficiency": step_sync_efficiency(w),
                 "fwd_bytes_per_rank": fwd_b, "bwd_bytes_per_rank": bwd_b, "fwdbwd_peak_mib": r.fwdbwd_peak_mib,
                 "fwdbwd_spread": _spread(r.fwdbwd_runs_ms),
@@ -163,14 +163,14 @@ def _sync(work) -> int:
 
 def print_table(rows: list[dict]) -> None:
     """One line per (S, layout, window)."""
-    head = (f"{'S':>6}  {'layout':<12}{'window':>7}{'left':>7}{'steps':>7}{'fwd ms':>10}{'fwd+bwd ms':>12}"
+    head = (f"{'S':>6}  {'layout':<12}{'window':>7}{'left':>7}{'ring length':>12}{'fwd ms':>10}{'fwd+bwd ms':>12}"
             f"{'time x none':>13}{'best x none':>13}{'model x none':>14}{'sync x none':>13}{'K/V+dK/dV MiB':>15}"
             f"{'spread':>8}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         mib = (r["fwd_bytes_per_rank"] + r["bwd_bytes_per_rank"]) / 2**20
         print(f"{r['seq_len']:>6}  {r['layout']:<12}{r['window']:>7}{r['window_left']:>7}"
-              f"{str(r['ring_steps']) + '/' + str(r['world_size']):>7}{r['fwd_ms']:>10.1f}{r['fwdbwd_ms']:>12.1f}"
+              f"{str(r['ring_length']) + '/' + str(r['world_size']):>12}{r['fwd_ms']:>10.1f}{r['fwdbwd_ms']:>12.1f}"
               f"{r['time_x_none']:>13.3f}{r['best_x_none']:>13.3f}{r['model_busiest_x_none']:>14.3f}"
               f"{r['model_sync_x_none']:>13.3f}{mib:>15.1f}{r['fwdbwd_spread']:>8.0%}")
 
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     print("\ntime x none: median forward+backward time over the same layout's time without a window (same run). "
           "best x none: the same for the fastest timed call of each (what a shared machine disturbs least). "
           "model x none: the busiest rank's score pairs over its pairs without the window (work_model); sync x "
-          "none: the same for the sum over ring steps of each step's busiest rank. steps: ring steps run / N. "
+          "none: the same for the sum over ring steps of each step's busiest rank. ring length: ring steps run / N. "
           "MiB: K/V and dK/dV each rank sends, forward + backward. spread: (slowest - fastest) / median of the timed "
           "forward+backward calls; above 25% another process probably competed for the cores.")
     print(f"\ntotal {clock.seconds():.0f} s")

@@ -22,7 +22,7 @@ from benchmarks.modelled import (
     AttentionShape, check_work, flops_per_pair, imbalance, kv_bytes_per_hop, min_pairs, step_sync_efficiency,
 )
 from cp_attention.layouts import Layout, get_layout
-from cp_attention.schedules import rank_plan, source_rank
+from cp_attention.schedules import rank_steps, source_rank
 
 __all__ = [
     "WorkSummary",
@@ -141,7 +141,7 @@ def pair_owners(layout: "str | Layout", causal: bool, seq_len: int, world_size: 
     pos = [lay.positions(seq_len, r, world_size).tolist() for r in range(world_size)]
     out = []
     for r in range(world_size):
-        for s, tasks in enumerate(rank_plan(lay, causal, r, world_size, n)):
+        for s, tasks in enumerate(rank_steps(lay, causal, r, world_size, n)):
             j = source_rank(r, world_size, s)
             for t in tasks:
                 for i in range(t.q_stop - t.q_start):
@@ -191,10 +191,10 @@ class Projection:
 
 
 def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, cluster: ClusterSpec,
-            ring_steps: Optional[int] = None) -> Projection:
+            ring_length: Optional[int] = None) -> Projection:
     """Project one attention call on ``cluster`` from a modelled work matrix ``work[rank][step]``.
 
-    Model, per ring step s of the L = ``ring_steps`` steps that run (default N; fewer under a sliding
+    Model, per ring step s of the L = ``ring_length`` steps that run (default N; fewer under a sliding
     window, whose later steps do not run at all), in the engine's order:
       compute_s = max_r work[r][s] * B * H * flops_per_pair / throughput   (a step waits for its slowest rank)
       forward   comm_s = K/V bytes / bandwidth + latency for s < L-1 (no hop after the last step)
@@ -204,13 +204,13 @@ def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, 
                 a rank's own contribution stays home, and no hop follows step 0
       step_s    = max(compute_s, comm_s) with overlap, compute_s + comm_s without.
     Throughput is the same for every block size; links are full duplex and every hop runs at once.
-    Raises ``ValueError`` for an empty or ragged matrix or ``ring_steps`` outside ``1..N``.
+    Raises ``ValueError`` for an empty or ragged matrix or ``ring_length`` outside ``1..N``.
     """
     check_work(work)
     n = len(work)
-    steps = n if ring_steps is None else ring_steps
+    steps = n if ring_length is None else ring_length
     if not 1 <= steps <= len(work[0]):
-        raise ValueError(f"ring_steps must be in 1..{len(work[0])}, got {ring_steps}")
+        raise ValueError(f"ring_length must be in 1..{len(work[0])}, got {ring_length}")
     if any(row[s] for row in work for s in range(steps, len(row))):
         raise ValueError(f"work after ring step {steps} must be 0: those steps do not run")
     bh = shape.batch * shape.heads

@@ -5,7 +5,7 @@ For every layout and world size, a causal window of ``W = S/d`` tokens for each 
 the configured convention) is set against no window, from the schedule's work model
 (:func:`cp_attention.work_model` with ``window_size=``) and :func:`cp_attention.ring_length`:
 
-- **ring steps**: a ring step whose K/V no rank's window reaches does not run, so each rank receives
+- **ring length**: a ring step whose K/V no rank's window reaches does not run, so each rank receives
   ``L - 1`` K/V shards instead of ``N - 1`` and sends ``L - 1`` K/V and ``L - 1`` dK/dV hops
   (:func:`benchmarks.modelled.comm_bytes_per_rank`). Contiguous holds one stretch per rank and stops
   after ``ceil(W / (S/N)) + 1`` steps; zigzag and interleaved hold pieces everywhere, so their ring runs
@@ -90,14 +90,14 @@ def _window_tables(w, layouts, causal, shape, proj_shape, cluster, skipped) -> d
             here = []
             for lay in ok:
                 m = modelled_window(lay, causal, seq, ws, d, w["convention"])
-                work, length = m["work"], m["ring_steps"]
+                work, length = m["work"], m["ring_length"]
                 s = summarize(work, seq, causal)
                 fwd, bwd = comm_bytes_per_rank(seq, ws, shape, length)
                 p = project(work, seq, proj_shape, cluster, length)
                 row = {
                     "layout": lay, "world_size": ws, "seq_len": seq, "window": window_label(d), "fraction": d,
                     "window_tokens": seq // d if d else seq, "window_left": m["window_size"][0],
-                    "window_right": m["window_size"][1], "ring_steps": length, "ring_steps_saved": ws - length,
+                    "window_right": m["window_size"][1], "ring_length": length, "ring_length_saved": ws - length,
                     "kv_shards_received": length - 1, "fwd_bytes_per_rank": fwd, "bwd_bytes_per_rank": bwd,
                     "imbalance": s.imbalance, "step_sync_efficiency": s.step_sync_efficiency,
                     "total_pairs": s.total_pairs, "busiest_rank_pairs": max(s.per_rank),
@@ -150,7 +150,7 @@ def _winner(rows: Records) -> dict:
     r0 = rows[0]
     out = {"world_size": r0["world_size"], "seq_len": r0["seq_len"], "window": r0["window"],
            "fraction": r0["fraction"], "winner_projected": _best(rows, "projected_fwdbwd_ms"),
-           "fewest_ring_steps": _best(rows, "ring_steps"),
+           "shortest_ring": _best(rows, "ring_length"),
            "best_step_sync_efficiency": _best(rows, "step_sync_efficiency", low=False)}
     out.update({f"projected_ms_{r['layout']}": r["projected_fwdbwd_ms"] for r in rows})
     return out
@@ -209,7 +209,7 @@ def _verdict(rows: Records, winners: Records, label: str) -> str:
     n = max(x["world_size"] for x in mine)
     at = [r for r in rows if r["window"] == label and r["world_size"] == n]
     none = {r["layout"]: r for r in rows if r["window"] == "none" and r["world_size"] == n}
-    parts = [f"{r['layout']} runs {r['ring_steps']} of {n} ring steps, sends "
+    parts = [f"{r['layout']} runs {r['ring_length']} of {n} ring steps, sends "
              f"{100 - r['bytes_saved_pct']:.0f}% of its no-window bytes, imbalance {r['imbalance']:.3f} "
              f"(no window {none[r['layout']]['imbalance']:.3f}), step-sync efficiency {r['step_sync_efficiency']:.3f}, "
              f"projected {r['projected_fwdbwd_ms']:.2f} ms" for r in at]
@@ -246,7 +246,7 @@ def window_section(cfg: dict, res: dict) -> str:
     ]
     labels = list(dict.fromkeys(r["window"] for r in rows))
     for label in labels:
-        trows = [[r["world_size"], r["layout"], f"{r['ring_steps']}/{r['world_size']}", r["kv_shards_received"],
+        trows = [[r["world_size"], r["layout"], f"{r['ring_length']}/{r['world_size']}", r["kv_shards_received"],
                   f"{(r['fwd_bytes_per_rank'] + r['bwd_bytes_per_rank']) / 2**20:.1f} ({r['bytes_saved_pct']:.0f}%)",
                   _f(r["busiest_pairs_x_none"], ".4f"), _f(r["imbalance"]), _f(r["step_sync_efficiency"]),
                   f"{r['projected_fwdbwd_ms']:.2f} ({r['projected_x_none']:.3f})"]
@@ -254,7 +254,7 @@ def window_section(cfg: dict, res: dict) -> str:
         left = next(r["window_left"] for r in rows if r["window"] == label)
         parts += [f"### W = {label}" + ("" if label == "none" else f" (window_size = ({left}, "
                                         f"{next(r['window_right'] for r in rows if r['window'] == label)}))"),
-                  _table(["N", "layout", "ring steps", "K/V shards received", "MiB/rank (saved)", "pairs × none",
+                  _table(["N", "layout", "ring length", "K/V shards received", "MiB/rank (saved)", "pairs × none",
                           "imbalance", "step-sync eff", "projected ms (× none)"], trows)]
     heads = ["N"] + [f"W = {x}" for x in labels]
     sizes = sorted({x["world_size"] for x in winners})
@@ -283,7 +283,7 @@ def window_section(cfg: dict, res: dict) -> str:
                      f"{w['bars_world_size']}, W = {window_label(min(w['fractions']))})")
     if meas:
         mrows = [[r["world_size"], r["seq_len"], r["layout"], r["window"], r["window_left"],
-                  f"{r['ring_steps']}/{r['world_size']}", _f(r["fwd_ms"], ".1f"), _f(r["fwdbwd_ms"], ".1f"),
+                  f"{r['ring_length']}/{r['world_size']}", _f(r["fwd_ms"], ".1f"), _f(r["fwdbwd_ms"], ".1f"),
                   _f(r["time_x_none"]), _f(r["model_busiest_x_none"]), _f(r["modelled_imbalance"]),
                   _f(r["fwdbwd_spread"], ".0%")] for r in meas]
         fastest = []
@@ -301,7 +301,7 @@ def window_section(cfg: dict, res: dict) -> str:
             "they can see, with a small masked corner each: narrow windows pay per-call overhead and those corners, "
             "so time falls less than pairs. **spread** = (slowest − fastest) / median of the timed forward+backward "
             "calls. Data: `window_measured.csv`.",
-            _table(["N", "S", "layout", "window", "left", "ring steps", "fwd ms", "fwd+bwd ms", "time × none",
+            _table(["N", "S", "layout", "window", "left", "ring length", "fwd ms", "fwd+bwd ms", "time × none",
                     "model × none", "modelled imb", "spread"], mrows),
             "Fastest measured forward+backward: " + "; ".join(fastest) + ".",
         ]

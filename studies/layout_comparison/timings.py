@@ -23,7 +23,7 @@ from benchmarks.modelled import imbalance, step_sync_efficiency
 from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.kernels import get_kernel
 from cp_attention.layouts import get_layout
-from cp_attention.schedules import rank_plan
+from cp_attention.schedules import rank_steps
 from studies.layout_comparison.analysis import split_problem
 
 __all__ = ["step_times", "measure_all"]
@@ -51,25 +51,25 @@ def _layout_step_ms(args, group, rank: int, ws: int, seq: int, layout) -> torch.
     they do in the ring.
     """
     n = seq // ws
-    plan = rank_plan(get_layout(layout), args.causal, rank, ws, n)
+    steps = rank_steps(get_layout(layout), args.causal, rank, ws, n)
     kernel = get_kernel(args.kernel, "cpu", dtype_from_name(args.dtype))
     q, k, v, dout = _local_inputs(args, n, getattr(kernel, "head_major_kv", False))
     scale = args.head_dim ** -0.5
     # Backward needs each block's out/LSE; the block's own are as good as the merged ones for timing.
-    saved = [[kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, scale) for t in tasks] for tasks in plan]
+    saved = [[kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, scale) for t in tasks] for tasks in steps]
 
     def fwd(s: int) -> None:
-        for t in plan[s]:
+        for t in steps[s]:
             kernel.forward(q[:, t.q], k[:, t.kv], v[:, t.kv], t.causal, scale)
 
     def bwd(s: int) -> None:
-        for t, (o, lse) in zip(plan[s], saved[s]):
+        for t, (o, lse) in zip(steps[s], saved[s]):
             kernel.backward(dout[:, t.q], q[:, t.q], k[:, t.kv], v[:, t.kv], o, lse, t.causal, scale)
 
-    runs = torch.zeros(2, len(plan), args.repeats, dtype=torch.float64)
+    runs = torch.zeros(2, len(steps), args.repeats, dtype=torch.float64)
     for rep in range(args.repeats + 1):  # the first round warms up
         for p, fn in enumerate((fwd, bwd)):
-            for s in range(len(plan)):
+            for s in range(len(steps)):
                 ms = call_ms(partial(fn, s), group)  # every rank starts the step together
                 if rep:
                     runs[p, s, rep - 1] = ms

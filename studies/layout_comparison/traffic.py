@@ -78,7 +78,7 @@ def batch_figures(layout: str, batch: Batch, world_size: int, shape: AttentionSh
     """
     cu, total, n = batch.cu_seqlens, batch.tokens, batch.tokens // world_size
     pairs = batch_model.rank_pair_totals(layout, True, (-1, -1), total, world_size, cu)
-    rows = batch_model.step_rows(layout, True, (-1, -1), total, world_size, cu)
+    needs = batch_model.step_needs(layout, True, (-1, -1), total, world_size, cu)
     whole = [[0] + [n] * (world_size - 1)] * world_size
     w = Workload(world_size, shape.batch, total, shape.heads, shape.kv_heads, shape.head_dim, shape.dv,
                  shape.elem_bytes, True, (-1, -1), cu, layout)
@@ -89,8 +89,8 @@ def batch_figures(layout: str, batch: Batch, world_size: int, shape: AttentionSh
         "source": batch.source, "batch": batch.name, "layout": layout, "world_size": world_size, "tokens": total,
         "documents": len(cu) - 1, "longest": batch.longest,
         "imbalance": max(pairs) * world_size / sum(pairs),
-        "rows_needs": sum(map(sum, rows)), "rows_whole": world_size * (world_size - 1) * n,
-        "bytes_needs": training_bytes(rows, shape), "bytes_whole": training_bytes(whole, shape),
+        "rows_needs": sum(map(sum, needs)), "rows_whole": world_size * (world_size - 1) * n,
+        "bytes_needs": training_bytes(needs, shape), "bytes_whole": training_bytes(whole, shape),
         "calls_varlen": varlen[0], "calls_varlen_max": varlen[1], "calls_batched": batched[0],
         "step_ms": est.total_s * 1e3, "compute_ms": est.compute_s * 1e3, "comm_ms": est.exposed_comm_s * 1e3,
         "step_ms_whole": old.total_s * 1e3,

@@ -58,7 +58,7 @@ def test_window_tables_match_the_work_model():
         assert (r["window_left"], r["window_right"]) == ws == hf
         work = cpa.work_model(lay, True, seq, n, window_size=ws)
         steps = cpa.ring_length(lay, True, seq, n, ws)
-        assert r["ring_steps"] == steps and r["ring_steps_saved"] == n - steps
+        assert r["ring_length"] == steps and r["ring_length_saved"] == n - steps
         assert r["rank_pairs"] == " ".join(str(sum(row)) for row in work)
         assert r["imbalance"] == imbalance(work) and r["step_sync_efficiency"] == step_sync_efficiency(work)
         fwd, bwd = comm_bytes_per_rank(seq, n, shape, steps)
@@ -71,12 +71,12 @@ def test_window_tables_match_the_work_model():
     # The example: contiguous under a causal window of S/8 at N=8 runs 2 ring steps; with K/V and
     # dK/dV hops of one size here it sends 1 K/V + 1 dK/dV hop instead of 7 + (6 + 7): 1/10 of the bytes.
     # Zigzag and interleaved hold pieces everywhere, so their ring runs fully.
-    assert at8["contiguous", "S/8"]["ring_steps"] == 2 and at8["contiguous", "S/8"]["bytes_saved_pct"] == \
+    assert at8["contiguous", "S/8"]["ring_length"] == 2 and at8["contiguous", "S/8"]["bytes_saved_pct"] == \
         pytest.approx(100 * 9 / 10)
-    assert at8["zigzag", "S/8"]["ring_steps"] == at8["interleaved", "S/8"]["ring_steps"] == 8
+    assert at8["zigzag", "S/8"]["ring_length"] == at8["interleaved", "S/8"]["ring_length"] == 8
     assert at8["contiguous", "none"]["imbalance"] > 1.8 > 1.1 > at8["contiguous", "S/8"]["imbalance"]
     wins = {(x["world_size"], x["window"]): x for x in res["window_winners"]}
-    assert wins[8, "S/8"]["winner_projected"] == wins[8, "S/8"]["fewest_ring_steps"] == "contiguous"
+    assert wins[8, "S/8"]["winner_projected"] == wins[8, "S/8"]["shortest_ring"] == "contiguous"
     assert "contiguous" not in wins[8, "none"]["best_step_sync_efficiency"]
     assert {(r["layout"], r["window"]) for r in res["window_work_per_rank_step"]} == \
         {(lay, x) for lay in cpa.LAYOUT_NAMES for x in ("none", "S/64", "S/8")}
@@ -276,7 +276,7 @@ def test_smoke_end_to_end(tmp_path):
         seq, n, left = int(r["seq_len"]), int(r["world_size"]), int(r["window_left"])
         ws = (left, int(r["window_right"]))
         steps = cpa.ring_length(r["layout"], True, seq, n, ws)
-        assert int(r["ring_steps"]) == steps and int(r["ring_steps_saved"]) == n - steps
+        assert int(r["ring_length"]) == steps and int(r["ring_length_saved"]) == n - steps
         work = cpa.work_model(r["layout"], True, seq, n, window_size=ws)
         assert r["rank_pairs"] == " ".join(str(sum(row)) for row in work)
         assert float(r["imbalance"]) == pytest.approx(imbalance(work), rel=1e-12)

@@ -65,7 +65,7 @@ def test_benchmark_window_smoke(tmp_path):
         assert ws == ((-1, -1) if r["window"] == "none" else (seq // 8 - 1, 0))  # hf: W = S/8 keys
         busiest = max(map(sum, cpa.work_model(r["layout"], True, seq, n, window_size=ws)))
         assert r["model_busiest_x_none"] == busiest / max(map(sum, cpa.work_model(r["layout"], True, seq, n)))
-        assert r["ring_steps"] == cpa.ring_length(r["layout"], True, seq, n, ws) == 2
+        assert r["ring_length"] == cpa.ring_length(r["layout"], True, seq, n, ws) == 2
     assert "time x none" in proc.stdout and "model x none" in proc.stdout
     bad = subprocess.run([sys.executable, "benchmarks/window.py", "--windows", "-1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)

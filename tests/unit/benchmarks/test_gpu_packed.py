@@ -44,9 +44,9 @@ def test_efficiency_is_the_whole_batch_per_rank_over_the_busiest_rank():
 def test_the_replayed_plan_is_the_ranks_packed_plan_with_its_needs_only_setting():
     cu = packed_documents(256, 32)
     for needs in (True, False):
-        plan, comm = replay_plan("balanced", 2, 4, cu, needs)
+        plan, transport = replay_plan("balanced", 2, 4, cu, needs)
         assert (plan.rank, plan.world_size, plan.cu_seqlens, plan.needs_only) == (2, 4, cu, needs)
-        assert plan.causal is True and plan.layout.name == "balanced" and plan.transport is comm
+        assert plan.causal is True and plan.layout.name == "balanced" and plan.transport is transport
 
 
 class _Script:

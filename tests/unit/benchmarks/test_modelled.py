@@ -70,8 +70,8 @@ def test_comm_bytes_follow_the_engine():
     assert comm_bytes_per_rank(1024, 4, shape) == (3 * hop, 2 * hop + 3 * 2 * hop)
     assert comm_bytes_per_rank(1024, 1, shape) == (0, 0)
     # A ring cut short by a window (L of N steps): L-1 hops of K/V forward, L-2 back, L-1 of dK/dV.
-    assert comm_bytes_per_rank(1024, 4, shape, ring_steps=2) == (hop, 2 * hop)
-    assert comm_bytes_per_rank(1024, 4, shape, ring_steps=3) == (2 * hop, hop + 2 * 2 * hop)
-    assert comm_bytes_per_rank(1024, 4, shape, ring_steps=1) == (0, 0)
+    assert comm_bytes_per_rank(1024, 4, shape, ring_length=2) == (hop, 2 * hop)
+    assert comm_bytes_per_rank(1024, 4, shape, ring_length=3) == (2 * hop, hop + 2 * 2 * hop)
+    assert comm_bytes_per_rank(1024, 4, shape, ring_length=1) == (0, 0)
     d128 = AttentionShape(head_dim=128)
     assert flops_per_pair(d128, True) == 2.5 * flops_per_pair(d128, False)

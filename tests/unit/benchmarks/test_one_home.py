@@ -1,11 +1,15 @@
 """benchmarks/ and studies/ keep one home per idea: each file name once, every clock in benchmarks/measure.py,
-every shared flag declared once in benchmarks/args.py (and read the same way wherever it is added)."""
+every shared flag declared once in benchmarks/args.py (and read the same way wherever it is added), and one word
+per idea: the library's current names, none of those issue 43 renamed (deprecated aliases included)."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib
+import importlib.util
 import re
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -108,3 +112,72 @@ def test_args_imports_the_standard_library_only():
     top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
     top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
     assert top <= {"__future__", "argparse", "typing"}, top
+
+
+# Issue 43's renames ("one word per idea"): the old words, as identifiers, keys or in docstrings, and the new ones.
+OLD_WORDS = {"rank_plan": "rank_steps", "rank_traffic": "rank_needs", "RingSchedule": "RingSource",
+             "CompositeSchedule": "CompositeSource", "step_rows": "step_needs", "StepRows": "StepNeeds",
+             "ReplayComm": "ReplayTransport", "ring_steps": "ring_length (a column, key or parameter)",
+             "fault_comm": "fault_transport"}
+OLD_IDENTIFIERS = {"comm": "transport", "comms": "transports"}  # only as names: "comm" in text means communication
+
+
+def _old_words(path: Path) -> list[str]:
+    """``line: old -> new`` for each old word of issue 43 in ``path``'s code: an identifier (name, attribute,
+    argument, keyword, import, definition), a ``.traffic(...)`` call on a plan, or a string that holds one."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [getattr(node, a, None) for a in ("id", "attr", "arg", "name", "asname")]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names += [w for w in OLD_WORDS if w in node.value]
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "traffic":
+            found.append(f"{node.lineno}: .traffic() -> .needs_index()")
+        found += [f"{getattr(node, 'lineno', '?')}: {n} -> {OLD_WORDS.get(n) or OLD_IDENTIFIERS[n]}" for n in names
+                  if isinstance(n, str) and (n in OLD_WORDS or n in OLD_IDENTIFIERS)]
+    return found
+
+
+def test_no_old_word_of_issue_43():
+    old = {_rel(p): hits for p in FILES if (hits := _old_words(p))}
+    assert not old, f"benchmarks/ and studies/ use the library's current words (CHANGELOG, Deprecated): {old}"
+
+
+def test_the_old_word_check_sees_each_kind_of_use(tmp_path):
+    src = tmp_path / "old.py"
+    src.write_text("from cp_attention.schedules import rank_plan\n"
+                   "def f(comm, plan):\n    plan.traffic(1, 'cpu', 2)\n    return {'ring_steps': comm.sent_bytes}\n")
+    assert sorted(_old_words(src)) == sorted([
+        "1: rank_plan -> rank_steps", "2: comm -> transport", "3: .traffic() -> .needs_index()",
+        "4: ring_steps -> ring_length (a column, key or parameter)", "4: comm -> transport"])
+
+
+def _answers_old_names(module: str) -> bool:
+    """Whether ``module``'s source defines a module ``__getattr__`` (PEP 562), the only way a name imported
+    from it can warn; read, not imported, so that no dependency's import runs."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not (spec.origin or "").endswith(".py"):
+        return False
+    for node in ast.parse(Path(spec.origin).read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            return True
+        if isinstance(node, ast.Assign) and any(getattr(x, "id", None) == "__getattr__" for x in node.targets):
+            return True
+    return False
+
+
+def test_every_name_imported_from_the_library_is_current():
+    """Each ``from cp_attention... import name`` in benchmarks/ and studies/ (in functions too) resolves without
+    the DeprecationWarning of an old name (cp_attention/_deprecated.py)."""
+    imported = {(node.module, a.name, _rel(p)) for p in FILES for node in ast.walk(ast.parse(p.read_text()))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "cp_attention"
+                for a in node.names}
+    assert len(imported) > 20  # the check reads the imports it should
+    hooked = {m for m in {m for m, _, _ in imported} if _answers_old_names(m)}
+    assert {"cp_attention", "cp_attention.schedules"} <= hooked  # where rank_plan was imported from
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for module, name, where in sorted(x for x in imported if x[0] in hooked):
+            try:
+                getattr(importlib.import_module(module), name)
+            except DeprecationWarning as e:
+                pytest.fail(f"{where}: from {module} import {name}: {e}")

@@ -8,7 +8,7 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.engine import plan as plan_module
-from benchmarks.gpu import ReplayComm
+from benchmarks.gpu import ReplayTransport
 from cp_attention.transport import LoopbackGroup, ProcessGroupTransport, Transport
 
 from tests.support.core.loopback_cases import loopback_errors
@@ -143,7 +143,7 @@ def test_a_packed_length_the_layout_cannot_split_is_refused():
 
 
 def test_transports_share_one_protocol():
-    for transport in (ProcessGroupTransport(None), LoopbackGroup(2).rank(1), ReplayComm(0, 4)):
+    for transport in (ProcessGroupTransport(None), LoopbackGroup(2).rank(1), ReplayTransport(0, 4)):
         assert isinstance(transport, Transport), type(transport).__name__
     assert not isinstance(object(), Transport)
 

@@ -85,10 +85,10 @@ def test_projection_counts_only_the_ring_steps_that_run():
     work = cpa.work_model("contiguous", True, 8, 4, window_size=(1, 0))
     steps = cpa.ring_length("contiguous", True, 8, 4, (1, 0))
     assert steps == 2 and work == [[3, 0, 0, 0], [3, 1, 0, 0], [3, 1, 0, 0], [3, 1, 0, 0]]
-    p = project(work, 8, shape, cluster, ring_steps=steps)  # 16-byte hops over 16 B/s: 1 s each
+    p = project(work, 8, shape, cluster, ring_length=steps)  # 16-byte hops over 16 B/s: 1 s each
     assert (p.fwd_overlap_s, p.fwd_serial_s) == pytest.approx((3 + 1, 3 + 1 + 1))  # one K/V hop, not three
     assert (p.bwd_overlap_s, p.bwd_serial_s) == pytest.approx((7.5 + 2.5, 8.5 + 2.5))  # dK/dV home during step 0
     with pytest.raises(ValueError, match="do not run"):
-        project(work, 8, shape, cluster, ring_steps=1)
+        project(work, 8, shape, cluster, ring_length=1)
     full = project(cpa.work_model("contiguous", True, 8, 4), 8, shape, cluster)
     assert full.fwd_serial_s == pytest.approx(3 + 4 + 4 + 4 + 3)  # every step runs: N-1 hops
