@@ -17,8 +17,18 @@ from ._deprecated import deprecated_names
 from .api import plan, plan_ahead, ring_attention
 from .engine.plan import AttentionPlan
 from .kernels import KERNEL_NAMES, get_kernel
-from .layouts import (LAYOUT_NAMES, BalancedLayout, ContiguousLayout, InterleavedLayout, Layout, ZigzagLayout,
-                      document_position_ids, get_layout, pad_cu_seqlens, register_layout)
+from .layouts import (
+                      LAYOUT_NAMES,
+                      BalancedLayout,
+                      ContiguousLayout,
+                      InterleavedLayout,
+                      Layout,
+                      ZigzagLayout,
+                      document_position_ids,
+                      get_layout,
+                      pad_cu_seqlens,
+                      register_layout,
+)
 from .schedules import BlockTask, get_schedule, rank_steps, register_schedule, ring_length, traffic_model, work_model
 from .strategies import CP_COMM_TYPES, check_comm_type_name
 

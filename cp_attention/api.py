@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Union
+from typing import Any, Sequence
 
 import torch
 
@@ -35,11 +35,21 @@ class _Default:
         return repr(self.value)
 
 
+# Any: each stands in for a typed parameter's default in ring_attention's signature.
+_LAYOUT: Any
+_CAUSAL: Any
+_WINDOW: Any
 _LAYOUT, _CAUSAL, _WINDOW, _GROUP = _Default("zigzag"), _Default(True), _Default((-1, -1)), _Default(None)
+
+
+def _given(value: Any, default: _Default) -> Any:
+    """``value`` as passed, or ``default``'s own value when the caller left the argument out."""
+    return default.value if value is default else value
+
 
 # Plans of calls made without one, so a model's layers share one (the first layer builds it). Keyed
 # by what a plan holds; small, since a training step's batches come one after another.
-_PLANS: "OrderedDict[tuple, AttentionPlan]" = OrderedDict()
+_PLANS: OrderedDict[tuple, AttentionPlan] = OrderedDict()
 _PLANS_LOCK = threading.Lock()
 _MAX_PLANS = 8
 
@@ -100,16 +110,16 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     group=_GROUP,
-    layout: Union[str, Layout] = _LAYOUT,
+    layout: str | Layout = _LAYOUT,
     causal: bool = _CAUSAL,
-    softmax_scale: "float | None" = None,
+    softmax_scale: float | None = None,
     kernel: str = "auto",
     return_lse: bool = False,
-    sinks: "torch.Tensor | None" = None,
-    softcap: "float | None" = 0.0,
-    cu_seqlens: "torch.Tensor | None" = None,
-    window_size: "tuple[int, int]" = _WINDOW,
-    plan: "AttentionPlan | None" = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = 0.0,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    window_size: tuple[int, int] = _WINDOW,
+    plan: AttentionPlan | None = None,
     cp_comm_type: str = "p2p",
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
@@ -176,9 +186,8 @@ def ring_attention(
 
     if plan is None:
         group = None if group is _GROUP else group
-        plan = _cached_plan(group, layout.value if layout is _LAYOUT else layout,
-                              causal.value if causal is _CAUSAL else causal, cu_seqlens,
-                              window_size.value if window_size is _WINDOW else window_size)
+        plan = _cached_plan(group, _given(layout, _LAYOUT), _given(causal, _CAUSAL), cu_seqlens,
+                            _given(window_size, _WINDOW))
     else:
         _refuse_contradictions(plan, group, layout, causal, cu_seqlens, window_size)
     transport = plan.transport

@@ -11,9 +11,11 @@ kernel that can run it.
 from __future__ import annotations
 
 import functools
+from typing import Sequence, cast
 
 from ..kernels import AttentionKernel
 from ..layouts.base import Layout
+from ..schedules.blocks import BlockTask
 from ..schedules.causal import get_schedule, rank_steps
 from ..schedules.derived import block_schedules
 from ..schedules.lowering import lower_steps
@@ -26,19 +28,22 @@ def dense_ring_blocks(layout: Layout, causal: bool, world_size: int, local_len: 
                       ) -> frozenset[tuple[int, int, bool]]:
     """Every ``(Sq, Sk, causal)`` block shape any rank's ring runs for one dense sequence of
     ``local_len`` tokens per rank (the layout's own schedule, or the blocks derived from its positions)."""
-    shapes = set()
+    shapes: set[tuple[int, int, bool]] = set()
+    steps: Sequence[tuple[BlockTask, ...]]
     for rank in range(world_size):
         if get_schedule(layout) is not None:
             steps = rank_steps(layout, causal, rank, world_size, local_len)
         else:
             table = block_schedules(layout, causal, world_size, local_len * world_size, None, None, rank=rank)
-            steps = lower_steps(table, batched=False, tiled=True, local_len=local_len)
+            # Unbatched, not varlen: every task is a plain BlockTask.
+            steps = cast("tuple[tuple[BlockTask, ...], ...]",
+                         lower_steps(table, batched=False, tiled=True, local_len=local_len))
         shapes.update((t.q_stop - t.q_start, t.kv_stop - t.kv_start, t.causal) for step in steps for t in step)
     return frozenset(shapes)
 
 
 def named_kernel_problem(name: str, kernel: AttentionKernel, layout: Layout, causal: bool, world_size: int,
-                         local_len: int, packed: bool, windowed: bool, comm_type: str) -> "str | None":
+                         local_len: int, packed: bool, windowed: bool, comm_type: str) -> str | None:
     """Why the kernel named ``name`` cannot run this call's blocks, or None. A kernel that takes every
     block shape passes at once; one that refuses some passes only when every block of a dense ring is
     known to be one it takes (packed documents, windows and the other strategies cut blocks down to

@@ -5,8 +5,8 @@ the per-batch plan."""
 from .._deprecated import deprecated_names
 from .doc_batch import DocBatch
 from .fault import RingFault
-from .merge import merge_at, merge_block
 from .function import AttentionFunction, KVSource
+from .merge import merge_at, merge_block
 from .plan import AttentionPlan, build_plan
 from .ring import RingSource
 from .tasks import KernelSettings

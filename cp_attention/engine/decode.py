@@ -8,8 +8,6 @@ bits (what sampling the same token on every rank needs).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..kernels.base import accumulation_dtype
@@ -37,7 +35,7 @@ def local_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vi
     return out.reshape(b, h, -1), lse.reshape(b, h)
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sinks: "torch.Tensor | None" = None
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge every rank's partial ``outs [N, B, H, Dv]`` and ``lses [N, B, H]`` (rank order) into the
     result over all keys, with one extra logit per head ``sinks [H]`` in every denominator."""
@@ -49,7 +47,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sinks: "torch.Tensor 
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, transport: Transport,
-                     scale: float, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                     scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of one new query per row over keys sharded across ``transport``'s ranks: each rank
     passes its own ``k``/``v``/``visible`` (as :func:`local_decode_attention`), every rank gets the whole

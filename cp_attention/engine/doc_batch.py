@@ -62,9 +62,10 @@ class DocBatch:
             self.buckets = built[spec.index]
         self.spec = spec
         self.first = spec.first
-        self._compacted = None  # (recv, this batch reading a compact held shard of the rows recv)
+        # (recv, this batch reading a compact held shard of the rows recv)
+        self._compacted: tuple[torch.Tensor, DocBatch] | None = None
 
-    def compact(self, recv: torch.Tensor) -> "DocBatch":
+    def compact(self, recv: torch.Tensor) -> DocBatch:
         """This batch reading the held shard from a compact tensor of only its rows ``recv`` (increasing,
         on the device; the keys of the shard held, their row lists included, remapped to positions in
         it): needs-only rows are then received in place, never copied into a full-length shard. Made
@@ -81,7 +82,8 @@ class DocBatch:
         return out
 
     def forward(self, kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_own: torch.Tensor,
-                v_own: torch.Tensor, scale: float, kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                v_own: torch.Tensor, scale: float,
+                kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``q [1, n, H, D]``, the held ``k``/``v`` and this rank's own ``k_own``/``v_own`` -> per
         bucket ``(rows, out [1, R, H, Dv], lse [1, H, R])`` for its R query rows ``rows`` (a LongTensor)."""
         results = []
@@ -104,7 +106,8 @@ class DocBatch:
             dout_b = _rows(dout, b.q_idx).masked_fill_(~b.q_valid[..., None, None], 0)
             lse_b = lse[0].index_select(1, b.q_idx.flatten()).view(-1, *b.q_idx.shape).transpose(0, 1)
             lse_b = lse_b + b.no_lse.to(lse.dtype)
-            dq, dk, dv = kernel.backward(dout_b, _rows(q, b.q_idx), _gather_keys(b, k, k_own), _gather_keys(b, v, v_own),
+            dq, dk, dv = kernel.backward(dout_b, _rows(q, b.q_idx), _gather_keys(b, k, k_own),
+                                         _gather_keys(b, v, v_own),
                                          _rows(out, b.q_idx), lse_b, b.mask is None, scale, **extra, **kwargs)
             sizes = [key.idx.shape[1] for key in b.keys]
             keys = [(key.own, key.rows, _valid(dk_k, key.sel), _valid(dv_k, key.sel))

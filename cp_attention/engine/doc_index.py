@@ -57,7 +57,7 @@ class Bucket:
     q_idx: torch.Tensor  # [E, Lq] local query rows; padding repeats the entry's first row
     q_valid: torch.Tensor  # [E, Lq] bool
     keys: tuple[BucketKeys, ...]  # concatenated along the key axis
-    mask: "torch.Tensor | None"  # [E, Lq, sum Lk] bool, True where a query may see a key; None: causal square
+    mask: torch.Tensor | None  # [E, Lq, sum Lk] bool, True where a query may see a key; None: causal square
     no_lse: torch.Tensor  # [E, 1, Lq]: +inf on padding rows, 0 elsewhere
     q_rows: torch.Tensor  # [R] local query rows, = q_idx[q_valid]
     q_sel: torch.Tensor  # [R] their positions in the flattened [E * Lq]
@@ -89,13 +89,14 @@ def _padded(start: torch.Tensor, length: torch.Tensor, size: torch.Tensor, bucke
     return _Padded(entry, off, idx, valid, idx.index_select(0, real), sel)
 
 
-def _bounds(q: _Padded, q_off: "torch.Tensor | None", q_len: torch.Tensor, kv_len: torch.Tensor, diag: torch.Tensor,
-            lo: "torch.Tensor | None", empty: int) -> "tuple[torch.Tensor | None, torch.Tensor]":
+def _bounds(q: _Padded, q_off: torch.Tensor | None, q_len: torch.Tensor, kv_len: torch.Tensor, diag: torch.Tensor,
+            lo: torch.Tensor | None, empty: int) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Per query slot, the keys ``[a, b)`` of one span it sees (``a`` None: 0 everywhere): the span's
     rows ``q_off:q_off+q_len`` of the entry (``q_off`` None: all of them) see key ``c`` iff
     ``lo <= c - row <= diag`` and ``c < kv_len`` (``lo`` None: no lower bound anywhere). Slots outside
     the span's rows see none; padding slots see keys ``[0, empty)``."""
     entry = q.entry
+    outside: torch.Tensor | int
     if q_off is None:  # the entry's own rows: inside the span exactly where they are real
         row, inside, outside = q.off, q.valid, empty
     else:
@@ -109,7 +110,7 @@ def _bounds(q: _Padded, q_off: "torch.Tensor | None", q_len: torch.Tensor, kv_le
     return torch.where(inside, torch.clamp(row + lo.index_select(0, entry), min=0), 0), b
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _interval_rows(width: int) -> torch.Tensor:
     """``[(width + 1) ** 2, width]`` bool: row ``a * (width + 1) + b`` is True at keys ``[a, b)``, so a
     mask is one row lookup per query slot (an ``index_select``: ~3-10x faster than comparing)."""
@@ -123,7 +124,7 @@ def _size_index(n: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(_SIZES_T, n)
 
 
-def _cumulative(xs: "list[int]") -> "list[int]":
+def _cumulative(xs: list[int]) -> list[int]:
     """``[0, x0, x0 + x1, ...]``."""
     out = [0]
     for x in xs:
@@ -131,14 +132,14 @@ def _cumulative(xs: "list[int]") -> "list[int]":
     return out
 
 
-def _upload_all(tensors: "list[torch.Tensor]", device: torch.device) -> "list[torch.Tensor]":
+def _upload_all(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """1-D ``tensors`` of one dtype on ``device`` in one copy, as views of one buffer."""
     if device.type == "cpu" or not tensors:
         return tensors
     return list(upload(torch.cat(tensors), device).split([t.numel() for t in tensors]))
 
 
-def build_buckets(specs: Sequence[BatchSpec], device: torch.device) -> "list[list[Bucket]]":
+def build_buckets(specs: Sequence[BatchSpec], device: torch.device) -> list[list[Bucket]]:
     """Per batch spec, its buckets in the order of their keys (padded queries, per key span (own?,
     padded keys), causal square?), with their index tensors on ``device``.
 
@@ -197,7 +198,8 @@ def build_buckets(specs: Sequence[BatchSpec], device: torch.device) -> "list[lis
     longs = _upload_all([t for p in (q, a, b) for t in (p.idx, p.rows, p.sel)], device)
     bools = _upload_all([q.valid] + [x.flatten() for x in masks.values()], device)
     (no_lse,) = _upload_all([no_lse], device)
-    q, a, b = (p._replace(idx=longs[3 * i], rows=longs[3 * i + 1], sel=longs[3 * i + 2]) for i, p in enumerate((q, a, b)))
+    q, a, b = (p._replace(idx=longs[3 * i], rows=longs[3 * i + 1], sel=longs[3 * i + 2])
+               for i, p in enumerate((q, a, b)))
     q = q._replace(valid=bools[0])
     masks = {c: x.view(masks[c].shape) for c, x in zip(masks, bools[1:])}
     # Each bucket's views, one split per flat array (a split is one call for all buckets).
@@ -221,8 +223,8 @@ def build_buckets(specs: Sequence[BatchSpec], device: torch.device) -> "list[lis
 
 
 def _masks(q: _Padded, ent: torch.Tensor, later: torch.Tensor, an: torch.Tensor, bn: torch.Tensor, parts: list,
-           codes: "list[int]", sizes: "list[int]", q_first: "list[int]", lq: "list[int]", lk: "list[list[int]]"
-           ) -> "dict[int, torch.Tensor]":
+           codes: list[int], sizes: list[int], q_first: list[int], lq: list[int], lk: list[list[int]]
+           ) -> dict[int, torch.Tensor]:
     """Per bucket code that needs one (all but causal squares), ``[E, Lq, sum Lk]`` bool over all
     its buckets' entries: each query slot's keys, one interval per span, looked up as rows of
     :func:`_interval_rows` (padding rows see key 0, so no kernel meets an empty row)."""

@@ -15,8 +15,6 @@ process group's timeout (``trainer.dist_timeout_s``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .._deprecated import warn_renamed
@@ -30,7 +28,7 @@ class RingFault:
 
     def __init__(self, transport) -> None:
         self.transport = transport
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self._agree = transport.host_agreement
 
     @property
@@ -48,7 +46,7 @@ class RingFault:
         if self.ok:
             self.error = error
 
-    def contained(self) -> "_Contained":
+    def contained(self) -> _Contained:
         """``with fault.contained(): ...``: an exception in the block is this rank's failure (see
         :meth:`fail`), not raised; the pass goes on exchanging and the frame raises it after the last
         exchange (:meth:`raise_if_failed`). Run only while :attr:`ok`."""

@@ -10,7 +10,7 @@ tensors saved, the sinks' and the LSE's gradients, dout made contiguous.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -35,16 +35,18 @@ class KVSource(Protocol):
     fault_transport: Transport
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fault: RingFault, acc: torch.dtype
-                ) -> "tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...]]":
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """``(out, lse, held)``: the accumulators (``acc``; None when no block ran) and ``held``, a
         K/V shard ``(k, v)`` kept for backward, or ``()``."""
         ...
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, fault: RingFault,
-                 acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 acc: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None]:
         """``(dq, dk, dv)`` in ``acc`` given the final ``out``/``lse``; ``held`` is what forward kept
-        (its V, like ``v``, may carry the LSE gradient's extra channel)."""
+        (its V, like ``v``, may carry the LSE gradient's extra channel). Nones may come back after a
+        contained failure (the frame then raises)."""
         ...
 
 
@@ -53,7 +55,8 @@ def _fault_transport(source: KVSource) -> Transport:
     read for one release with a DeprecationWarning)."""
     if hasattr(source, "fault_transport"):
         return source.fault_transport
-    legacy = source.fault_comm  # a source with neither raises AttributeError, as before
+    # a source with neither raises AttributeError, as before
+    legacy = source.fault_comm  # type: ignore[attr-defined]  # pre-rename sources only, not in the protocol
     warn_renamed(f"{type(source).__name__}.fault_comm (a KVSource's)", f"{type(source).__name__}.fault_transport")
     return legacy
 
@@ -68,7 +71,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: KVSource,
-                sinks: "torch.Tensor | None" = None):
+                sinks: torch.Tensor | None = None):
         acc = accumulation_dtype(q.dtype)
         q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # the kernels' contract, once per call
         fault = RingFault(_fault_transport(source))
@@ -78,7 +81,7 @@ class AttentionFunction(torch.autograd.Function):
             b, m, h, _ = q.shape
             out = q.new_zeros(b, m, h, v.shape[-1], dtype=acc)
             lse = q.new_full((b, h, m), float("-inf"), dtype=acc)
-        out, lse = fold_sinks(out, lse, sinks, acc)
+        out, lse = fold_sinks(out, cast(torch.Tensor, lse), sinks, acc)  # lse is None only together with out
         out = out.to(q.dtype)
         ctx.source = source
         ctx.save_for_backward(q, k, v, out, lse, sinks, *held)
@@ -86,7 +89,7 @@ class AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: "torch.Tensor | None", dlse: "torch.Tensor | None"):
+    def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         source: KVSource = ctx.source
         q, k, v, out, lse, sinks, *held = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
@@ -97,6 +100,7 @@ class AttentionFunction(torch.autograd.Function):
             out, dout, v, *held_v = with_lse_grad(out, dout, dlse, v, *held[1:])
             held = [*held[:1], *held_v]  # the held shard's V gets the column, its K not
         fault = RingFault(_fault_transport(source))
-        dq, dk, dv = source.backward(dout, q, k, v, tuple(held), out, lse, fault, acc)
+        grads = source.backward(dout, q, k, v, tuple(held), out, lse, fault, acc)
         fault.raise_if_failed("backward")
+        dq, dk, dv = cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor]", grads)  # a failed pass raised above
         return dq.to(q.dtype), dk.to(k.dtype), dv[..., :dv_dim].to(v.dtype), None, dsinks

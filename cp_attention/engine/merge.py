@@ -17,7 +17,7 @@ torch code below runs. Neither path reads device data on the host.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +28,18 @@ __all__ = ["merge_block", "merge_at"]
 # through triton's interpreter). CP_ATTENTION_FUSED_MERGE=0 keeps every merge on the torch code (the
 # kernel has run only in triton's interpreter so far; this is the way out should a GPU's compiler differ).
 _FUSED_DEVICE = "cuda" if os.environ.get("CP_ATTENTION_FUSED_MERGE", "1") != "0" else None
-_fused_merge = None  # merge_triton.fused_merge once imported, False when triton is missing
+# merge_triton.fused_merge once imported, False when triton is missing
+_fused_merge: Callable[..., bool] | Literal[False] | None = None
 
 
 def _fused(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor
-           ) -> "Callable[..., bool] | None":
+           ) -> Callable[..., bool] | None:
     """The fused merge when it applies to these tensors (fp32 accumulators, plain tensors on the fused
     device, nothing autograd tracks, triton importable), else None. Metadata only: no host sync."""
     global _fused_merge
     tensors = (out_acc, lse_acc, out_blk, lse_blk)
-    if (_FUSED_DEVICE is None or out_acc.device.type != _FUSED_DEVICE or out_acc.dtype != torch.float32 or lse_acc.dtype != torch.float32
+    if (_FUSED_DEVICE is None or out_acc.device.type != _FUSED_DEVICE or out_acc.dtype != torch.float32
+            or lse_acc.dtype != torch.float32
             or any(type(t) is not torch.Tensor or t.device.type != _FUSED_DEVICE for t in tensors)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
         return None

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 _ROWS, _MAX_D = 16, 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """Whether triton imported (checked once)."""
     return triton is not None
@@ -84,7 +84,7 @@ if triton is not None:
 
 
 def fused_merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,
-                rows: "slice | torch.Tensor") -> bool:
+                rows: slice | torch.Tensor) -> bool:
     """Merge a block into the accumulators in place, in one kernel launch; see the module docstring.
 
     ``out_acc [B, S, H, Dv]`` and ``lse_acc [B, H, S]`` (fp32, any strides); ``out_blk [B, R, H, Dv]``
@@ -116,7 +116,7 @@ def fused_merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Ten
 
 
 
-def _check(out_acc: torch.Tensor, lse_acc: torch.Tensor, lse_blk: torch.Tensor, idx: "torch.Tensor | None",
+def _check(out_acc: torch.Tensor, lse_acc: torch.Tensor, lse_blk: torch.Tensor, idx: torch.Tensor | None,
            blk: tuple[int, int, int, int]) -> None:
     """Shapes the kernel relies on (it reads by strides, so a mismatch would read out of bounds)."""
     b, r, h, d = blk

@@ -9,7 +9,7 @@ no task reads them. Sizes come from the plan on both sides: no handshake, no hos
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union, cast
 
 import torch
 
@@ -20,7 +20,7 @@ __all__ = ["Rows", "StepIndex", "step_indices", "select_rows", "place_rows", "di
            "shaped", "wire_rows"]
 
 # Local rows along the sequence dim: None (all of them), a contiguous range, or an index tensor.
-Rows = Union[None, slice, torch.Tensor]
+Rows = Union[None, slice, torch.Tensor]  # noqa: UP007 - a runtime alias: `None | slice` fails on Python 3.10
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _rows(idx: torch.Tensor, n: int, device: torch.device) -> Rows:
     return upload(idx, device)
 
 
-def step_indices(needs: Sequence[Optional[StepNeeds]], n: int, device: torch.device) -> tuple[Optional[StepIndex], ...]:
+def step_indices(needs: Sequence[StepNeeds | None], n: int, device: torch.device) -> tuple[StepIndex | None, ...]:
     """The plan's per-step :class:`~cp_attention.schedules.needs.StepNeeds` (None at step 0) as
     :class:`StepIndex` on ``device`` for a shard of ``n`` rows."""
     return tuple(None if r is None else StepIndex(_rows(r.send, n, device), _rows(r.recv, n, device),
@@ -71,14 +71,14 @@ def place_rows(buf: torch.Tensor, rows: Rows, got: torch.Tensor, add: bool = Fal
         buf.index_add_(1, rows, got) if add else buf.index_copy_(1, rows, got)
 
 
-def direct_view(buf: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
+def direct_view(buf: torch.Tensor, rows: Rows) -> torch.Tensor | None:
     """A contiguous view of ``buf``'s ``rows`` to receive into directly, or None when a copy is needed."""
     view = buf if rows is None else buf[:, rows] if isinstance(rows, slice) else None
     return view if view is not None and view.is_contiguous() else None
 
 
 def post_rows(transport, tensors: Sequence[torch.Tensor], rows: Rows, count: int, recv_count: int, hop: int,
-              recv: "Sequence[torch.Tensor] | None" = None) -> tuple:
+              recv: Sequence[torch.Tensor] | None = None) -> tuple:
     """Post one exchange of needed rows: rows ``rows`` (``count`` of them) of ``tensors`` to the rank
     ``hop`` on, and ``recv_count`` rows from the rank ``hop`` back into ``recv`` (default: new compact
     tensors like ``tensors``). Nothing is posted when neither side has a row. Returns ``(handle or
@@ -103,13 +103,14 @@ def shaped(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return flat[:size].view(*shape)
 
 
-def wire_rows(t: torch.Tensor, rows: Rows, scratch: "torch.Tensor | None") -> torch.Tensor:
+def wire_rows(t: torch.Tensor, rows: Rows, scratch: torch.Tensor | None) -> torch.Tensor:
     """``t [B, n, ...]``'s ``rows`` along dim 1 as one contiguous tensor to send: a view of ``t`` when
     they are one already, else gathered into the 1-D ``scratch`` (one launch, no allocation)."""
     view = direct_view(t, rows)
     if view is not None:
         return view
-    out = shaped(scratch, (t.shape[0], row_count(rows, t.shape[1]), *t.shape[2:]))
+    # callers size ``scratch`` for every send that is not one contiguous range already
+    out = shaped(cast(torch.Tensor, scratch), (t.shape[0], row_count(rows, t.shape[1]), *t.shape[2:]))
     if isinstance(rows, torch.Tensor):
         return torch.index_select(t, 1, rows, out=out)
     return out.copy_(t if rows is None else t[:, rows])

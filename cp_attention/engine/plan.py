@@ -11,13 +11,19 @@ kernel choice. ``ring_attention(q, k, v, plan=plan)`` then does no per-batch wor
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, cast
 
 import torch
 
 from .._deprecated import warn_renamed
-from ..checks.validation import (PLAN_FIELDS, agree_bound_plan, agree_plan, check_plan_table, plan_codes,
-                                 trusted_plan_key)
+from ..checks.validation import (
+    PLAN_FIELDS,
+    agree_bound_plan,
+    agree_plan,
+    check_plan_table,
+    plan_codes,
+    trusted_plan_key,
+)
 from ..kernels import AttentionKernel, get_kernel
 from ..layouts.base import Layout
 from ..layouts.documents import cu_seqlens_tuple
@@ -71,9 +77,9 @@ class AttentionPlan:
     ``ValueError`` there instead of exchanging different sizes.
     """
 
-    def __init__(self, layout: Any, transport: Transport, causal: Any = True, cu_seqlens: Any = None,
+    def __init__(self, layout: Any, transport: Transport | Seat, causal: Any = True, cu_seqlens: Any = None,
                  window_size: Any = (-1, -1), *, agreed: bool = False, needs_only: Any = True) -> None:
-        self._transport = transport
+        self._transport: Transport | Seat = transport
         self._given: dict[str, Any] = {}
         self._settle(layout=layout, causal=causal, cu_seqlens=cu_seqlens, window_size=window_size,
                      needs_only=needs_only)
@@ -91,7 +97,9 @@ class AttentionPlan:
     @property
     def transport(self) -> Transport:
         """This rank's handle on its group (a :class:`~cp_attention.transport.base.Seat` until :meth:`bind`)."""
-        return self._transport
+        # A Seat stands in for the group until bind: what an unbound plan reads of it (rank, world size,
+        # host_agreement, token) it has.
+        return cast(Transport, self._transport)
 
     @transport.setter
     def transport(self, value: Any) -> None:
@@ -107,7 +115,7 @@ class AttentionPlan:
                                                        given["window_size"], given["needs_only"]))
         if "layout" in changes:
             try:
-                self._layout: Optional[Layout] = get_layout(given["layout"])
+                self._layout: Layout | None = get_layout(given["layout"])
             except (ValueError, TypeError):
                 self._layout = None  # refused by validation, on every rank alike
         # The cache key of a call's agreed verdict, beyond its tensors: the plan's fields but the
@@ -117,10 +125,10 @@ class AttentionPlan:
         # window) (:meth:`variant`). What the strategies derive from a plan they keep themselves
         # (cp_attention.strategies.plan_cache), keyed by the settings it derives from.
         self._needs_index: dict[tuple, tuple] = {}
-        self._variants: dict[tuple, "AttentionPlan"] = {}
+        self._variants: dict[tuple, AttentionPlan] = {}
         if set(changes) != {"needs_only"}:  # the rest depends on the mask and the layout only
             # per local length, (length, lowering mode, device), kernel query
-            self._windows: dict[int, Optional[Window]] = {}
+            self._windows: dict[int, Window | None] = {}
             self._steps: dict[tuple, Steps] = {}
             self._kernels: dict[tuple, AttentionKernel] = {}
 
@@ -151,7 +159,7 @@ class AttentionPlan:
         return (f"AttentionPlan(layout={getattr(self.layout, 'name', self.layout)!r}, rank={self.rank}, "
                 f"world_size={self.world_size}, causal={self.causal}{docs}, window_size={self.window_size}{whole})")
 
-    def variant(self, causal: Any = None, window_size: Any = None) -> "AttentionPlan":
+    def variant(self, causal: Any = None, window_size: Any = None) -> AttentionPlan:
         """The same batch with another ``causal`` or sliding window (a model whose layers differ), built
         once per variant and shared by every layer that asks for it (None: this plan's value). The
         variant is as agreed as this plan: every call's signature still carries causal and the window.
@@ -163,11 +171,12 @@ class AttentionPlan:
             return self
         found = self._variants.get(key)
         if found is None:
-            found = self._variants[key] = AttentionPlan(self.layout, self.transport, causal, self.cu_seqlens, window_size,
+            found = self._variants[key] = AttentionPlan(self.layout, self.transport, causal, self.cu_seqlens,
+                                                         window_size,
                                                         agreed=self.agreed, needs_only=self.needs_only)
         return found
 
-    def window(self, local_len: int) -> Optional[Window]:
+    def window(self, local_len: int) -> Window | None:
         """The normalised window for a local length (None: no side restricts anything)."""
         window = self._windows.get(local_len)
         if window is None and local_len not in self._windows:
@@ -216,7 +225,7 @@ class AttentionPlan:
                               varlen=mode == "varlen")
         return tuple(tuple(_ready(t, device) for t in step) for step in lowered)
 
-    def needs_index(self, local_len: int, device: torch.device, steps: int) -> "tuple[Optional[StepIndex], ...]":
+    def needs_index(self, local_len: int, device: torch.device, steps: int) -> tuple[StepIndex | None, ...]:
         """This rank's needs as device indices: per ring step (``steps`` of them), the rows it sends and
         receives, on ``device`` (None at step 0); ``()`` when whole shards travel (:attr:`needs_only`
         False). Built once per (length, device)."""
@@ -230,12 +239,12 @@ class AttentionPlan:
             found = self._needs_index[key] = step_indices(needs, local_len, device)
         return found
 
-    def traffic(self, local_len: int, device: torch.device, steps: int) -> "tuple[Optional[StepIndex], ...]":
+    def traffic(self, local_len: int, device: torch.device, steps: int) -> tuple[StepIndex | None, ...]:
         """Deprecated (one release): :meth:`needs_index`."""
         warn_renamed("AttentionPlan.traffic", "AttentionPlan.needs_index")
         return self.needs_index(local_len, device, steps)
 
-    def bind(self, group=None, device: "torch.device | str | None" = None) -> "AttentionPlan":
+    def bind(self, group=None, device: torch.device | str | None = None) -> AttentionPlan:
         """Put a plan built ahead of the step (:func:`plan_ahead`) to work on ``group``: one agreement
         with the group (as :func:`build_plan`'s), then its host-built steps and needs index are moved to
         ``device`` (non-blocking, from pinned memory where there is a GPU). Returns this plan.
@@ -247,7 +256,8 @@ class AttentionPlan:
         agree_bound_plan(transport, self.codes, (self.transport.rank, self.transport.world_size), self.layout)
         self._transport, self.agreed = transport, True
         if device is not None and _device(device).type != "cpu":  # host-built entries already run on the CPU
-            device, memo = _device(device), {}
+            device = _device(device)
+            memo: dict[int, Any] = {}
             self._steps = {(n, mode, device if dev.type == "cpu" else dev):
                            _moved(steps, device, memo) if dev.type == "cpu" else steps
                            for (n, mode, dev), steps in self._steps.items()}
@@ -271,7 +281,7 @@ def _ready(task: Any, device: torch.device) -> Any:
     return task
 
 
-def _device(device: "torch.device | str") -> torch.device:
+def _device(device: torch.device | str) -> torch.device:
     """``device`` as a tensor's ``.device`` reads (``"cuda"`` is the current CUDA device)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -279,7 +289,7 @@ def _device(device: "torch.device | str") -> torch.device:
     return device
 
 
-def _moved(obj: Any, device: torch.device, memo: "dict[int, Any] | None" = None) -> Any:
+def _moved(obj: Any, device: torch.device, memo: dict[int, Any] | None = None) -> Any:
     """A copy of host-built ``obj`` (tasks, batches, index rows; tuples, lists, dicts and objects of
     them, at any depth) whose tensors are on ``device``, uploaded as the plan's own uploads are. What
     holds no tensor is shared, and what is shared stays shared (one upload per tensor)."""
@@ -295,9 +305,9 @@ def _moved(obj: Any, device: torch.device, memo: "dict[int, Any] | None" = None)
         if any(a is not b for a, b in zip(items, obj)):
             out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     elif isinstance(obj, dict):
-        items = {k: _moved(v, device, memo) for k, v in obj.items()}
-        if any(items[k] is not v for k, v in obj.items()):
-            out = items
+        entries = {k: _moved(v, device, memo) for k, v in obj.items()}
+        if any(entries[k] is not v for k, v in obj.items()):
+            out = entries
     elif hasattr(obj, "__dict__") and not callable(obj) and not isinstance(obj, type):
         values = {name: _moved(value, device, memo) for name, value in vars(obj).items()}
         if any(values[name] is not value for name, value in vars(obj).items()):
@@ -308,10 +318,10 @@ def _moved(obj: Any, device: torch.device, memo: "dict[int, Any] | None" = None)
     return out
 
 
-def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int = 1, causal: bool = True,
-           cu_seqlens=None, window_size: "tuple[int, int]" = (-1, -1), *, local_len: int,
-           kernel: str = "auto", device: "torch.device | str" = "cuda", dtype: torch.dtype = torch.bfloat16,
-           head_dim: int = 128, v_head_dim: "int | None" = None, softcap: bool = False,
+def plan_ahead(layout: str | Layout = "zigzag", rank: int = 0, world_size: int = 1, causal: bool = True,
+           cu_seqlens=None, window_size: tuple[int, int] = (-1, -1), *, local_len: int,
+           kernel: str = "auto", device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+           head_dim: int = 128, v_head_dim: int | None = None, softcap: bool = False,
            needs_only: bool = True) -> AttentionPlan:
     """Build rank ``rank``'s plan of one batch ahead of the step, with no process group (in a data
     loader's worker or a collator): the ring steps, their lowering and index tensors, and the
@@ -335,8 +345,8 @@ def plan_ahead(layout: "str | Layout" = "zigzag", rank: int = 0, world_size: int
     return plan
 
 
-def build_plan(layout: "str | Layout" = "zigzag", group=None, causal: bool = True, cu_seqlens=None,
-               window_size: "tuple[int, int]" = (-1, -1), *, needs_only: bool = True) -> AttentionPlan:
+def build_plan(layout: str | Layout = "zigzag", group=None, causal: bool = True, cu_seqlens=None,
+               window_size: tuple[int, int] = (-1, -1), *, needs_only: bool = True) -> AttentionPlan:
     """The plan of one batch on this rank, agreed across ``group``: build it once per batch and pass
     it to every attention call (``ring_attention(q, k, v, plan=plan)``).
 

@@ -19,11 +19,12 @@ fewer than forward: the last step's shard was kept).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from .._deprecated import deprecated_names, warn_renamed
-from ..transport.base import Transport
+from ..transport.base import Pending, Transport
 from .fault import RingFault
 from .needs_index import StepIndex, direct_view, place_rows, shaped, wire_rows
 from .tasks import KernelSettings, add_rows, merge_rows, set_rows, task_backward, task_forward
@@ -44,7 +45,7 @@ class RingSource:
     # steps[s] = this rank's tasks at ring step s: plain blocks, and for packed documents batches of
     # document blocks (engine.doc_batch.DocBatch, engine.varlen_batch.VarlenBatch) with the same
     # forward/backward/first interface
-    steps: "list[tuple] | tuple[tuple, ...]"
+    steps: list[tuple] | tuple[tuple, ...]
     settings: KernelSettings
     # Step 0's tasks cover every query row and every held key row exactly once (schedules.lowering
     # checks it for packed documents without a window), so the accumulators are written there, not
@@ -123,7 +124,8 @@ class RingSource:
                 shards.post(*self._hop(s + 1, n), s + 1)
             if fault.ok:
                 with fault.contained():
-                    for first, results in self._step_forward(s, q, *held, k, v):
+                    kc, vc = held
+                    for first, results in self._step_forward(s, q, kc, vc, k, v):
                         for rows, o_blk, lse_blk in results:
                             if first:  # the rows' first result: written, not merged
                                 out = set_rows(out, rows, o_blk, n, acc)
@@ -139,8 +141,10 @@ class RingSource:
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  held: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, fault: RingFault,
-                 acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The ring's backward: this rank's ``dq``, ``dk``, ``dv`` (in ``acc``) given the final ``out``/``lse``.
+                 acc: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None]:
+        """The ring's backward: this rank's ``dq``, ``dk``, ``dv`` (in ``acc``) given the final ``out``/``lse``
+        (Nones after a contained failure).
 
         The steps run in reverse, starting with ``held``, the shard the forward held last (``()`` with a
         single step; saved for backward, so never received into: a second backward reads it again).
@@ -152,7 +156,8 @@ class RingSource:
         shards = _Shards(self.transport, (k, v), self.settings.head_major, self._hops(range(last - 1, 0, -1), n))
         current = held
         dq = None
-        own = (None, None)  # this rank's gradients of its own shard: its own tasks', then the others' partials
+        # this rank's gradients of its own shard: its own tasks', then the others' partials
+        own: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         home = _Home(self.transport, acc, (k, v), self._hops(range(last, 0, -1), n))
         for s in range(last, -1, -1):
             if s > 1:
@@ -162,7 +167,8 @@ class RingSource:
                 with fault.contained():
                     kc, vc = current if s > 0 else shards.own_views
                     grads = self._step_backward(s, dout, q, kc, vc, k, v, out, lse)
-            partial = (None, None)  # the held shard's gradients at this step
+            # the held shard's gradients at this step
+            partial: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
             # where they start: a buffer of the call's (full length, or the compact shard's rows)
             blank, length = home.blank(s) if s > 0 else ((None, None), n)
             for first, results in grads:
@@ -202,7 +208,8 @@ def _kernel_views(tensors: tuple[torch.Tensor, ...], head_major: bool) -> tuple[
     if not head_major:
         return tuple(t.contiguous() for t in tensors)
     return tuple(t if t.transpose(1, 2).is_contiguous()
-                 else t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).copy_(t.transpose(1, 2)).transpose(1, 2)
+                 else t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+                 .copy_(t.transpose(1, 2)).transpose(1, 2)
                  for t in tensors)
 
 
@@ -241,7 +248,9 @@ class _Shards:
                     recv = max(recv, index.recv_count)
         self._send = tuple(t.new_empty(t.numel() // n * send) for t in own) if send else (None,) * len(own)
         self._recv = tuple(t.new_empty(t.numel() // n * recv) for t in own) if recv else (None,) * len(own)
-        self._pending = None
+        # (held, place, index, handle, send) of the exchange posted, until finished
+        self._pending: tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, torch.Tensor]], StepIndex,
+                             Pending | None, tuple[torch.Tensor, ...]] | None = None
 
     def _held(self, slot: tuple, index: StepIndex, compact: bool) -> tuple[torch.Tensor, ...]:
         """The held shard in ``slot`` as the tasks index it: ``[B, n or recv_count, H, D]`` views."""
@@ -256,7 +265,7 @@ class _Shards:
                 out.append(shaped(flat, (b, n, h, d)))
         return tuple(out)
 
-    def _target(self, held: torch.Tensor, index: StepIndex, compact: bool) -> "torch.Tensor | None":
+    def _target(self, held: torch.Tensor, index: StepIndex, compact: bool) -> torch.Tensor | None:
         """Where the received rows land in place (contiguous), or None when they need placing (rows
         that are not one contiguous range of the buffer, and head-major buffers)."""
         return held if compact else direct_view(held, index.recv)
@@ -271,7 +280,8 @@ class _Shards:
         for i, (h, t) in enumerate(zip(held, self.own) if index.recv_count else ()):
             target = self._target(h, index, compact)
             if target is None:
-                target = shaped(self._recv[i], (t.shape[0], index.recv_count, *t.shape[2:]))
+                # sized in __init__ for every step whose rows cannot land in place
+                target = shaped(cast(torch.Tensor, self._recv[i]), (t.shape[0], index.recv_count, *t.shape[2:]))
                 place.append((h, target))
             recv.append(target)
         send = tuple(wire_rows(src, index.send, scratch)
@@ -281,6 +291,8 @@ class _Shards:
 
     def finish(self) -> tuple[torch.Tensor, ...]:
         """Wait for the posted exchange; the held shard with the received rows in place."""
+        if self._pending is None:
+            raise RuntimeError("internal error: _Shards.finish() with no exchange posted; please report it")
         held, place, index, handle, _ = self._pending
         self._pending = None
         if handle is not None:
@@ -303,7 +315,9 @@ class _Home:
 
     def __init__(self, transport: Transport, acc: torch.dtype, like: tuple[torch.Tensor, ...], hops: list) -> None:
         self.transport, self.acc, self.like = transport, acc, like
-        self._pending = None
+        # (handle, recv, index, send) of the exchange posted, until it arrived
+        self._pending: tuple[Pending | None, tuple[torch.Tensor, ...], StepIndex,
+                             tuple[torch.Tensor, ...]] | None = None
         n = like[0].shape[1]
         rows = max([index.recv_count if compact else n for index, compact in hops], default=0)
         self._blank = [tuple(t.new_empty(t.numel() // n * rows, dtype=acc) for t in like)
@@ -333,7 +347,8 @@ class _Home:
         rows = None if compact else index.recv
         send = tuple(p if rows is None else wire_rows(p, rows, scratch)
                      for p, scratch in zip(parts, self._send)) if index.recv_count else ()
-        recv = tuple(shaped(f, (t.shape[0], index.send_count, *t.shape[2:]))
+        # sized in __init__ for the most rows any step receives
+        recv = tuple(shaped(cast(torch.Tensor, f), (t.shape[0], index.send_count, *t.shape[2:]))
                      for f, t in zip(self._recv, self.like)) if index.send_count else ()
         handle = self.transport.exchange(send, recv, -s) if send or recv else None
         self._pending = (handle, recv, index, send)

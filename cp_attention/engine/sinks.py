@@ -8,7 +8,7 @@ import torch
 __all__ = ["fold_sinks", "sinks_grad", "with_lse_grad"]
 
 
-def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: "torch.Tensor | None", acc: torch.dtype
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, acc: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [B, n, H, Dv]`` and ``lse [B, H, n]`` with one extra logit per head ``sinks [H]`` in every
     denominator (a key with a zero value); unchanged when ``sinks`` is None. Merged once, at the end,
@@ -20,7 +20,7 @@ def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: "torch.Tensor | None
     return out, with_sink
 
 
-def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: "torch.Tensor | None",
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                sinks: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """``[H]``: the gradient of the sinks from these rows' ``dout``/``out [B, n, H, Dv]``, ``lse [B, H, n]``
     (with the sinks) and ``dlse`` (None: zero). d lse/d sink = p_sink = exp(sink - lse) and

@@ -5,6 +5,7 @@ the same tasks with K/V from elsewhere."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -28,7 +29,7 @@ class KernelSettings:
 
     @classmethod
     def of(cls, kernel: AttentionKernel, scale: float, softcap: float = 0.0, packed: bool = False
-           ) -> "KernelSettings":
+           ) -> KernelSettings:
         """The settings of a call: head-major K/V when the kernel prefers them (``head_major_kv``),
         except for ``packed`` documents, whose K/V rows are gathered, so kept token-major."""
         return cls(kernel, scale, float(softcap), head_major=not packed and kernel.head_major_kv)
@@ -43,8 +44,8 @@ def _covers(rows: slice, length: int) -> bool:
     return rows.start == 0 and rows.stop == length
 
 
-def add_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
-              dtype: torch.dtype, buffer: "torch.Tensor | None" = None) -> torch.Tensor:
+def add_rows(acc: torch.Tensor | None, rows: slice | torch.Tensor, block: torch.Tensor, length: int,
+              dtype: torch.dtype, buffer: torch.Tensor | None = None) -> torch.Tensor:
     """``acc[:, rows] += block`` for a slice or a LongTensor of distinct rows. A missing accumulator
     starts as the block itself when the block covers every row (every schedule's step 0 does without
     packed documents), saving a zero fill and a read-modify-write. ``buffer`` (``[B, length, ...]`` of
@@ -67,7 +68,7 @@ def add_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: to
     return acc
 
 
-def set_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: torch.Tensor, length: int,
+def set_rows(acc: torch.Tensor | None, rows: slice | torch.Tensor, block: torch.Tensor, length: int,
               dtype: torch.dtype) -> torch.Tensor:
     """``acc[:, rows] = block``, allocating ``acc`` uninitialised: for a step whose tasks cover every row once."""
     if acc is None:
@@ -79,7 +80,7 @@ def set_rows(acc: "torch.Tensor | None", rows: "slice | torch.Tensor", block: to
     return acc
 
 
-def merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "slice | torch.Tensor",
+def merge_rows(out: torch.Tensor | None, lse: torch.Tensor | None, rows: slice | torch.Tensor,
                 o_blk: torch.Tensor, lse_blk: torch.Tensor, length: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LSE-merge a block into (out, lse) at a slice or LongTensor of rows; like :func:`add_rows`, a
@@ -90,6 +91,7 @@ def merge_rows(out: "torch.Tensor | None", lse: "torch.Tensor | None", rows: "sl
         b, _, h, dv = o_blk.shape
         out = o_blk.new_zeros((b, length, h, dv), dtype=dtype)
         lse = o_blk.new_full((b, h, length), float("-inf"), dtype=dtype)
+    lse = cast(torch.Tensor, lse)  # None only together with out
     if isinstance(rows, slice):
         merge_block(out, lse, o_blk, lse_blk, rows)
     else:

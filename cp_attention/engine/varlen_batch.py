@@ -45,9 +45,10 @@ class VarlenBatch:
         self.causal = spec.causal
         self.first = spec.first
         self.spec = spec
-        self._compacted = None  # (recv, this batch reading a compact held shard of the rows recv)
+        # (recv, this batch reading a compact held shard of the rows recv)
+        self._compacted: tuple[torch.Tensor, VarlenBatch] | None = None
 
-    def compact(self, recv: torch.Tensor) -> "VarlenBatch":
+    def compact(self, recv: torch.Tensor) -> VarlenBatch:
         """This batch reading the held shard from a compact tensor of only its rows ``recv`` (see
         :meth:`DocBatch.compact <cp_attention.engine.doc_batch.DocBatch.compact>`)."""
         found = getattr(self, "_compacted", None)
@@ -66,7 +67,8 @@ class VarlenBatch:
         return self.cu_q, self.cu_k, self.max_q, self.max_k, self.causal
 
     def forward(self, kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_own: torch.Tensor,
-                v_own: torch.Tensor, scale: float, kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                v_own: torch.Tensor, scale: float,
+                kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``q [1, n, H, D]`` and the held ``k``/``v`` -> ``[(rows, out [1, R, H, Dv], lse [1, H, R])]``
         for the R query rows ``rows`` (``k_own``/``v_own`` are not used: pieces never fold)."""
         out, lse = kernel.forward_varlen(*self._streams(q, k, v), *self._bounds(), scale, **kwargs)

@@ -7,8 +7,8 @@ from .blocks import BlockTask, DocBlock, doc_block_pairs, source_rank, task_pair
 from .causal import ScheduleFn, get_schedule, rank_steps, register_schedule
 from .derived import block_schedules, ring_length
 from .lowering import BatchSpec, VarlenSpec, lower_steps, split_doc_block
-from .windows import Window, check_window_size, normalize_window
 from .needs import needed_keys, rank_needs, traffic_model
+from .windows import Window, check_window_size, normalize_window
 from .work import work_model
 
 __all__ = ["BlockTask", "DocBlock", "doc_block_pairs", "source_rank", "task_pairs", "ScheduleFn", "get_schedule",

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -28,7 +27,7 @@ class BlockTask:
     kv_start: int
     kv_stop: int
     causal: bool
-    band: "tuple[int, int] | None" = None
+    band: tuple[int, int] | None = None
 
     @property
     def q(self) -> slice:
@@ -54,8 +53,8 @@ class DocBlock:
     q_stop: int
     kv_start: int
     kv_stop: int
-    diag: Optional[int]
-    lo: Optional[int] = None
+    diag: int | None
+    lo: int | None = None
 
     @property
     def q_len(self) -> int:

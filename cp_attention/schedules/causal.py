@@ -8,7 +8,7 @@ oracle that every allowed (query, key) pair is computed exactly once.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 from .._deprecated import deprecated_names
 from ..layouts.base import Layout
@@ -32,8 +32,8 @@ def _task(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[BlockTask, 
     return (BlockTask(q0, q1, k0, k1, causal),)
 
 
-def _ring_schedule(name: str, earlier: Callable[[int], "tuple[BlockTask, ...]"],
-                   later: Callable[[int], "tuple[BlockTask, ...]"], doc: str) -> ScheduleFn:
+def _ring_schedule(name: str, earlier: Callable[[int], tuple[BlockTask, ...]],
+                   later: Callable[[int], tuple[BlockTask, ...]], doc: str) -> ScheduleFn:
     """A layout's schedule from its two causal rules: the block for K/V from an earlier rank
     (j < r) and from a later one (j > r), each a function of the local length n. What every layout
     shares is here: non-causal is one full block, and the diagonal (j == r) is causal."""
@@ -66,7 +66,7 @@ interleaved_schedule = _ring_schedule(
     doc="Interleaved: causal blocks; for j > r shifted by one (q[1:] x kv[:-1]).")
 
 
-def register_schedule(layout: "str | Layout", fn: ScheduleFn) -> None:
+def register_schedule(layout: str | Layout, fn: ScheduleFn) -> None:
     """Register the causal ring schedule ``fn`` for a layout: a :class:`Layout` instance (registered
     too, so its name resolves everywhere) or a registered layout's name.
 
@@ -78,13 +78,13 @@ def register_schedule(layout: "str | Layout", fn: ScheduleFn) -> None:
     register_layout(get_layout(layout), schedule=fn)
 
 
-def get_schedule(layout: "str | Layout") -> Optional[ScheduleFn]:
+def get_schedule(layout: str | Layout) -> ScheduleFn | None:
     """The dispatcher: the causal ring schedule registered for ``layout``, or None when its blocks
     derive from its positions. Raises ``ValueError`` for an unknown layout."""
     return layout_schedule(layout)
 
 
-def rank_steps(layout: "str | Layout", causal: bool, rank: int, world_size: int, local_len: int
+def rank_steps(layout: str | Layout, causal: bool, rank: int, world_size: int, local_len: int
                ) -> list[tuple[BlockTask, ...]]:
     """All ring steps for one rank without packed documents or windows: ``steps[step]`` is the tuple of
     tasks at that step. Raises ``ValueError`` for an unknown layout or one without a schedule of its
@@ -93,7 +93,8 @@ def rank_steps(layout: "str | Layout", causal: bool, rank: int, world_size: int,
     if fn is None:
         name = get_layout(layout).name
         raise ValueError(f"layout {name!r} has no ring schedule of its own; its blocks derive from its positions "
-                         f"(cp_attention.schedules.block_schedules; ring_attention does this itself), or register one with "
+                         f"(cp_attention.schedules.block_schedules; ring_attention does this itself), "
+                         f"or register one with "
                          f"register_schedule({name!r}, fn)")
     return [fn(causal, rank, world_size, s, local_len) for s in range(world_size)]
 

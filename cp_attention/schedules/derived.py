@@ -4,7 +4,7 @@ schedule of their own. Every rank's positions are computed once; the blocks of e
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import overload
 
 from ..layouts.base import Layout
 from ..layouts.documents import check_cu_seqlens, document_ids
@@ -17,9 +17,19 @@ from .windows import Window, normalize_window, window_schedules
 __all__ = ["block_schedules", "ring_length"]
 
 
-def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: "tuple[int, ...] | None",
-                    window: Optional[Window], rank: Optional[int] = None
-                    ) -> "tuple[tuple[tuple[DocBlock, ...], ...], ...] | BlockTable":
+@overload
+def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: tuple[int, ...] | None,
+                    window: Window | None, rank: None = None) -> tuple[tuple[tuple[DocBlock, ...], ...], ...]: ...
+
+
+@overload
+def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: tuple[int, ...] | None,
+                    window: Window | None, rank: int) -> BlockTable: ...
+
+
+def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, cu_seqlens: tuple[int, ...] | None,
+                    window: Window | None, rank: int | None = None
+                    ) -> tuple[tuple[tuple[DocBlock, ...], ...], ...] | BlockTable:
     """``steps[rank][step]``: every rank's document blocks over ``total`` tokens, packed as the checked
     ``cu_seqlens`` (None: one sequence), under the normalised ``window`` (None: none). Without a window
     each rank has ``world_size`` steps; with one, as many as the farthest rank needs.
@@ -42,7 +52,7 @@ def block_schedules(layout: Layout, causal: bool, world_size: int, total: int, c
     return doc_schedules(positions, doc_of, causal, layout.name)
 
 
-def ring_length(layout: "str | Layout", causal: bool, total: int, world_size: int, window_size=None,
+def ring_length(layout: str | Layout, causal: bool, total: int, world_size: int, window_size=None,
                 cu_seqlens=None) -> int:
     """How many ring steps run for ``total`` tokens (packed as ``cu_seqlens`` if given) under
     ``window_size`` (flash-attn's ``(left, right)``, or None): ``world_size`` without a window, fewer

@@ -27,7 +27,8 @@ import torch
 from .blocks import BlockTask, DocBlock
 from .table import DIAG, KV_START, KV_STOP, LO, Q_START, Q_STOP, STEP, UNBOUNDED, BlockTable, doc_blocks
 
-__all__ = ["BatchGroup", "BatchSpec", "VarlenSpec", "lower_steps", "split_doc_block", "square_pieces", "SMALL_BLOCK", "BAND_TILE"]
+__all__ = ["BatchGroup", "BatchSpec", "VarlenSpec", "lower_steps", "split_doc_block", "square_pieces", "SMALL_BLOCK",
+           "BAND_TILE"]
 
 # A block whose longer side is at most this joins a padded batch; longer ones run alone, where
 # per-call overhead is small against their work and gathering and padding would cost more than they
@@ -44,10 +45,10 @@ class BatchGroup:
     __slots__ = ("specs", "built")
 
     def __init__(self) -> None:
-        self.specs: list["BatchSpec"] = []
+        self.specs: list[BatchSpec] = []
         self.built: dict = {}
 
-    def add(self, table: torch.Tensor, homes: torch.Tensor, laters: torch.Tensor, first: bool) -> "BatchSpec":
+    def add(self, table: torch.Tensor, homes: torch.Tensor, laters: torch.Tensor, first: bool) -> BatchSpec:
         """A new :class:`BatchSpec` of this group."""
         spec = BatchSpec(table, homes, laters, first, self, len(self.specs))
         self.specs.append(spec)
@@ -70,8 +71,8 @@ class BatchSpec(NamedTuple):
     homes: torch.Tensor
     laters: torch.Tensor
     first: bool
-    group: "BatchGroup | None" = None
-    index: int = 0
+    group: BatchGroup | None = None
+    index: int = 0  # type: ignore[assignment]  # a field, deliberately shadowing tuple.index
 
     @property
     def blocks(self) -> tuple[DocBlock, ...]:
@@ -111,8 +112,8 @@ def square_pieces(task: BlockTask) -> tuple[BlockTask, ...]:
             BlockTask(task.q_start + cols, task.q_stop, task.kv_start, task.kv_stop, False))
 
 
-def lower_steps(steps: "BlockTable | Sequence[Sequence[DocBlock]]", batched: bool, tiled: bool, local_len: int,
-                varlen: bool = False) -> tuple[tuple["BlockTask | BatchSpec | VarlenSpec", ...], ...]:
+def lower_steps(steps: BlockTable | Sequence[Sequence[DocBlock]], batched: bool, tiled: bool, local_len: int,
+                varlen: bool = False) -> tuple[tuple[BlockTask | BatchSpec | VarlenSpec, ...], ...]:
     """The engine's tasks for every ring step of one rank's blocks ``steps`` (a :class:`BlockTable`, or
     per-step :class:`DocBlock` s).
 
@@ -144,7 +145,7 @@ def lower_steps(steps: "BlockTable | Sequence[Sequence[DocBlock]]", batched: boo
         folded[laters] = True
     later_step = rows[laters, STEP]
     group = BatchGroup()
-    steps = []
+    lowered: list[tuple[BlockTask | BatchSpec | VarlenSpec, ...]] = []
     for s in range(table.steps):
         here = rows[bounds[s]:bounds[s + 1], 1:]
         batched_here = here[small[bounds[s]:bounds[s + 1]] & ~folded[bounds[s]:bounds[s + 1]]]
@@ -154,8 +155,8 @@ def lower_steps(steps: "BlockTable | Sequence[Sequence[DocBlock]]", batched: boo
         at = later_step == s
         if s > 0 and bool(at.any()):
             batches.append(group.add(_EMPTY, rows[homes[at], 1:], rows[laters[at], 1:], True))
-        steps.append(tuple(batches) + tasks)
-    return tuple(steps)
+        lowered.append(tuple(batches) + tasks)
+    return tuple(lowered)
 
 
 def _folds(rows: torch.Tensor, small: torch.Tensor, step0_end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,7 +264,7 @@ def split_doc_block(block: DocBlock) -> tuple[BlockTask, ...]:
     for kernels that run blocks one by one; a sliding-window block as tiles along its band."""
     qa, qb, ka, kb, d = block.q_start, block.q_stop, block.kv_start, block.kv_stop, block.diag
     if block.lo is not None:
-        return _band_tiles(block)
+        return _band_tiles(block, block.lo)
     if d is None:
         return (BlockTask(qa, qb, ka, kb, False),)
     # Row i sees key b iff b <= i + d: the first d keys are seen by every row, and past them row i
@@ -278,12 +279,12 @@ def split_doc_block(block: DocBlock) -> tuple[BlockTask, ...]:
 BAND_TILE = 256
 
 
-def _band_tiles(block: DocBlock) -> tuple[BlockTask, ...]:
+def _band_tiles(block: DocBlock, lo: int) -> tuple[BlockTask, ...]:
     """A sliding-window block as row tiles, each against only the keys its rows can see, so the work
     follows the band instead of the whole rectangle. A tile's keys split into the part bounded below
     (masked), the part every row sees (full) and the part bounded above (causal), so only a small
-    corner needs a mask; a tile taller than the band is one masked task."""
-    rows, cols, lo, hi = block.q_len, block.kv_len, block.lo, block.diag
+    corner needs a mask; a tile taller than the band is one masked task. ``lo``: ``block.lo``, set."""
+    rows, cols, hi = block.q_len, block.kv_len, block.diag
     top = cols - 1 if hi is None else hi
     step = max(BAND_TILE, (top - lo + 1) // 4)
     tasks = []

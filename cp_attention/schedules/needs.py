@@ -14,7 +14,6 @@ Everything here is vectorised index math on positions (no blocks are needed), th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -31,7 +30,7 @@ __all__ = ["StepNeeds", "needed_keys", "rank_needs", "traffic_model"]
 __getattr__ = deprecated_names(__name__, {"rank_traffic": "rank_needs"}, globals())
 
 
-def _key_bounds(kpos: torch.Tensor, cu: torch.Tensor, causal: bool, window: Optional[Window]
+def _key_bounds(kpos: torch.Tensor, cu: torch.Tensor, causal: bool, window: Window | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per key at ``kpos``, the positions ``[lower, upper]`` a query must lie in to see it."""
     doc = torch.searchsorted(cu, kpos, right=True) - 1
@@ -56,7 +55,7 @@ def _seen(queries: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor]) -> t
 
 
 def needed_keys(qpos: torch.Tensor, kpos: torch.Tensor, cu: torch.Tensor, causal: bool,
-                window: Optional[Window]) -> torch.Tensor:
+                window: Window | None) -> torch.Tensor:
     """``[len(kpos)]`` bool: which keys at packed-stream positions ``kpos`` (any order) some query at
     positions ``qpos`` (any order) sees, for documents ``cu`` (a LongTensor ``[0, ..., T]``), ``causal`` and the
     normalised ``window`` (None: unbounded; else flash-attn's ``(left, right)``, -1 unbounded).
@@ -77,8 +76,8 @@ class StepNeeds:
     send: torch.Tensor
 
 
-def _tables(layout: Layout, world_size: int, total: int, cu_seqlens: "tuple[int, ...] | None", causal: bool,
-            window: Optional[Window]) -> tuple[list, list, torch.Tensor]:
+def _tables(layout: Layout, world_size: int, total: int, cu_seqlens: tuple[int, ...] | None, causal: bool,
+            window: Window | None) -> tuple[list, list, torch.Tensor]:
     """Every rank's sorted queries and its keys' bounds, and the boundaries as a tensor. Positions may
     come in any order (a layout with a schedule of its own may hold its tokens out of order)."""
     pos = [layout.positions(total, r, world_size, cu_seqlens) for r in range(world_size)]
@@ -86,14 +85,14 @@ def _tables(layout: Layout, world_size: int, total: int, cu_seqlens: "tuple[int,
     return [torch.sort(p).values for p in pos], [_key_bounds(p, cu, causal, window) for p in pos], cu
 
 
-def rank_needs(layout: "str | Layout", causal: bool, world_size: int, total: int,
-               cu_seqlens: "tuple[int, ...] | None", window: Optional[Window], rank: int, steps: int
-               ) -> tuple[Optional[StepNeeds], ...]:
+def rank_needs(layout: str | Layout, causal: bool, world_size: int, total: int,
+               cu_seqlens: tuple[int, ...] | None, window: Window | None, rank: int, steps: int
+               ) -> tuple[StepNeeds | None, ...]:
     """``needs[s]`` for ``s < steps``: this ``rank``'s :class:`StepNeeds` at each ring step (None at
     step 0, where the own shard is used). ``cu_seqlens`` checked (None: one sequence), ``window``
     normalised."""
     queries, bounds, _ = _tables(get_layout(layout), world_size, total, cu_seqlens, causal, window)
-    needs: list[Optional[StepNeeds]] = [None]
+    needs: list[StepNeeds | None] = [None]
     for s in range(1, steps):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
         recv = torch.nonzero(_seen(queries[rank], bounds[src])).flatten()
@@ -120,7 +119,7 @@ def _counts_per_document(queries: list, cu: torch.Tensor, causal: bool) -> torch
     return count
 
 
-def traffic_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
+def traffic_model(layout: str | Layout, causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
                   window_size=None, needs_only: bool = True) -> list[list[int]]:
     """K/V rows each rank receives per ring step, ``rows[rank][step]`` (step 0: 0, the own shard; 0 at
     the steps a window leaves out of the ring), as the engine sends them: only the needed rows

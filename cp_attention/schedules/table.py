@@ -33,10 +33,10 @@ class BlockTable:
     def __init__(self, rows: torch.Tensor, steps: int) -> None:
         self.rows = rows
         self.steps = steps
-        self._bounds: "list[int] | None" = None
+        self._bounds: list[int] | None = None
 
     @classmethod
-    def from_blocks(cls, steps: Sequence[Sequence[DocBlock]]) -> "BlockTable":
+    def from_blocks(cls, steps: Sequence[Sequence[DocBlock]]) -> BlockTable:
         """The table of per-step :class:`DocBlock` tuples ``steps[step]``."""
         rows = [(s, b.q_start, b.q_stop, b.kv_start, b.kv_stop, UNBOUNDED if b.diag is None else b.diag,
                  -UNBOUNDED if b.lo is None else b.lo) for s, blocks in enumerate(steps) for b in blocks]

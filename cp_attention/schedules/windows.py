@@ -15,7 +15,7 @@ Pure index math, no torch.distributed.
 from __future__ import annotations
 
 import operator
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -44,8 +44,8 @@ def check_window_size(window_size) -> Window:
     return left, right
 
 
-def normalize_window(window_size, causal: bool, total: int, cu_seqlens: "tuple[int, ...] | None" = None
-                     ) -> Optional[Window]:
+def normalize_window(window_size, causal: bool, total: int, cu_seqlens: tuple[int, ...] | None = None
+                     ) -> Window | None:
     """``window_size`` as ``(left, right)`` with sides that cannot matter made unbounded (-1): a side
     at least as long as the longest sequence of ``total`` tokens (or document of the checked
     ``cu_seqlens``) minus one, and the right side when causal. None when no side restricts anything.

@@ -13,7 +13,7 @@ from .windows import normalize_window
 __all__ = ["work_model"]
 
 
-def work_model(layout: "str | Layout", causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
+def work_model(layout: str | Layout, causal: bool, seq_len: int, world_size: int, cu_seqlens=None,
                window_size=None) -> list[list[int]]:
     """Score pairs per rank and step: ``work[rank][step]``. With ``cu_seqlens`` (packed documents
     ``[0, l1, ..., seq_len]``) only pairs within a document count; with ``window_size=(left, right)``

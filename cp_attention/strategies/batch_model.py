@@ -10,7 +10,6 @@ at every batch (a few ms at T = 65,536 and N = 8), and cached per batch.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -27,7 +26,7 @@ __all__ = ["rank_positions", "rank_pair_totals", "step_needs", "window_or_none",
 __getattr__ = deprecated_names(__name__, {"step_rows": "step_needs"}, globals())
 
 
-def window_or_none(causal: bool, window: tuple) -> Optional[tuple[int, int]]:
+def window_or_none(causal: bool, window: tuple) -> tuple[int, int] | None:
     """flash-attn's ``window`` as ``(left, right)`` when it restricts anything beyond ``causal``, else None."""
     left, right = int(window[0]), int(window[1])
     if left < 0 and (causal or right < 0):
@@ -36,7 +35,7 @@ def window_or_none(causal: bool, window: tuple) -> Optional[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=16)
-def rank_positions(layout: str, seq_len: int, world_size: int, cu_seqlens: Optional[tuple]) -> tuple[torch.Tensor, ...]:
+def rank_positions(layout: str, seq_len: int, world_size: int, cu_seqlens: tuple | None) -> tuple[torch.Tensor, ...]:
     """Every rank's packed-stream positions (increasing LongTensors), cached per batch.
 
     Raises ``ValueError`` if the layout cannot split ``seq_len`` over ``world_size`` ranks and
@@ -48,13 +47,13 @@ def rank_positions(layout: str, seq_len: int, world_size: int, cu_seqlens: Optio
                  for r in range(world_size))
 
 
-def _bounds(seq_len: int, cu_seqlens: Optional[tuple]) -> torch.Tensor:
+def _bounds(seq_len: int, cu_seqlens: tuple | None) -> torch.Tensor:
     return _as_tensor(cu_seqlens if cu_seqlens is not None else (0, seq_len))
 
 
 @functools.lru_cache(maxsize=32)
 def rank_pair_totals(layout: str, causal: bool, window: tuple, seq_len: int, world_size: int,
-                     cu_seqlens: Optional[tuple]) -> tuple[int, ...]:
+                     cu_seqlens: tuple | None) -> tuple[int, ...]:
     """The (query, key) pairs each rank computes over the whole ring, exactly: the sum over its queries
     of the keys each one sees (its document's, up to itself when causal, inside flash-attn's ``window``).
 
@@ -78,7 +77,7 @@ def rank_pair_totals(layout: str, causal: bool, window: tuple, seq_len: int, wor
 
 @functools.lru_cache(maxsize=32)
 def step_needs(layout: str, causal: bool, window: tuple, seq_len: int, world_size: int,
-               cu_seqlens: Optional[tuple]) -> tuple[tuple[int, ...], ...]:
+               cu_seqlens: tuple | None) -> tuple[tuple[int, ...], ...]:
     """``rows[rank][step]``: how many K/V rows ``rank`` needs, so receives, at each ring step (step 0
     and the steps the ring does not run: 0), :func:`cp_attention.schedules.needs.traffic_model`'s,
     cached per batch; rank ``r`` sends ``rows[(r + s) % N][s]`` at step ``s``.
@@ -89,7 +88,7 @@ def step_needs(layout: str, causal: bool, window: tuple, seq_len: int, world_siz
                                           window_or_none(causal, window))))
 
 
-def needs_only_bytes(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: float, acc_row: float,
+def needs_only_bytes(rows: tuple[tuple[int, ...], ...], steps: int, kv_row: float, acc_row: float,
                      backward: bool, gather: bool) -> tuple[float, tuple[float, ...], int]:
     """``(critical, per_rank, messages)`` of one call whose ring of ``steps`` steps moves the needed
     ``rows[rank][step]`` (:func:`step_needs`) of ``kv_row`` bytes (a K and a V row) forward, and with
@@ -129,7 +128,7 @@ def needs_only_bytes(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: fl
     return critical, per_rank, messages
 
 
-def ring_seconds(rows: "tuple[tuple[int, ...], ...]", steps: int, kv_row: float, acc_row: float, backward: bool,
+def ring_seconds(rows: tuple[tuple[int, ...], ...], steps: int, kv_row: float, acc_row: float, backward: bool,
                  ranks_per_node: int, intra_bw: float, inter_bw: float) -> float:
     """Seconds the needs-only ring spends moving ``rows`` (:func:`step_needs`, bytes per row as for
     :func:`needs_only_bytes`): per step, the slowest exchange: the most any rank receives over its

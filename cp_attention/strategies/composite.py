@@ -26,7 +26,7 @@ from .._deprecated import deprecated_names, warn_renamed
 from ..engine.fault import RingFault
 from ..engine.needs_index import StepIndex, place_rows, post_rows
 from ..engine.tasks import KernelSettings, add_rows, merge_rows, task_backward, task_forward
-from ..transport.base import Transport
+from ..transport.base import Pending, Transport
 
 __all__ = ["CompositeSource", "pair_steps"]
 
@@ -34,7 +34,8 @@ __all__ = ["CompositeSource", "pair_steps"]
 __getattr__ = deprecated_names(__name__, {"CompositeSchedule": "CompositeSource"}, globals())
 
 
-def pair_steps(step_counts: "tuple[int, ...]", world_size: int, inner: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+def pair_steps(step_counts: tuple[int, ...], world_size: int, inner: int
+               ) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """``pairs[s]``: the ``(a, a', t)`` that run at outer step ``s``: virtual rank ``a``'s ring step ``t``
     against virtual rank ``a'`` of the shard held, for steps ``t`` below ``step_counts[a]`` (a window can
     end the ring early). Outer steps after the last that has work are left out (the same on every
@@ -117,7 +118,8 @@ class _Shards:
         self.source, self.own = source, tuple(t.contiguous() for t in own)
         last = source.steps - 1
         self.held = self.own
-        self._pending = None
+        # (sent, recv, handle) of the next step's shard on its way
+        self._pending: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], Pending] | None = None
         if source.gather:
             # Each step's needed rows of another shard, placed in a full-length buffer whose other rows
             # are zeros (no task reads them).
@@ -144,6 +146,8 @@ class _Shards:
         if self.source.gather:
             return self.gathered[s]
         if s > 0:
+            if self._pending is None:
+                raise RuntimeError("internal error: a ring shard was read out of order; please report it")
             sent, recv, handle = self._pending
             handle.wait()
             self.held = recv
@@ -192,8 +196,9 @@ def _backward_pass(source: CompositeSource, dout, q, k, v, out, lse, fault: Ring
     dq = q.new_zeros(q.shape, dtype=acc)
     own = (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
     shards = _Shards(source, (k, v))
-    posted = []  # gather: each step's partial on its way home; ring: the accumulator on its way on
-    travelling = None
+    posted: list = []  # gather: each step's partial on its way home; ring: the accumulator on its way on
+    travelling: tuple[torch.Tensor, ...] = ()  # ring: set at every step before it is read
+    held: tuple[torch.Tensor, ...]
     for s in range(last + 1):
         kc, vc = shards.at(s)
         if s == 0:

@@ -41,7 +41,6 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Optional, Union
 
 import torch
 
@@ -50,6 +49,7 @@ from ..schedules.causal import get_schedule
 from ..schedules.lowering import BAND_TILE
 from ..schedules.work import work_model
 from . import batch_model
+
 # the ring's whole-shard bytes, shared with the studies' projections (studies/layout_comparison)
 from .batch_model import accumulator_bytes, kv_bytes_per_hop, ring_bytes_per_rank  # noqa: F401
 from .names import STRATEGIES
@@ -83,7 +83,7 @@ HARDWARE: dict[str, Hardware] = {
     # attention call; a busy machine halves the first two
     "cpu_gloo": Hardware("cpu_gloo", 20e9, 1e9, 1e9, 1 << 20, 300e-6, 700e-6),
 }
-_CHOSEN: dict[str, Optional[Hardware]] = {"hardware": None}
+_CHOSEN: dict[str, Hardware | None] = {"hardware": None}
 
 
 def default_hardware(device_type: str) -> Hardware:
@@ -97,7 +97,7 @@ def default_hardware(device_type: str) -> Hardware:
     return HARDWARE["cpu_gloo"]
 
 
-def set_hardware(hardware: "Union[Hardware, str, None]") -> None:
+def set_hardware(hardware: Hardware | str | None) -> None:
     """What ``"auto"`` models from now on in this process: a :class:`Hardware`, a preset's name, or
     None (back to :func:`default_hardware`). Set it alike on every rank. Raises ``ValueError`` for an
     unknown name."""
@@ -131,7 +131,7 @@ class Workload:
     dtype_bytes: int
     causal: bool = True
     window: tuple = (-1, -1)
-    cu_seqlens: Optional[tuple] = None
+    cu_seqlens: tuple | None = None
     layout: str = "zigzag"
     inner: int = 1
     backward: bool = True
@@ -191,7 +191,7 @@ def _prefix_pairs(p: torch.Tensor, length: torch.Tensor, causal: bool, window: t
 
 
 @functools.lru_cache(maxsize=16)
-def _docs(seq_len: int, cu_seqlens: Optional[tuple]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _docs(seq_len: int, cu_seqlens: tuple | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(cu_seqlens, lengths, longest)``: the documents (one of ``seq_len`` without ``cu_seqlens``)."""
     cu = torch.tensor(cu_seqlens if cu_seqlens is not None else (0, seq_len), dtype=torch.int64)
     lengths = cu[1:] - cu[:-1]
@@ -200,7 +200,7 @@ def _docs(seq_len: int, cu_seqlens: Optional[tuple]) -> tuple[torch.Tensor, torc
 
 @functools.lru_cache(maxsize=64)
 def rank_pairs(seq_len: int, world_size: int, causal: bool, window: tuple = (-1, -1),
-               cu_seqlens: Optional[tuple] = None) -> tuple[int, ...]:
+               cu_seqlens: tuple | None = None) -> tuple[int, ...]:
     """The (query, key) pairs each rank of the ``contiguous`` layout computes (rank r holds the queries
     ``[r*S/N, (r+1)*S/N)`` of the packed stream), exactly, in O(documents + N). ``seq_len`` must
     divide by ``world_size``."""
@@ -214,7 +214,7 @@ def rank_pairs(seq_len: int, world_size: int, causal: bool, window: tuple = (-1,
 
 
 @functools.lru_cache(maxsize=64)
-def _total_pairs(seq_len: int, causal: bool, window: tuple, cu_seqlens: Optional[tuple]) -> int:
+def _total_pairs(seq_len: int, causal: bool, window: tuple, cu_seqlens: tuple | None) -> int:
     if cu_seqlens is None:
         return pairs(seq_len, causal, window)
     lengths = _docs(seq_len, cu_seqlens)[1]
@@ -311,7 +311,7 @@ def _calls(w: Workload, rows: float, steps: int) -> float:
     return 3 * math.ceil(rows / max(BAND_TILE, band // 4)) + steps - 1
 
 
-def _step_needs(w: Workload) -> "Optional[tuple[tuple[int, ...], ...]]":
+def _step_needs(w: Workload) -> tuple[tuple[int, ...], ...] | None:
     """The K/V rows each rank needs at each ring step (:func:`.batch_model.step_needs`), or None where
     whole shards travel: one rank, a layout no registry knows, one that cannot split T or whose
     positions do not increase."""
@@ -336,7 +336,7 @@ def _spread(hw: Hardware, world: int, nbytes: float) -> float:
     return max(nbytes * (1 - off) / hw.intra_bw, nbytes * off / hw.inter_bw)
 
 
-def infeasible(w: Workload, cp_comm_type: str) -> Optional[str]:
+def infeasible(w: Workload, cp_comm_type: str) -> str | None:
     """Why ``cp_comm_type`` cannot run ``w`` (None: it can)."""
     if cp_comm_type not in STRATEGIES:
         return f"unknown strategy {cp_comm_type!r}"

@@ -9,7 +9,6 @@ differ only in where K/V (and, for all-to-all, the heads) travel; each runs the 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -19,7 +18,8 @@ from ..engine.plan import AttentionPlan
 from ..engine.tasks import KernelSettings
 from ..kernels.base import AttentionKernel
 from ..layouts.registry import get_layout
-from ..transport.base import Seat as _Seat, Transport
+from ..transport.base import Seat as _Seat
+from ..transport.base import Transport
 from .alltoall import heads_to_seq, seq_to_heads
 from .composite import CompositeSource, pair_steps
 from .plan_cache import plan_cache
@@ -40,7 +40,7 @@ def a2a_degree(transport: Transport, cp_comm_type: str) -> int:
     return 1
 
 
-def strategy_problem(transport: Transport, cp_comm_type: str, heads: int) -> Optional[str]:
+def strategy_problem(transport: Transport, cp_comm_type: str, heads: int) -> str | None:
     """Why ``cp_comm_type`` cannot run ``heads`` query heads on this group, or None. Depends only on
     what every rank agreed on (the heads) and on the group's shape, so every rank answers alike."""
     if cp_comm_type == "a2a+p2p" and not getattr(transport, "levels", None):
@@ -93,8 +93,8 @@ def _repeat_kv(t: torch.Tensor, degree: int) -> torch.Tensor:
 
 
 def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, cp_comm_type: str,
-                 kern: AttentionKernel, scale: float, softcap: float, sinks: "torch.Tensor | None",
-                 return_lse: bool = True) -> tuple[torch.Tensor, "torch.Tensor | None"]:
+                 kern: AttentionKernel, scale: float, softcap: float, sinks: torch.Tensor | None,
+                 return_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out [B, n, H, Dv], lse [B, H, n])`` of a validated call with ``cp_comm_type`` in
     ``("all_gather", "a2a", "a2a+p2p")``; :func:`strategy_problem` must have passed. Without
     ``return_lse`` an all-to-all strategy does not send the LSE back (``lse`` is None)."""
@@ -107,7 +107,8 @@ def run_strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attent
                                  pair_steps((len(steps),), plan.world_size, 1), 1, gather=True,
                                  needs_index=plan.needs_index(n, device, len(steps)))
         return AttentionFunction.apply(q, k, v, source, sinks)
-    outer, inner = transport.levels if cp_comm_type == "a2a+p2p" else (None, transport)
+    # levels: not in the Transport protocol, only on two-level transports (validated for a2a+p2p)
+    outer, inner = transport.levels if cp_comm_type == "a2a+p2p" else (None, transport)  # type: ignore[attr-defined]
     degree = inner.world_size
     heads = q.shape[2] // degree
     qh, kh, vh = seq_to_heads(inner, q, _repeat_kv(k, degree), _repeat_kv(v, degree))

@@ -36,7 +36,7 @@ class PlanCache:
         self.auto_picks: dict[tuple, str] = {}
 
 
-_CACHES: "weakref.WeakKeyDictionary[AttentionPlan, PlanCache]" = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary[AttentionPlan, PlanCache] = weakref.WeakKeyDictionary()
 
 
 def _same(held: tuple, now: tuple) -> bool:
