@@ -1,7 +1,7 @@
 # Two commands on a fresh machine (see README.md):
 #   make train   install what training needs, then run scripts/train.py's default job
 #   make test    install everything the tests need, then run them (what CI runs: .ci/run)
-#   make test-fast  the tests that start no process (no dist, slow or gpu mark), once installed: about a minute
+#   make test-fast  ruff, mypy, then the tests that start no process (no dist, slow or gpu mark) on two workers
 #   make test-floor the oldest versions we support (cp_attention/versions.py) in a venv of their own, tested
 PYTHON ?= python3
 # A bare torch requirement pulls a multi-GB CUDA build: pin the CPU wheel first. On a GPU machine,
@@ -11,7 +11,7 @@ PIP = $(PYTHON) -m pip install --quiet
 # test-floor's venv: torch at its floor comes from PyPI as a CUDA build (about 5 GB in the venv with its libraries).
 FLOOR_VENV ?= .venv-floor
 
-.PHONY: train test test-fast test-floor install-train install-test
+.PHONY: train test test-fast test-floor lint install-train install-test
 
 install-train:
 	$(if $(TORCH),$(PIP) $(TORCH))
@@ -24,11 +24,17 @@ install-test:
 train: install-train
 	$(PYTHON) scripts/train.py
 
-test: install-test
+# ruff.toml and mypy.ini say what is checked.
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy
+
+test: install-test lint
 	$(PYTHON) -m pytest
 
-test-fast:
-	$(PYTHON) -m pytest -m "not dist and not slow and not gpu"
+# Two workers: the fast tier is CPU-bound and its tests share nothing (no process group, no files).
+test-fast: lint
+	$(PYTHON) -m pytest -m "not dist and not slow and not gpu" -n 2
 
 # Every floor of cp_attention/versions.py at once (the rest at the newest that fits them): the fast tier,
 # then every HuggingFace adapter test (Trainer and generate included, processes too).

@@ -30,18 +30,18 @@ if not __package__:  # run as a script: `benchmarks` imports from the repository
 import argparse
 import json
 from dataclasses import asdict
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from benchmarks import args as flags
+from benchmarks import gpu
+from benchmarks.measure import Row, make_inputs, measure, memory_method, ours, print_bytes, sent_bytes, sweep
+from cp_attention import LAYOUT_NAMES
 from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.launch import spawn
 from cp_attention.layouts import get_layout
-from benchmarks.measure import Row, make_inputs, measure, memory_method, ours, print_bytes, sent_bytes, sweep
-from cp_attention import LAYOUT_NAMES
-from benchmarks import args as flags
-from benchmarks import gpu
 
 __all__ = ["make_inputs", "ours", "torch_ring", "baseline_worker", "ring_worker", "measure_seq", "run"]
 
@@ -105,7 +105,7 @@ def baseline_worker(args, seq: int) -> dict:
     return {"rows": rows, "threads": torch.get_num_threads(), "memory": memory_method()}
 
 
-def ring_worker(args, seq: int, extra: Optional[Callable] = None) -> dict:
+def ring_worker(args, seq: int, extra: Callable | None = None) -> dict:
     """One rank of the ring (spawn it with 1 thread per rank): every layout, and torch's ring, at one S.
 
     ``extra(args, group, rank, world_size, seq) -> dict``, a module-level function (it is pickled),
@@ -151,7 +151,7 @@ def ring_worker(args, seq: int, extra: Optional[Callable] = None) -> dict:
     return {"rows": rows, **meta}
 
 
-def measure_seq(args, seq: int, extra: Optional[Callable] = None) -> tuple[dict, dict]:
+def measure_seq(args, seq: int, extra: Callable | None = None) -> tuple[dict, dict]:
     """The baseline and every ring at one S, back to back so they see the same machine.
 
     Returns what :func:`baseline_worker` and rank 0's :func:`ring_worker` return.
@@ -161,7 +161,7 @@ def measure_seq(args, seq: int, extra: Optional[Callable] = None) -> tuple[dict,
     return base, ring
 
 
-def model_bytes(args, seq: int) -> "dict[str, tuple[float, float]]":
+def model_bytes(args, seq: int) -> dict[str, tuple[float, float]]:
     """Per ring impl, the model's K/V + dK/dV bytes of one forward+backward call at ``seq`` (all ranks):
     needs-only (what the engine sends) and whole shards."""
     from benchmarks.modelled import AttentionShape
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # --kernel: ours; torch's ring always runs the flash op
     flags.add_ring(p, seq_lens=[4096, 8192, 16384, 32768], world_size=2, layouts=LAYOUT_NAMES, kernel="auto")

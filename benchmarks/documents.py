@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Optional
 
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
 
@@ -12,7 +11,7 @@ __all__ = ["fit_lengths", "lognormal_lengths"]
 
 
 def lognormal_lengths(total_tokens: int, mean_doc_len: float, sigma: float, seed: int, min_doc_len: int = 1,
-                      max_doc_len: Optional[int] = None) -> list[int]:
+                      max_doc_len: int | None = None) -> list[int]:
     """Document lengths drawn until they cover ``total_tokens``; the last one overshoots (or ends exactly).
 
     Each length is ``round(X)`` for ``X ~ lognormal(mu, sigma)`` with ``mu = ln(mean_doc_len) - sigma²/2``

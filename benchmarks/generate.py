@@ -26,7 +26,6 @@ if not __package__:  # run as a script: `benchmarks` imports from the repository
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # files never shadow top-level packages
 
 import argparse
-import copy
 import json
 import statistics
 from typing import Any
@@ -120,11 +119,12 @@ def measure(args: argparse.Namespace, seq: int) -> dict:
     steps = max(1, len(clock.times) - 1)
     return {"world": world, "seq": seq, "prefill_s": clock.times[0],
             "decode_ms": 1e3 * statistics.median(clock.times[1:]) if len(clock.times) > 1 else float("nan"),
-            "kv_bytes": _cache_bytes(cache), "comm_bytes_per_step": sent[0] / steps, "gathers_per_step": sent[1] / steps,
+            "kv_bytes": _cache_bytes(cache), "comm_bytes_per_step": sent[0] / steps,
+            "gathers_per_step": sent[1] / steps,
             "tokens": out.sequences[0, seq:].tolist()}
 
 
-def _worker(args: argparse.Namespace, seqs: "list[int]") -> "list[dict]":
+def _worker(args: argparse.Namespace, seqs: list[int]) -> list[dict]:
     import torch.distributed as dist
 
     rows = []
@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     for r in sorted(rows, key=lambda r: (r["seq"], r["world"])):
         b = base.get(r["seq"])
         same = "yes" if b is None or r["tokens"] == b["tokens"] else "NO"
-        print(f"{r['seq']:>7} {r['world']:>2} {r['prefill_s']:>10.2f} {r['prefill_s'] / b['prefill_s'] if b else 0:>6.2f} "
+        print(f"{r['seq']:>7} {r['world']:>2} {r['prefill_s']:>10.2f} "
+              f"{r['prefill_s'] / b['prefill_s'] if b else 0:>6.2f} "
               f"{r['decode_ms']:>14.1f} {r['kv_bytes'] / 2**20:>12.2f} "
               f"{r['kv_bytes'] / b['kv_bytes'] if b else 0:>6.2f} {r['comm_bytes_per_step']:>12.0f} {same:>13}")
     if args.json:

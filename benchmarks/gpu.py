@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,8 @@ from benchmarks.gpu_common import ReplayTransport, fmt, fwd_and_fwdbwd
 from benchmarks.gpu_packed import packed_rows, print_packed
 from benchmarks.measure import Stopwatch, time_cuda
 from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, flops_per_pair, min_pairs
-from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.kernels import get_kernel
+from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import rank_steps
 
@@ -77,14 +77,14 @@ class KernelRow:
     world_size: int
     seq: int
     kernel: str
-    fwd_ms: Optional[float] = None
-    fwdbwd_ms: Optional[float] = None
-    fwd_tflops: Optional[float] = None
-    fwdbwd_tflops: Optional[float] = None
-    fwd_vs_sdpa: Optional[float] = None  # our TFLOP/s / SDPA's (> 1: faster)
-    fwdbwd_vs_sdpa: Optional[float] = None
-    error: Optional[str] = None
-    picks: Optional[dict] = None  # auto only: block kind -> the kernel it runs
+    fwd_ms: float | None = None
+    fwdbwd_ms: float | None = None
+    fwd_tflops: float | None = None
+    fwdbwd_tflops: float | None = None
+    fwd_vs_sdpa: float | None = None  # our TFLOP/s / SDPA's (> 1: faster)
+    fwdbwd_vs_sdpa: float | None = None
+    error: str | None = None
+    picks: dict | None = None  # auto only: block kind -> the kernel it runs
 
 
 @dataclass
@@ -94,14 +94,14 @@ class ScheduleRow:
     layout: str
     ideal_fwd_ms: float
     ideal_fwdbwd_ms: float
-    busiest_fwd_ms: Optional[float] = None
-    busiest_fwdbwd_ms: Optional[float] = None
-    fwd_efficiency: Optional[float] = None
-    fwdbwd_efficiency: Optional[float] = None
-    peak_mib_per_rank: Optional[float] = None
-    sent_mib_per_rank: Optional[float] = None  # the busiest sender's bytes in one fwd+bwd (ReplayTransport.sent_bytes)
-    model_mib_per_rank: Optional[float] = None  # the model's: whole shards (the replay runs without a needs index)
-    error: Optional[str] = None
+    busiest_fwd_ms: float | None = None
+    busiest_fwdbwd_ms: float | None = None
+    fwd_efficiency: float | None = None
+    fwdbwd_efficiency: float | None = None
+    peak_mib_per_rank: float | None = None
+    sent_mib_per_rank: float | None = None  # the busiest sender's bytes in one fwd+bwd (ReplayTransport.sent_bytes)
+    model_mib_per_rank: float | None = None  # the model's: whole shards (the replay runs without a needs index)
+    error: str | None = None
 
 
 def causal_flops(batch: int, heads: int, head_dim: int, seq: int, backward: bool) -> float:

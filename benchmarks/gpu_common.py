@@ -49,10 +49,10 @@ class ReplayTransport:
             flat[m:].zero_()
         return _Done()
 
-    def all_gather_ints(self, values) -> "list[list[int]]":
+    def all_gather_ints(self, values) -> list[list[int]]:
         return [list(values)] * self.world_size
 
-    def all_gather_tensor(self, tensor: torch.Tensor) -> "list[torch.Tensor]":
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world_size - 1)
         return [tensor] * self.world_size
 

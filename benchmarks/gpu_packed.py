@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -47,9 +47,9 @@ class PackedBaseline:
     documents: int
     longest: int
     kernel: str = BASELINE
-    fwd_ms: Optional[float] = None
-    fwdbwd_ms: Optional[float] = None
-    error: Optional[str] = None
+    fwd_ms: float | None = None
+    fwdbwd_ms: float | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -58,16 +58,16 @@ class PackedRow:
     tokens: int
     layout: str
     needs_only: bool
-    ideal_fwd_ms: Optional[float] = None  # the whole batch's time / N
-    ideal_fwdbwd_ms: Optional[float] = None
-    busiest_fwd_ms: Optional[float] = None
-    busiest_fwdbwd_ms: Optional[float] = None
-    busiest_rank: Optional[int] = None  # the rank with the longest forward+backward
-    fwd_efficiency: Optional[float] = None
-    fwdbwd_efficiency: Optional[float] = None
-    sent_mib: Optional[float] = None  # K/V + dK/dV all ranks sent in one fwd+bwd (ReplayTransport.sent_bytes)
-    model_mib: Optional[float] = None  # the work model's figure for the same traffic
-    error: Optional[str] = None
+    ideal_fwd_ms: float | None = None  # the whole batch's time / N
+    ideal_fwdbwd_ms: float | None = None
+    busiest_fwd_ms: float | None = None
+    busiest_fwdbwd_ms: float | None = None
+    busiest_rank: int | None = None  # the rank with the longest forward+backward
+    fwd_efficiency: float | None = None
+    fwdbwd_efficiency: float | None = None
+    sent_mib: float | None = None  # K/V + dK/dV all ranks sent in one fwd+bwd (ReplayTransport.sent_bytes)
+    model_mib: float | None = None  # the work model's figure for the same traffic
+    error: str | None = None
 
 
 def packed_documents(tokens: int, doc_mean: float, seed: int = SEED) -> tuple[int, ...]:
@@ -80,7 +80,7 @@ def packed_documents(tokens: int, doc_mean: float, seed: int = SEED) -> tuple[in
     return fit_lengths(lognormal_lengths(tokens, doc_mean, 1.5, seed), tokens)
 
 
-def efficiency(whole_ms: Optional[float], world_size: int, busiest_ms: Optional[float]) -> Optional[float]:
+def efficiency(whole_ms: float | None, world_size: int, busiest_ms: float | None) -> float | None:
     """(``whole_ms`` / ``world_size``) / ``busiest_ms``: the share of a perfect split of the whole batch's
     time that the busiest rank keeps (1.0: no overhead, no imbalance). None when either time is missing."""
     if whole_ms is None or busiest_ms is None or busiest_ms <= 0:
@@ -96,7 +96,7 @@ def replay_plan(layout: str, rank: int, world_size: int, cu_seqlens: tuple[int, 
     return build_plan(layout, transport, True, cu_seqlens, needs_only=needs_only), transport
 
 
-def _inputs(args, local: int, device: "torch.device | str", seed: int) -> tuple[torch.Tensor, ...]:
+def _inputs(args, local: int, device: torch.device | str, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, args.dtype)
     mk = lambda h: torch.randn(1, local, h, args.head_dim, device=device, dtype=dt, generator=g)  # noqa: E731
@@ -104,7 +104,7 @@ def _inputs(args, local: int, device: "torch.device | str", seed: int) -> tuple[
 
 
 def replay_rank(args, layout: str, rank: int, world_size: int, cu_seqlens: tuple[int, ...], needs_only: bool,
-                device: "torch.device | str" = "cuda", timer: Timer = time_cuda) -> tuple[float, float, int]:
+                device: torch.device | str = "cuda", timer: Timer = time_cuda) -> tuple[float, float, int]:
     """(fwd ms, fwd+bwd ms, bytes sent in one fwd+bwd) of rank ``rank``'s whole packed schedule, replayed
     alone through ``ring_attention`` with ``args.kernel``; ``timer(fn, args.repeats)`` times a call."""
     plan, transport = replay_plan(layout, rank, world_size, cu_seqlens, needs_only)
@@ -118,7 +118,7 @@ def replay_rank(args, layout: str, rank: int, world_size: int, cu_seqlens: tuple
 
 
 def layout_row(args, world_size: int, cu_seqlens: tuple[int, ...], layout: str, needs_only: bool,
-               whole: "tuple[Optional[float], Optional[float]]", device: "torch.device | str" = "cuda",
+               whole: tuple[float | None, float | None], device: torch.device | str = "cuda",
                timer: Timer = time_cuda) -> PackedRow:
     """One layout's row: every rank replayed, the busiest rank's times and their efficiency against
     ``whole`` = the whole batch's (fwd ms, fwd+bwd ms). An error is reported in the row, not raised."""
@@ -142,7 +142,7 @@ def layout_row(args, world_size: int, cu_seqlens: tuple[int, ...], layout: str, 
     return row
 
 
-def whole_batch(args, cu_seqlens: tuple[int, ...], timer: Timer = time_cuda, device: "torch.device | str" = "cuda",
+def whole_batch(args, cu_seqlens: tuple[int, ...], timer: Timer = time_cuda, device: torch.device | str = "cuda",
                 ops=None) -> PackedBaseline:
     """The single-GPU varlen kernel over the whole packed batch: forward, forward+backward (``ops``:
     ``torch.ops.aten``, or a stand-in with its two ops)."""

@@ -11,7 +11,6 @@ import argparse
 import json
 import re
 from pathlib import Path
-from typing import Optional
 
 __all__ = ["device_slug", "record", "parse_args", "main"]
 
@@ -36,7 +35,7 @@ def _errors(rows: list[dict], label) -> list[str]:
     return [""] + found if found else []
 
 
-def record(run: dict, commit: str = "unknown", date: str = "", tests: Optional[str] = None) -> str:
+def record(run: dict, commit: str = "unknown", date: str = "", tests: str | None = None) -> str:
     """The markdown of one run's JSON (:func:`benchmarks.gpu.run`'s): a header ``measured on <GPU>`` with
     the commit, torch and the shapes, then the kernel, schedule and packed-replay tables. ``tests``: the
     gpu-marked tests' summary line, if they ran."""
@@ -106,7 +105,7 @@ def _packed(run: dict, a: dict) -> list[str]:
     return lines + _errors(bad, lambda r: f"{r.get('layout', 'whole batch')} at N={r['world_size']}")
 
 
-def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", help="the benchmark's --json output")
     p.add_argument("--out", help="the markdown file (default: the JSON's path with .md)")
@@ -116,7 +115,7 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: "list[str] | None" = None) -> Path:
+def main(argv: list[str] | None = None) -> Path:
     """Write the record of ``argv``'s JSON; returns its path."""
     args = parse_args(argv)
     run = json.loads(Path(args.json).read_text(encoding="utf-8"))

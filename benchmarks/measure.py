@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,13 @@ class Row:
 
     seq: int
     impl: str
-    fwd_ms: Optional[float] = None
-    fwdbwd_ms: Optional[float] = None
-    fwd_peak_mib: Optional[float] = None
-    fwdbwd_peak_mib: Optional[float] = None
-    fwd_runs_ms: Optional[list] = None  # every timed repeat (max over ranks), to judge the noise
-    fwdbwd_runs_ms: Optional[list] = None
-    error: Optional[str] = None
+    fwd_ms: float | None = None
+    fwdbwd_ms: float | None = None
+    fwd_peak_mib: float | None = None
+    fwdbwd_peak_mib: float | None = None
+    fwd_runs_ms: list | None = None  # every timed repeat (max over ranks), to judge the noise
+    fwdbwd_runs_ms: list | None = None
+    error: str | None = None
 
 
 # ---------------------------------------------------------------- memory
@@ -71,7 +71,7 @@ def memory_method() -> str:
         "clear_refs not writable: process-lifetime VmHWM minus RSS before the call (an upper bound)"
 
 
-def rss_peak_delta(fn: Callable[[], object]) -> Optional[int]:
+def rss_peak_delta(fn: Callable[[], object]) -> int | None:
     """Peak RSS during ``fn()`` above the RSS just before it, in bytes (VmHWM after ``clear_refs``); ``None``
     where ``/proc/self/clear_refs`` is not writable. Set ``MALLOC_MMAP_THRESHOLD_`` low before the process
     starts (:func:`limit_malloc_caching`), so freed blocks go back to the OS at once."""
@@ -193,7 +193,7 @@ def limit_malloc_caching() -> None:
         os.environ.setdefault(var, str(128 * 1024))
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
+def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -213,7 +213,7 @@ def print_table(rows: list[Row]) -> None:
               f"{_fmt(r.fwdbwd_ms, '12.1f')}{_fmt(br, '11.3f')}{_fmt(r.fwdbwd_peak_mib, '10.1f')}")
 
 
-def command_text(argv: Optional[Sequence[str]] = None) -> str:
+def command_text(argv: Sequence[str] | None = None) -> str:
     """The command that produced a record, as anyone can run it from a checkout: ``python`` for the
     interpreter, a package's ``__main__.py`` as ``-m package`` (how ``python -m studies.memory`` was started),
     paths inside the repository relative to its root, paths outside it (a ``--json`` file in /tmp, say) by
@@ -233,9 +233,9 @@ def command_text(argv: Optional[Sequence[str]] = None) -> str:
     return " ".join(["python", *words])
 
 
-def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tuple[dict, dict]"], label: str,
-          world_size: int, notes: Callable[[dict], "list[str]"] = lambda parallel: []
-          ) -> "tuple[list[Row], dict, dict]":
+def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], tuple[dict, dict]], label: str,
+          world_size: int, notes: Callable[[dict], list[str]] = lambda parallel: []
+          ) -> tuple[list[Row], dict, dict]:
     """Run a benchmark over ``seq_lens`` and print its report: the command, ``header``, one table row
     per (S, impl) with ratios against the baseline, and the total time.
 
@@ -263,7 +263,7 @@ def sweep(header: str, seq_lens: Sequence[int], measure_one: Callable[[int], "tu
     return rows, base, parallel
 
 
-def script_name(argv0: Optional[str] = None) -> str:
+def script_name(argv0: str | None = None) -> str:
     """The running command's name for its summary: the script's file name, or for a package run with
     ``python -m`` (its ``__main__.py``) the package (``studies.memory``)."""
     path = Path(sys.argv[0] if argv0 is None else argv0).resolve()
@@ -295,7 +295,7 @@ def command_line(doc: str, add_arguments: Callable[[argparse.ArgumentParser], No
 
 # ---------------------------------------------------------------- traffic
 
-def _counted(transport) -> Optional[int]:
+def _counted(transport) -> int | None:
     """``transport.sent_bytes`` plus its levels' (a 2-D mesh's dims count their own exchanges); None if the
     transport has no counter."""
     own = getattr(transport, "sent_bytes", None)
@@ -304,13 +304,13 @@ def _counted(transport) -> Optional[int]:
     return own + sum(getattr(t, "sent_bytes", 0) for t in (getattr(transport, "levels", None) or ()))
 
 
-def sent_bytes(impls: "dict[str, tuple[Callable, Callable]]", transports: "dict[str, object]", group
-               ) -> "dict[str, Optional[int]]":
+def sent_bytes(impls: dict[str, tuple[Callable, Callable]], transports: dict[str, object], group
+               ) -> dict[str, int | None]:
     """Bytes all ranks sent in one forward+backward call of each impl, measured from the counter of the
     transport it runs on (``transports[name]``: its ``sent_bytes`` after minus before, levels included),
     summed over the ranks of ``group`` (None: this process alone). An impl without a transport in
     ``transports``, or one without a counter, gets None."""
-    out: dict[str, Optional[int]] = {}
+    out: dict[str, int | None] = {}
     for name, (_, fwdbwd) in impls.items():
         transport = transports.get(name)
         before = None if transport is None else _counted(transport)
@@ -324,11 +324,11 @@ def sent_bytes(impls: "dict[str, tuple[Callable, Callable]]", transports: "dict[
     return out
 
 
-def print_bytes(measured: "dict[str, Optional[int]]", model: "dict[str, tuple[Optional[float], Optional[float]]]") -> None:
+def print_bytes(measured: dict[str, int | None], model: dict[str, tuple[float | None, float | None]]) -> None:
     """The bytes table: per impl, what its transports sent in one forward+backward call (all ranks,
     :func:`sent_bytes`) next to the model's needs-only figure and whole shards'."""
-    print(f"\nK/V + dK/dV bytes per forward+backward call, all ranks (measured: transport.sent_bytes after minus "
-          f"before; model: needs-only / whole shards):")
+    print("\nK/V + dK/dV bytes per forward+backward call, all ranks (measured: transport.sent_bytes after minus "
+          "before; model: needs-only / whole shards):")
     head = f"{'impl':<24}{'measured MB':>13}{'model MB':>10}{'whole MB':>10}{'measured / model':>18}"
     print(head + "\n" + "-" * len(head))
     for name, got in measured.items():
@@ -349,8 +349,8 @@ def make_inputs(args, seq: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=g).to(dt) for s in shapes)
 
 
-def ours(q, k, v, dout, group, layout: "str | Layout", kernel: str, causal: bool = True, cu_seqlens=None,
-         window_size: "tuple[int, int]" = (-1, -1)) -> tuple[Callable, Callable]:
+def ours(q, k, v, dout, group, layout: str | Layout, kernel: str, causal: bool = True, cu_seqlens=None,
+         window_size: tuple[int, int] = (-1, -1)) -> tuple[Callable, Callable]:
     """Forward-only and forward+backward closures for cp_attention.ring_attention (packed documents
     with ``cu_seqlens``, a sliding window with ``window_size``)."""
     kw = dict(layout=layout, causal=causal, kernel=kernel, window_size=window_size,

@@ -21,10 +21,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from cp_attention.launch import spawn
 from benchmarks import args as flags
 from benchmarks.measure import Row, measure, memory_method, sweep
 from cp_attention import LAYOUT_NAMES
+from cp_attention.launch import spawn
 
 __all__ = ["build", "step", "worker", "run"]
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     return sweep(header, args.seq_lens, measure_one, "CP", args.world_size)[0]
 
 
-def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_ring(p, seq_lens=[4096, 8192], world_size=2, layouts=LAYOUT_NAMES, kernel="auto")
     flags.add_model(p, layers=2, vocab=256)

@@ -10,7 +10,7 @@ Rows (the sequence length column is the packed length T):
   ring/<layout>    ``ring_attention(cu_seqlens=)`` over ``world_size`` processes, 1 thread each
 
 Usage (from the repo root):  python benchmarks/packed.py [--tokens 65536] [--documents 1000]
-"""
+"""  # noqa: E501 - printed verbatim by --help (RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
-from cp_attention.kernels import get_kernel
-from cp_attention.layouts import get_layout
-from cp_attention.launch import spawn
-from benchmarks.attention import make_inputs, ours
 from benchmarks import args as flags
+from benchmarks.attention import make_inputs, ours
 from benchmarks.measure import Row, measure, memory_method, print_bytes, sent_bytes, sweep
 from cp_attention import LAYOUT_NAMES
+from cp_attention.kernels import get_kernel
 from cp_attention.kernels.dtypes import DTYPES
+from cp_attention.launch import spawn
+from cp_attention.layouts import get_layout
+from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
 
 __all__ = ["document_lengths", "run"]
 
@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     header = (f"torch {torch.__version__}, world size {args.world_size}, gloo, causal, {args.dtype}, kernel "
               f"{args.kernel}, H={args.heads} Hkv={args.kv_heads} D={args.head_dim}; {args.documents} documents in "
               f"T={args.tokens} tokens (lognormal sigma={args.sigma}, seed {args.seed}: median "
-              f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}); median of {args.repeats} (+1 warm-up) per round, "
+              f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}); median of {args.repeats} (+1 warm-up) "
+              f"per round, "
               f"median of {args.rounds} rounds")
 
     # A speed benchmark: reuse freed memory, as a caching allocator (CUDA's, or the jemalloc/tcmalloc
@@ -138,7 +139,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     # [1, 32K, 8, 64] fp32 shard is 64 MiB, and each fresh one costs ~30 ms of page faults here,
     # more than a ring step's kernels. MALLOC_MMAP_MAX_=0 keeps every block on the heap, for the
     # baseline and the ring alike. Peak memory columns then count only newly mapped pages.
-    for var, value in (("MALLOC_MMAP_THRESHOLD_", 32 << 20), ("MALLOC_TRIM_THRESHOLD_", 1 << 30), ("MALLOC_MMAP_MAX_", 0)):
+    for var, value in (("MALLOC_MMAP_THRESHOLD_", 32 << 20), ("MALLOC_TRIM_THRESHOLD_", 1 << 30),
+                       ("MALLOC_MMAP_MAX_", 0)):
         os.environ.setdefault(var, str(value))
 
     per_round: list[tuple[dict, dict]] = []
@@ -163,7 +165,7 @@ def _median_of_rounds(results: list[dict]) -> dict:
     peak, and every timed run."""
     rows = []
     for parts in zip(*(r["rows"] for r in results)):
-        med = lambda attr: statistics.median(getattr(p, attr) for p in parts)  # noqa: E731
+        med = lambda attr, parts=parts: statistics.median(getattr(p, attr) for p in parts)  # noqa: E731
         rows.append(Row(parts[0].seq, parts[0].impl, med("fwd_ms"), med("fwdbwd_ms"),
                         max(p.fwd_peak_mib for p in parts), max(p.fwdbwd_peak_mib for p in parts),
                         [t for p in parts for t in p.fwd_runs_ms], [t for p in parts for t in p.fwdbwd_runs_ms]))
@@ -184,7 +186,7 @@ def _round_ratios(per_round: list[tuple[dict, dict]]) -> list[str]:
     return lines
 
 
-def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_documents(p, tokens=65536, documents=1000, sigma=1.0, seed=0)
     flags.add_ring(p, world_size=2, layouts=LAYOUT_NAMES, kernel="auto")

@@ -28,7 +28,8 @@ import torch
 from benchmarks import args as flags
 from benchmarks.measure import call_times_ms, elapsed_ms
 from cp_attention import api
-from cp_attention.api import plan as build_plan, ring_attention
+from cp_attention.api import plan as build_plan
+from cp_attention.api import ring_attention
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
 
 __all__ = ["add_arguments", "run", "stub_engine"]
@@ -87,8 +88,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 return p
 
             p, build_ms = elapsed_ms(build)
-            with_plan = _per_call_us(lambda: ring_attention(q, q, q, plan=p), args.calls)
-            without = _per_call_us(lambda: ring_attention(q, q, q, layout=args.layout, cu_seqlens=cu), args.calls)
+            with_plan = _per_call_us(lambda p=p: ring_attention(q, q, q, plan=p), args.calls)
+            without = _per_call_us(lambda cu=cu: ring_attention(q, q, q, layout=args.layout, cu_seqlens=cu),
+                                   args.calls)
         row = {"documents": docs, "plan_build_ms": build_ms, "with_plan_us": with_plan, "without_plan_us": without}
         rows.append(row)
         print(f"{docs:>9} | {build_ms:>15.1f} | {with_plan:>14.1f} | {without:>17.1f} | {with_plan / without:.3f}")

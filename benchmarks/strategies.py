@@ -12,7 +12,7 @@ FLOP/s, gloo's bandwidth and latency, the cost of a kernel call) and asked for e
 Usage (from the repo root):
   python benchmarks/strategies.py [--seq-lens 2048 8192] [--heads 8/2 8/8] [--masks causal packed window]
                                          [--repeats 5] [--quick] [--json out.json]
-"""
+"""  # noqa: E501 - printed verbatim by --help (RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 
@@ -25,15 +25,21 @@ if not __package__:  # run as a script: `benchmarks` imports from the repository
 import argparse
 import json
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from cp_attention.launch import run_on_ranks
 from benchmarks import args as flags
-from benchmarks.measure import (Stopwatch, call_times_ms, command_text, limit_malloc_caching, measure, memory_method,
-                                sent_bytes)
+from benchmarks.measure import (
+    Stopwatch,
+    call_times_ms,
+    command_text,
+    limit_malloc_caching,
+    measure,
+    memory_method,
+    sent_bytes,
+)
+from cp_attention.launch import run_on_ranks
 
 __all__ = ["Case", "add_arguments", "cases", "run"]
 
@@ -49,7 +55,7 @@ class Case:
     mask: str  # causal | packed | window
     head_dim: int = 64
 
-    def cu_seqlens(self) -> Optional[tuple[int, ...]]:
+    def cu_seqlens(self) -> tuple[int, ...] | None:
         """Packed: documents of lengths S/4, S/8, 3S/16, S/16, ... cycling, the last filling up."""
         if self.mask != "packed":
             return None
@@ -135,11 +141,11 @@ def _calibrate(group) -> dict:
     return {"flops": flops, "bw": bw, "latency_s": latency, "kernel_call_s": call}
 
 
-def _worker(args: argparse.Namespace, todo: "list[Case]") -> dict:
+def _worker(args: argparse.Namespace, todo: list[Case]) -> dict:
     """One rank: calibrate, then every case's strategies (round-robin, slowest rank per call)."""
-    import cp_attention as cpa
     from torch.distributed.device_mesh import init_device_mesh
 
+    import cp_attention as cpa
     from cp_attention.transport.process_group import transport_for
 
     mesh = init_device_mesh("cpu", (WORLD // INNER, INNER))
@@ -153,7 +159,7 @@ def _worker(args: argparse.Namespace, todo: "list[Case]") -> dict:
     for case in todo:
         q, k, v, dout = _tensors(case)
         cu = case.cu_seqlens()
-        shard = lambda t: lay.shard(t, 1, rank, WORLD, cu_seqlens=cu)  # noqa: E731
+        shard = lambda t, cu=cu: lay.shard(t, 1, rank, WORLD, cu_seqlens=cu)  # noqa: E731
         ql, kl, vl, dl = (shard(t) for t in (q, k, v, dout))
         impls = {s: _calls(ql, kl, vl, dl, group=transports[s], cp_comm_type=s, **_mask_kwargs(case, args.layout))
                  for s in STRATEGIES}
@@ -225,23 +231,25 @@ def run(args: argparse.Namespace) -> dict:
             for name in hits:
                 hits[name] += ok[name]
             cells = "".join(f"{times[s]:>8.1f} {times[s] / b[key]:>4.2f}x" for s in STRATEGIES)
-            print(f"{case.label():<26}{mode:<9}{cells}{best:>12}{picks['calibrated']:>12}{'ok' if ok['calibrated'] else 'MISS':>4}")
+            print(f"{case.label():<26}{mode:<9}{cells}{best:>12}{picks['calibrated']:>12}"
+                  f"{'ok' if ok['calibrated'] else 'MISS':>4}")
             report.append({"case": case.label(), "mode": mode, "times_ms": times, "baseline_ms": b[key], "best": best,
                            "picks": picks, "within_10pct": ok})
     total = len(report)
-    print(f"\ncells: ms of the slowest rank (its fastest repeat), and the ratio to one process on the whole sequence")
+    print("\ncells: ms of the slowest rank (its fastest repeat), and the ratio to one process on the whole sequence")
     print(f"auto within 10% of the best measured: {hits['calibrated']}/{total} "
           f"({100 * hits['calibrated'] / total:.0f}%) with the calibrated profile, {hits['preset']}/{total} with "
           f"the cpu_gloo preset")
-    print(f"\nper-rank peak memory (MiB, fwd+bwd, max over ranks), measured / the cost model's K/V held at once:")
+    print("\nper-rank peak memory (MiB, fwd+bwd, max over ranks), measured / the cost model's K/V held at once:")
     for item, case in zip(out["results"], todo):
         peaks = {r["impl"]: r["fwdbwd_peak_mib"] for r in item["rows"]}
         kv = {s: _workload(case, True, args.layout, s) for s in STRATEGIES}
-        print(f"{case.label():<26}" + "".join(f"{s}={peaks[s]:.1f}/{estimate(kv[s], s, measured).peak_kv_bytes / 2**20:.1f}  "
-                                               for s in STRATEGIES)
+        print(f"{case.label():<26}"
+              + "".join(f"{s}={peaks[s]:.1f}/{estimate(kv[s], s, measured).peak_kv_bytes / 2**20:.1f}  "
+                        for s in STRATEGIES)
               + f"one process={base[case]['fwdbwd_peak_mib']:.1f}")
-    print(f"\nbytes sent per forward+backward call, all ranks (MB), measured (transport.sent_bytes after minus "
-          f"before) / the cost model's (the sum of extra['rank_bytes'], or comm_bytes x N):")
+    print("\nbytes sent per forward+backward call, all ranks (MB), measured (transport.sent_bytes after minus "
+          "before) / the cost model's (the sum of extra['rank_bytes'], or comm_bytes x N):")
     for item, case in zip(out["results"], todo):
         model = {s: estimate(_workload(case, True, args.layout, s), s, measured) for s in STRATEGIES}
         model = {s: sum(e.extra.get("rank_bytes", (e.comm_bytes,) * WORLD)) for s, e in model.items()}

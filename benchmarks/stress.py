@@ -37,7 +37,7 @@ Whole files cost far more, mostly in pool starts and in the adapters' imports in
 (tests/distributed/test_packed.py ~50 s, tests/adapters/hf/test_equivalence.py ~115 s, tests/adapters/megatron/test_equivalence.py ~65 s).
 
 The commands run from the repository root (``root``), where examples/, benchmarks/, studies/ and tests/ live.
-"""
+"""  # noqa: E501 - printed verbatim by --help (RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ DEFAULT_TARGETS = ("finetune_hf", "pretrain_megatron", "dist")  # 100 runs: abou
 POOL_STDERR_ENV = "CP_ATTENTION_POOL_STDERR"  # tests/conftest.py imports it
 
 
-def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=100, help="runs per target")
     p.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), choices=list(TARGETS),
@@ -105,7 +105,7 @@ def classify(returncode: int, output: str) -> str:
     return "ok" if returncode == 0 else "failed"
 
 
-def run_once(cmd: "list[str]", root: "str | Path", timeout: float) -> "tuple[str, int | None, str]":
+def run_once(cmd: list[str], root: str | Path, timeout: float) -> tuple[str, int | None, str]:
     """Run ``cmd`` once from ``root``: (verdict, exit code, output). The verdict is
     :func:`classify`'s, or 'timeout' (exit code None). The output includes what the test worker
     pools wrote to stderr."""
@@ -120,7 +120,7 @@ def run_once(cmd: "list[str]", root: "str | Path", timeout: float) -> "tuple[str
         return classify(proc.returncode, output), proc.returncode, output
 
 
-def _snippet_file(root: "str | Path", variant: str, directory: "str | Path") -> str:
+def _snippet_file(root: str | Path, variant: str, directory: str | Path) -> str:
     """The README's HuggingFace block written to ``directory``, ending with ``destroy_process_group()``
     (``variant`` 'destroy') or without it ('keep'). Raises ``ValueError`` if the README has no such block."""
     text = (Path(root) / "README.md").read_text()
@@ -133,13 +133,13 @@ def _snippet_file(root: "str | Path", variant: str, directory: "str | Path") -> 
     return str(path)
 
 
-def _command(target: str, root: "str | Path", directory: "str | Path") -> "list[str]":
+def _command(target: str, root: str | Path, directory: str | Path) -> list[str]:
     """The target's command, a snippet placeholder replaced by its file."""
     return [_snippet_file(root, arg[9:-1], directory) if arg.startswith("{snippet:") else arg
             for arg in TARGETS[target]]
 
 
-def _text(data: "str | bytes | None") -> str:
+def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
@@ -147,7 +147,7 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def main(argv: "list[str] | None" = None, root: "str | Path" = ".") -> int:
+def main(argv: list[str] | None = None, root: str | Path = ".") -> int:
     """Run every target ``--runs`` times from ``root``; print each non-ok run and the running counts.
     Returns 1 if any run aborted, failed or timed out, else 0."""
     args = parse_args(argv)

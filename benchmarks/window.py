@@ -31,15 +31,14 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import args as flags
+from benchmarks.attention import make_inputs, ours
+from benchmarks.measure import Stopwatch, command_text, limit_malloc_caching, measure, memory_method
 from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, imbalance, one_thread, step_sync_efficiency
+from cp_attention import LAYOUT_NAMES
 from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.launch import spawn
 from cp_attention.layouts import get_layout
-from cp_attention.schedules import work_model
-from cp_attention.schedules import ring_length
-from benchmarks.attention import make_inputs, ours
-from benchmarks.measure import Stopwatch, command_text, limit_malloc_caching, measure, memory_method
-from cp_attention import LAYOUT_NAMES
+from cp_attention.schedules import ring_length, work_model
 
 __all__ = ["CONVENTIONS", "NO_WINDOW", "window_size", "window_label", "check_fractions", "modelled_window",
            "ring_worker", "measure_windows", "run"]
@@ -207,7 +206,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_ring(p, seq_lens=[16384], world_size=2, layouts=LAYOUT_NAMES, kernel="auto")
     p.add_argument("--windows", type=int, nargs="+", default=[0, 64, 8],

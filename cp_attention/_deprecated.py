@@ -15,7 +15,7 @@ def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
                   stacklevel=stacklevel)
 
 
-def deprecated_names(module: str, renamed: "dict[str, str]", namespace: "dict[str, Any]") -> Callable[[str], Any]:
+def deprecated_names(module: str, renamed: dict[str, str], namespace: dict[str, Any]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``module`` that answers each old name of ``renamed`` (old -> new) with
     ``namespace[new]`` and a ``DeprecationWarning``; any other name raises ``AttributeError`` as usual."""
 

@@ -14,7 +14,7 @@ import socket
 import sys
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_size: Optional[int] = None,
-                  port: Optional[int] = None, timeout_s: Optional[float] = None) -> Iterator[None]:
+def process_group(backend: str = "gloo", *, rank: int | None = None, world_size: int | None = None,
+                  port: int | None = None, timeout_s: float | None = None) -> Iterator[None]:
     """Initialise the default process group for the ``with`` block and destroy it however the block ends
     (after a barrier when it ends normally, at once when it raises).
 
@@ -74,7 +74,7 @@ def process_group(backend: str = "gloo", *, rank: Optional[int] = None, world_si
         dist.destroy_process_group()
 
 
-def _torchrun_attempt_store(timeout: Optional[datetime.timedelta]) -> dict[str, Any]:
+def _torchrun_attempt_store(timeout: datetime.timedelta | None) -> dict[str, Any]:
     """Under torchrun with restarts: the agent's store, keyed by restart attempt.
 
     torchrun's agent keeps one store across worker restarts (``TORCHELASTIC_USE_AGENT_STORE``) and
@@ -93,7 +93,7 @@ def _torchrun_attempt_store(timeout: Optional[datetime.timedelta]) -> dict[str, 
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s: Optional[float],
+def _spawned_rank(rank: int, world_size: int, port: int, threads: int, timeout_s: float | None,
                   fn: Callable[..., Any], args: tuple, out_path: str, backend: str = "gloo") -> None:
     """One spawned rank; with a GPU backend, ``cuda:rank`` is made current before its group starts."""
     if backend != "gloo":
@@ -143,8 +143,8 @@ def _finish_multiprocessing() -> None:
         run_finalizers(0)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional[int] = None,
-          timeout_s: Optional[float] = None, backend: str = "gloo") -> Any:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | None = None,
+          timeout_s: float | None = None, backend: str = "gloo") -> Any:
     """Call ``fn(*args)`` on ``world_size`` fresh ranks on this machine; return rank 0's result.
 
     ``fn`` must be picklable (a module-level function) and so must its result. Each rank runs
@@ -171,7 +171,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: Optional
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                 timeout_s: Optional[float] = None) -> Any:
+                 timeout_s: float | None = None) -> Any:
     """Call ``fn(*args)`` on every rank of a job and return this process's (or rank 0's) result.
 
     Under torchrun (``RANK`` set) it runs here, in a ``backend`` group built from torchrun's

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from typing import Optional
 
 __all__ = ["FLOORS", "TESTED", "parse_version", "installed_version", "require_version"]
 
@@ -43,7 +42,7 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split("."))
 
 
-def installed_version(package: str) -> Optional[str]:
+def installed_version(package: str) -> str | None:
     """The installed distribution's version string, or None when ``package`` is not installed."""
     try:
         return importlib.metadata.version(package)
@@ -51,7 +50,7 @@ def installed_version(package: str) -> Optional[str]:
         return None
 
 
-def require_version(package: str, what: str, installed: Optional[str] = None) -> None:
+def require_version(package: str, what: str, installed: str | None = None) -> None:
     """Refuse an installed ``package`` older than its floor in :data:`FLOORS`.
 
     ``what`` names the feature that needs it, for the message; ``installed`` overrides the installed

@@ -31,12 +31,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from cp_attention.launch import run_on_ranks
+from cp_attention.training.cli import example_parser, memory_options, memory_savers, place_example
 from cp_attention.training.data import load_bytes
 from cp_attention.training.device import autocast, rank_device
 from cp_attention.training.steps import progress_line, train_step
 from cp_attention.training.summary import example_summary
-from cp_attention.launch import run_on_ranks
-from cp_attention.training.cli import example_parser, memory_options, memory_savers, place_example
 
 __all__ = ["build_model", "train"]
 

@@ -37,8 +37,8 @@ import torch
 from cp_attention.strategies import CP_COMM_TYPES
 from cp_attention.training.cli import memory_options, memory_savers
 from cp_attention.training.data import load_documents
-from examples.finetune_hf import build_model
 from cp_attention.training.summary import example_summary, shown
+from examples.finetune_hf import build_model
 
 __all__ = ["parser", "train", "id_tokenizer", "torchrun_command"]
 
@@ -49,7 +49,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--cp-size", type=int, default=None,
                    help="context-parallel group size (default: every rank); dp = ranks / cp-size")
     p.add_argument("--layout", default="zigzag",
-                   help="contiguous, zigzag, interleaved or balanced (with --packing or --sft: placed per batch from its documents)")
+                   help="contiguous, zigzag, interleaved or balanced (with --packing or --sft: placed per batch from "
+                        "its documents)")
     p.add_argument("--cp-comm-type", default="p2p", choices=[n for n in CP_COMM_TYPES if n != "a2a+p2p"],
                    help="how K/V travel (the Trainer's CP group is one level: no a2a+p2p)")
     p.add_argument("--seq-len", type=int, default=256)

@@ -27,20 +27,19 @@ import importlib.util
 import os
 import time
 import warnings
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from cp_attention.kernels.dtypes import DTYPES, dtype_from_name
+from cp_attention.launch import run_on_ranks
 from cp_attention.layouts import get_layout
-from cp_attention.training.cli import comm_problem, example_parser
+from cp_attention.training.cli import comm_problem, example_parser, place_example
 from cp_attention.training.data import load_bytes
 from cp_attention.training.device import all_reduce_, autocast, rank_device
 from cp_attention.training.steps import progress_line, train_step
 from cp_attention.training.summary import example_summary
-from cp_attention.launch import run_on_ranks
-from cp_attention.training.cli import place_example
 
 __all__ = ["build_model", "batches", "train", "parse_args", "unsupported_precision", "comm_types", "NUM_LAYERS"]
 
@@ -71,7 +70,7 @@ def build_model(args: argparse.Namespace):
     return cpm.apply_context_parallel(model)
 
 
-def comm_types(args: argparse.Namespace) -> "str | tuple[str, ...]":
+def comm_types(args: argparse.Namespace) -> str | tuple[str, ...]:
     """``--cp-comm-type``: one strategy, or a tuple of one per layer (comma-separated)."""
     names = tuple(getattr(args, "cp_comm_type", "p2p").split(","))
     return names[0] if len(names) == 1 else names
@@ -89,7 +88,7 @@ def batches(args: argparse.Namespace) -> Iterator[dict]:
                "loss_mask": torch.ones(args.batch, args.seq_len)}
 
 
-def unsupported_precision(device: str, precision: str) -> Optional[str]:
+def unsupported_precision(device: str, precision: str) -> str | None:
     """Why megatron cannot train in ``precision`` on ``device`` (None: it can). bf16 autocast needs CUDA:
     megatron-core's linear layers re-enter autocast in their backward for CUDA only
     (``custom_bwd(device_type="cuda")``), so on the CPU their backward mixes bf16 and fp32."""
@@ -152,7 +151,7 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def parse_args(argv: Optional[list[str]] = None, description: str = __doc__) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, description: str = __doc__) -> argparse.Namespace:
     """Command-line arguments, with ``world_size`` from torchrun's environment when present.
 
     Exits with a usage error if the sizes do not fit together, the layout cannot split ``seq_len``, or

@@ -37,7 +37,7 @@ if _ROOT not in sys.path:  # benchmarks/, studies/, examples/ (not installed) im
 
 from benchmarks.stress import POOL_STDERR_ENV  # noqa: E402  (the standard library only: no hydra)
 
-from .support.core.dist_pool import WorkerPool
+from .support.core.dist_pool import WorkerPool  # noqa: E402 - kept with the import above, after the sys.path setup
 
 _ABORTED = (-6, 134)  # SIGABRT: "terminate called without an active exception"
 _TESTS = Path(__file__).resolve().parent
@@ -57,7 +57,7 @@ TOOL_CALLERS = (os.sep + os.path.join("torch", "_inductor") + os.sep,
                 os.sep + os.path.join("matplotlib", "font_manager.py"))
 
 
-def _called_from(fragments: "tuple[str, ...]") -> bool:
+def _called_from(fragments: tuple[str, ...]) -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         if any(fragment in frame.f_code.co_filename for fragment in fragments):

@@ -4,8 +4,16 @@ all-gather (``codec``), the P2P fold (``doubling``), the verdict cache (``agreem
 verdicts (``verdicts``) and ``Layout.gather``'s shard check (``gather``, installed into the layouts on
 import)."""
 
-from .agreement import (VERDICTS, AgreedScope, Verdicts, agreed_forward, cache_enabled, digests_agree,
-                        group_token, in_agreed_forward)
+from .agreement import (
+                        VERDICTS,
+                        AgreedScope,
+                        Verdicts,
+                        agreed_forward,
+                        cache_enabled,
+                        digests_agree,
+                        group_token,
+                        in_agreed_forward,
+)
 from .codec import Codec, Field, agree_rows, raise_differing, raise_first
 from .doubling import agree_by_doubling
 from .gather import gather_shards

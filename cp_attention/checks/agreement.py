@@ -33,7 +33,8 @@ import torch
 from ..transport.process_group import group_token
 from .doubling import agree_by_doubling
 
-__all__ = ["Verdicts", "VERDICTS", "group_token", "agreed_forward", "AgreedScope", "in_agreed_forward", "digests_agree", "cache_enabled"]
+__all__ = ["Verdicts", "VERDICTS", "group_token", "agreed_forward", "AgreedScope", "in_agreed_forward", "digests_agree",
+           "cache_enabled"]
 
 _MAX_ENTRIES = 1024
 
@@ -50,7 +51,7 @@ class Verdicts:
 
     def __init__(self, max_entries: int = _MAX_ENTRIES) -> None:
         self.max_entries = max_entries
-        self._keys: "OrderedDict[tuple, None]" = OrderedDict()
+        self._keys: OrderedDict[tuple, None] = OrderedDict()
 
     def __contains__(self, key: tuple) -> bool:
         if key in self._keys:
@@ -99,7 +100,7 @@ class AgreedScope:
     Entering again first leaves the previous scope, so a missed post-hook cannot leave it open."""
 
     def __init__(self) -> None:
-        self._scope: "contextlib.AbstractContextManager | None" = None
+        self._scope: contextlib.AbstractContextManager | None = None
 
     def enter(self, group: Any) -> None:
         self.leave()

@@ -11,7 +11,7 @@ pure functions (:func:`raise_first`, :func:`raise_differing`). Nothing reads a r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["Field", "Codec", "agree_rows", "raise_first", "raise_differing", "encode_text", "decode_text"]
 
@@ -27,7 +27,7 @@ class Field:
     name: str
     width: int = 1
     label: str = ""
-    trusted: "Optional[Callable[[Any], Any]]" = lambda value: value
+    trusted: Callable[[Any], Any] | None = lambda value: value
 
 
 class Codec:
@@ -42,7 +42,7 @@ class Codec:
         self.size = sum(f.width for f in fields)
         self._by_name = {f.name: f for f in fields}
 
-    def __add__(self, other: "Codec") -> "Codec":
+    def __add__(self, other: Codec) -> Codec:
         return Codec(*self.fields, *other.fields)
 
     def field(self, name: str) -> Field:
@@ -86,7 +86,7 @@ def agree_rows(transport: Any, codec: Codec, values: Mapping[str, Any]) -> list[
     return [codec.decode(r) for r in rows]
 
 
-def raise_first(what: str, problems: Sequence["str | None"]) -> None:
+def raise_first(what: str, problems: Sequence[str | None]) -> None:
     """Raise ``ValueError`` with the lowest rank's problem, naming every rank that has one, if any has."""
     bad = [(r, p) for r, p in enumerate(problems) if p is not None]
     if bad:

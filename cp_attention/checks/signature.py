@@ -85,7 +85,7 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def _bits_float(b: int) -> "float | None":
+def _bits_float(b: int) -> float | None:
     return None if b == _NOT_A_FLOAT else struct.unpack("<d", struct.pack("<q", b))[0]
 
 
@@ -182,8 +182,8 @@ def _given_text(width: int, *named) -> list[int]:
     return [0] * width
 
 
-def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: "float | None", kernel: str,
-                 sinks: "torch.Tensor | None" = None, softcap: "float | None" = 0.0, cp_comm_type: str = "p2p",
+def tensor_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, kernel: str,
+                 sinks: torch.Tensor | None = None, softcap: float | None = 0.0, cp_comm_type: str = "p2p",
                  return_lse: bool = False) -> list[int]:
     """This rank's tensors and per-call arguments as a fixed-length list of ints (see :class:`CallSpec`).
     ``softcap=None`` is 0 (no softcap), as transformers and flash-attn pass it.

@@ -22,10 +22,23 @@ from ..transport.comm_types import CP_COMM_TYPES
 from .agreement import VERDICTS, cache_enabled, digests_agree
 from .blocks import named_kernel_problem
 from .codec import Codec, Field, agree_rows, decode_text, raise_differing, raise_first
+
 # the rows this module judges: encoded by .signature, re-exported here where they have always been
-from .signature import (CALL_FIELDS, GATHERED_FIELDS, PLAN_FIELDS, TENSOR_FIELDS, _DEVICE_TYPES, _NOT_A_TENSOR,
-                        _UNKNOWN, _bits_float, layout_code, plan_codes, sink_values_code, tensor_codes,
-                        trusted_plan_key)
+from .signature import (
+    _DEVICE_TYPES,
+    _NOT_A_TENSOR,
+    _UNKNOWN,
+    CALL_FIELDS,
+    GATHERED_FIELDS,
+    PLAN_FIELDS,
+    TENSOR_FIELDS,
+    _bits_float,
+    layout_code,
+    plan_codes,
+    sink_values_code,
+    tensor_codes,
+    trusted_plan_key,
+)
 
 __all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_table", "validate_call", "agree_plan",
            "agree_bound_plan",
@@ -36,16 +49,16 @@ __all__ = ["CallSpec", "plan_codes", "tensor_codes", "check_plan_table", "check_
 class CallSpec:
     """What a rank was called with, decoded from its signature."""
 
-    shapes: "tuple[tuple[int, ...] | None, ...]"  # q's, k's and v's; None: not a tensor
+    shapes: tuple[tuple[int, ...] | None, ...]  # q's, k's and v's; None: not a tensor
     dtype: int  # index into FLOAT_DTYPES, or -1 when not one float dtype shared by q, k, v
     device: int  # index into _DEVICE_TYPES, -1 other, -2 when q, k, v are on different devices
     layout: int  # index into the registered schedules, -1 unknown
     kernel: int  # index into KERNEL_NAMES, -1 unknown
-    causal: "bool | int"  # -1 when bool(causal) raised
-    scale: "float | None"  # None: a value float() cannot convert
+    causal: bool | int  # -1 when bool(causal) raised
+    scale: float | None  # None: a value float() cannot convert
     needs_grad: bool
     sinks: int = 0  # 0: none; their length when a 1-D floating tensor on q's device; -1 otherwise
-    softcap: "float | None" = 0.0  # None: a value float() cannot convert
+    softcap: float | None = 0.0  # None: a value float() cannot convert
     comm_type: int = 0  # index into CP_COMM_TYPES, -1 unknown
     documents: int = 0  # packed documents: 0 without cu_seqlens, their count, -1 for bad cu_seqlens
     packed_len: int = 0  # cu_seqlens[-1]
@@ -54,8 +67,8 @@ class CallSpec:
     # A fingerprint of the sinks' values (0: none, or not read): gathered with the signature when the
     # group agrees a call, never part of its cache key (trained sinks change every step).
     sink_values: int = 0
-    return_lse: "bool | int" = False  # -1 when not a bool
-    needs_only: "bool | int" = True  # the plan's traffic: only the needed rows, or whole shards; -1 not a bool
+    return_lse: bool | int = False  # -1 when not a bool
+    needs_only: bool | int = True  # the plan's traffic: only the needed rows, or whole shards; -1 not a bool
     given: str = ""  # the first argument this rank could not encode, as repr() shows it (see tensor_codes)
     plan_given: str = ""  # the same for the plan's arguments (see plan_codes)
 
@@ -77,7 +90,7 @@ def _spec(row: dict) -> CallSpec:
                     given=decode_text(row["given"]), plan_given=decode_text(row["plan_given"]))
 
 
-def _tensor_shapes(c: CallSpec) -> "tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]":
+def _tensor_shapes(c: CallSpec) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """``c.shapes`` of a call whose q, k and v are tensors (:func:`_local_problem` refuses any other first)."""
     q, k, v = c.shapes
     if q is None or k is None or v is None:
@@ -86,7 +99,7 @@ def _tensor_shapes(c: CallSpec) -> "tuple[tuple[int, ...], tuple[int, ...], tupl
     return q, k, v
 
 
-def _local_problem(c: CallSpec, world_size: int) -> "str | None":
+def _local_problem(c: CallSpec, world_size: int) -> str | None:
     """What is wrong with one rank's call on its own, or None."""
     if any(s is None for s in c.shapes):
         names = ", ".join(n for n, s in zip("qkv", c.shapes) if s is None)
@@ -154,8 +167,8 @@ def _local_problem(c: CallSpec, world_size: int) -> "str | None":
     return None
 
 
-def _plan_problem(layout: int, causal: "bool | int", documents: int, window: tuple[int, int],
-                  needs_only: "bool | int", given: str) -> "str | None":
+def _plan_problem(layout: int, causal: bool | int, documents: int, window: tuple[int, int],
+                  needs_only: bool | int, given: str) -> str | None:
     """What is wrong with the fields of a call that a plan fixes, or None (``given``: the refused
     argument as this rank's :func:`plan_codes` saw it)."""
     if layout == _UNKNOWN:
@@ -199,7 +212,7 @@ def _show(field: str, value) -> str:
     return str(value)
 
 
-def check_plan_table(rows: list[dict], layout: "Layout | None") -> None:
+def check_plan_table(rows: list[dict], layout: Layout | None) -> None:
     """Check every rank's decoded :data:`PLAN_FIELDS` row; raise one deterministic ``ValueError`` for the
     whole group when any rank's are bad, they differ, or the layout cannot split the packed length."""
     world_size = len(rows)
@@ -216,7 +229,7 @@ def check_plan_table(rows: list[dict], layout: "Layout | None") -> None:
                              f"{world_size}: {e}") from None
 
 
-def agree_plan(transport: Transport, codes: "tuple[int, ...]", layout: "Layout | None") -> None:
+def agree_plan(transport: Transport, codes: tuple[int, ...], layout: Layout | None) -> None:
     """Agree a plan's :func:`plan_codes` across the group (:func:`~cp_attention.engine.plan.build_plan`'s
     agreement); raise the same ``ValueError`` on every rank for bad or differing ones.
 
@@ -241,8 +254,8 @@ def agree_plan(transport: Transport, codes: "tuple[int, ...]", layout: "Layout |
 _SEAT_FIELDS = Codec(Field("seat_ok"), Field("seat", 2))
 
 
-def agree_bound_plan(transport: Transport, codes: "tuple[int, ...]", seat: "tuple[int, int]",
-                     layout: "Layout | None") -> None:
+def agree_bound_plan(transport: Transport, codes: tuple[int, ...], seat: tuple[int, int],
+                     layout: Layout | None) -> None:
     """:meth:`~cp_attention.engine.plan.AttentionPlan.bind`'s agreement, in one all-gather (none on a
     group of one): every rank's plan :func:`plan_codes` and whether its plan was built for its place in
     the group (``seat``: the plan's ``(rank, world_size)``). Raises the same ``ValueError`` on every rank
@@ -266,11 +279,11 @@ def _labels(codec: Codec, names: tuple) -> dict[str, str]:
     return {n: ("tensor shapes" if n == "shapes" else codec.field(n).label) for n in names}
 
 
-def _causal(code: int) -> "bool | int":
+def _causal(code: int) -> bool | int:
     return code if code == _UNKNOWN else bool(code)
 
 
-def check_table(rows: list[dict], layout: "Layout | None" = None) -> None:
+def check_table(rows: list[dict], layout: Layout | None = None) -> None:
     """Check every rank's decoded :data:`GATHERED_FIELDS` row; raise one deterministic ``ValueError`` for
     the whole group.
 
@@ -302,8 +315,8 @@ def check_table(rows: list[dict], layout: "Layout | None" = None) -> None:
             raise ValueError(f"ring_attention: {problem}")
 
 
-def validate_call(sig: list[int], layout: "Layout | None", transport: Transport, in_forward: bool = False,
-                  trusted: "tuple | None" = None, sinks: "torch.Tensor | None" = None) -> None:
+def validate_call(sig: list[int], layout: Layout | None, transport: Transport, in_forward: bool = False,
+                  trusted: tuple | None = None, sinks: torch.Tensor | None = None) -> None:
     """Validate a call across the whole group from its signature ``sig`` (:func:`tensor_codes` +
     :func:`plan_codes`); raise the same ``ValueError`` on every rank.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -29,14 +29,14 @@ SHAPE_DIMS = 4  # dims of a shape carried in the agreement (ndim too, so longer 
 Verdict = tuple[int, str, tuple[int, ...]]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _codec(headers: int) -> Codec:
     """A verdict's row: the error kind + 1 (0: none), ``headers`` ints, the message as text."""
     header = (Field("header", headers),) if headers else ()
     return Codec(Field("kind"), *header, Field("message", MESSAGE_BYTES // 8))
 
 
-def exchange(group, world_size: int, problem: "tuple[int, str] | None", header: Sequence[int] = ()
+def exchange(group, world_size: int, problem: tuple[int, str] | None, header: Sequence[int] = ()
              ) -> list[Verdict]:
     """Every rank's ``(kind + 1 or 0, message, header)`` in rank order, from one all-gather over
     ``group`` (a process group, ``None`` or a transport; see
@@ -57,7 +57,7 @@ def _ints(value) -> tuple[int, ...]:
 
 
 def raise_refusal(verdicts: Sequence[Verdict], kinds: Sequence[type], note: str,
-                  cause: Optional[BaseException] = None) -> None:
+                  cause: BaseException | None = None) -> None:
     """Raise, on every rank alike, the error of the lowest rank that refused (``kinds[kind]`` with its
     message and ``note.format(first=..., bad=[...])`` appended), if any did; ``cause`` (this rank's
     own exception) is chained for its traceback."""
@@ -67,15 +67,15 @@ def raise_refusal(verdicts: Sequence[Verdict], kinds: Sequence[type], note: str,
         raise kinds[kind - 1](f"{message} {note.format(first=bad[0], bad=bad)}") from cause
 
 
-def agree(group, world_size: int, problem: "tuple[int, str] | None", kinds: Sequence[type], note: str,
-          header: Sequence[int] = (), cause: Optional[BaseException] = None) -> list[tuple[int, ...]]:
+def agree(group, world_size: int, problem: tuple[int, str] | None, kinds: Sequence[type], note: str,
+          header: Sequence[int] = (), cause: BaseException | None = None) -> list[tuple[int, ...]]:
     """:func:`exchange` then :func:`raise_refusal`; returns every rank's ``header`` when none refused."""
     verdicts = exchange(group, world_size, problem, header)
     raise_refusal(verdicts, kinds, note, cause)
     return [ints for _, _, ints in verdicts]
 
 
-def documents_header(documents: Optional[tuple[int, ...]]) -> list[int]:
+def documents_header(documents: tuple[int, ...] | None) -> list[int]:
     """[packed, total tokens, fingerprint of the boundaries] of a packed call (zeros if unpacked)."""
     if documents is None:
         return [0, 0, 0]

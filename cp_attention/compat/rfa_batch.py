@@ -26,7 +26,7 @@ nothing here imports ring-flash-attention or flash-attn.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,10 +41,10 @@ __all__ = [
     "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
 ]
 
-Result = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]
+Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
 
-def _refuse_unsupported(name: str, dropout_p: float, alibi_slopes: Optional[torch.Tensor]) -> None:
+def _refuse_unsupported(name: str, dropout_p: float, alibi_slopes: torch.Tensor | None) -> None:
     """What the ring cannot honour exactly, refused before any communication (plain arguments: every
     rank checks its own, as every rank passes the same)."""
     if dropout_p != 0:
@@ -57,7 +57,7 @@ def _refuse_unsupported(name: str, dropout_p: float, alibi_slopes: Optional[torc
             "(models with ALiBi cannot run on cp_attention's ring)")
 
 
-def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> Tuple[torch.Tensor, ...]:
+def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     """Views of a packed ``[B, S, count, H, D]`` tensor (gradients flow back to it)."""
     if packed.dim() != 5 or packed.shape[2] != count:
         raise ValueError(f"{name}: {what} must be [batch, seq, {count}, heads, head_dim], got shape "
@@ -66,8 +66,8 @@ def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> Tuple[tor
 
 
 def _attend(name: str, layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-            softmax_scale: Optional[float], causal: bool, window_size: Tuple[int, int],
-            alibi_slopes: Optional[torch.Tensor], return_attn_probs: bool, group: Optional[ProcessGroup]) -> Result:
+            softmax_scale: float | None, causal: bool, window_size: tuple[int, int],
+            alibi_slopes: torch.Tensor | None, return_attn_probs: bool, group: ProcessGroup | None) -> Result:
     _refuse_unsupported(name, dropout_p, alibi_slopes)
     window = tuple(window_size) if isinstance(window_size, list) else window_size
     want_lse = bool(return_attn_probs)
@@ -96,20 +96,20 @@ _ARGS = """
 
 
 def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                         softmax_scale: Optional[float] = None, causal: bool = False,
-                         window_size: Tuple[int, int] = (-1, -1), alibi_slopes: Optional[torch.Tensor] = None,
+                         softmax_scale: float | None = None, causal: bool = False,
+                         window_size: tuple[int, int] = (-1, -1), alibi_slopes: torch.Tensor | None = None,
                          deterministic: bool = False, return_attn_probs: bool = False,
-                         group: Optional[ProcessGroup] = None) -> Result:
+                         group: ProcessGroup | None = None) -> Result:
     """Attention over a sequence split in N contiguous pieces (rank r holds ``x.chunk(N, dim=1)[r]``)."""
     return _attend("ring_flash_attn_func", "contiguous", q, k, v, dropout_p, softmax_scale, causal, window_size,
                    alibi_slopes, return_attn_probs, group)
 
 
 def ring_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
-                                  softmax_scale: Optional[float] = None, causal: bool = False,
-                                  window_size: Tuple[int, int] = (-1, -1),
-                                  alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                  return_attn_probs: bool = False, group: Optional[ProcessGroup] = None) -> Result:
+                                  softmax_scale: float | None = None, causal: bool = False,
+                                  window_size: tuple[int, int] = (-1, -1),
+                                  alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                  return_attn_probs: bool = False, group: ProcessGroup | None = None) -> Result:
     """:func:`ring_flash_attn_func` with ``kv [B, S/N, 2, Hkv, D]``."""
     name = "ring_flash_attn_kvpacked_func"
     k, v = _unpack(name, "kv", kv, 2)
@@ -117,10 +117,10 @@ def ring_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: 
                    return_attn_probs, group)
 
 
-def ring_flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                                   causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                                   alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                   return_attn_probs: bool = False, group: Optional[ProcessGroup] = None) -> Result:
+def ring_flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                   causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                                   alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                   return_attn_probs: bool = False, group: ProcessGroup | None = None) -> Result:
     """:func:`ring_flash_attn_func` with ``qkv [B, S/N, 3, H, D]``."""
     name = "ring_flash_attn_qkvpacked_func"
     q, k, v = _unpack(name, "qkv", qkv, 3)
@@ -129,21 +129,21 @@ def ring_flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, so
 
 
 def zigzag_ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                                softmax_scale: Optional[float] = None, causal: bool = False,
-                                window_size: Tuple[int, int] = (-1, -1), alibi_slopes: Optional[torch.Tensor] = None,
+                                softmax_scale: float | None = None, causal: bool = False,
+                                window_size: tuple[int, int] = (-1, -1), alibi_slopes: torch.Tensor | None = None,
                                 deterministic: bool = False, return_attn_probs: bool = False,
-                                group: Optional[ProcessGroup] = None) -> Result:
+                                group: ProcessGroup | None = None) -> Result:
     """Attention over a sequence in 2N chunks, rank r holding chunks r and 2N-1-r (S divisible by 2N)."""
     return _attend("zigzag_ring_flash_attn_func", "zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size,
                    alibi_slopes, return_attn_probs, group)
 
 
 def zigzag_ring_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
-                                         softmax_scale: Optional[float] = None, causal: bool = False,
-                                         window_size: Tuple[int, int] = (-1, -1),
-                                         alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
+                                         softmax_scale: float | None = None, causal: bool = False,
+                                         window_size: tuple[int, int] = (-1, -1),
+                                         alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                                          return_attn_probs: bool = False,
-                                         group: Optional[ProcessGroup] = None) -> Result:
+                                         group: ProcessGroup | None = None) -> Result:
     """:func:`zigzag_ring_flash_attn_func` with ``kv [B, S/N, 2, Hkv, D]``."""
     name = "zigzag_ring_flash_attn_kvpacked_func"
     k, v = _unpack(name, "kv", kv, 2)
@@ -152,11 +152,11 @@ def zigzag_ring_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, drop
 
 
 def zigzag_ring_flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
-                                          softmax_scale: Optional[float] = None, causal: bool = False,
-                                          window_size: Tuple[int, int] = (-1, -1),
-                                          alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
+                                          softmax_scale: float | None = None, causal: bool = False,
+                                          window_size: tuple[int, int] = (-1, -1),
+                                          alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                                           return_attn_probs: bool = False,
-                                          group: Optional[ProcessGroup] = None) -> Result:
+                                          group: ProcessGroup | None = None) -> Result:
     """:func:`zigzag_ring_flash_attn_func` with ``qkv [B, S/N, 3, H, D]``."""
     name = "zigzag_ring_flash_attn_qkvpacked_func"
     q, k, v = _unpack(name, "qkv", qkv, 3)
@@ -165,20 +165,20 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 
 
 
 def stripe_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                           softmax_scale: Optional[float] = None, causal: bool = False,
-                           window_size: Tuple[int, int] = (-1, -1), alibi_slopes: Optional[torch.Tensor] = None,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), alibi_slopes: torch.Tensor | None = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
-                           group: Optional[ProcessGroup] = None) -> Result:
+                           group: ProcessGroup | None = None) -> Result:
     """Attention over a striped sequence: token t on rank t mod N (S divisible by N)."""
     return _attend("stripe_flash_attn_func", "interleaved", q, k, v, dropout_p, softmax_scale, causal, window_size,
                    alibi_slopes, return_attn_probs, group)
 
 
 def stripe_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
-                                    softmax_scale: Optional[float] = None, causal: bool = False,
-                                    window_size: Tuple[int, int] = (-1, -1),
-                                    alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                    return_attn_probs: bool = False, group: Optional[ProcessGroup] = None) -> Result:
+                                    softmax_scale: float | None = None, causal: bool = False,
+                                    window_size: tuple[int, int] = (-1, -1),
+                                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False, group: ProcessGroup | None = None) -> Result:
     """:func:`stripe_flash_attn_func` with ``kv [B, S/N, 2, Hkv, D]``."""
     name = "stripe_flash_attn_kvpacked_func"
     k, v = _unpack(name, "kv", kv, 2)
@@ -187,10 +187,10 @@ def stripe_flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p
 
 
 def stripe_flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
-                                     softmax_scale: Optional[float] = None, causal: bool = False,
-                                     window_size: Tuple[int, int] = (-1, -1),
-                                     alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                     return_attn_probs: bool = False, group: Optional[ProcessGroup] = None) -> Result:
+                                     softmax_scale: float | None = None, causal: bool = False,
+                                     window_size: tuple[int, int] = (-1, -1),
+                                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False, group: ProcessGroup | None = None) -> Result:
     """:func:`stripe_flash_attn_func` with ``qkv [B, S/N, 3, H, D]``."""
     name = "stripe_flash_attn_qkvpacked_func"
     q, k, v = _unpack(name, "qkv", qkv, 3)

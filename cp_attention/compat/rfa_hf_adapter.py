@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
@@ -88,23 +88,23 @@ class _Accepted:
     """The position ids and prepared documents the group last agreed on (weakly held): later layers of the same
     forward skip the check."""
 
-    positions: Optional[weakref.ref] = None
-    cu_q: Optional[weakref.ref] = None
+    positions: weakref.ref | None = None
+    cu_q: weakref.ref | None = None
 
     @classmethod
-    def covers(cls, position_ids: Optional[torch.Tensor], cu_q: torch.Tensor) -> bool:
+    def covers(cls, position_ids: torch.Tensor | None, cu_q: torch.Tensor) -> bool:
         same_cu = cls.cu_q is not None and cls.cu_q() is cu_q
         if position_ids is None:
             return same_cu
         return same_cu and cls.positions is not None and cls.positions() is position_ids
 
     @classmethod
-    def accept(cls, position_ids: Optional[torch.Tensor], cu_q: torch.Tensor) -> None:
+    def accept(cls, position_ids: torch.Tensor | None, cu_q: torch.Tensor) -> None:
         cls.positions = None if position_ids is None else weakref.ref(position_ids)
         cls.cu_q = weakref.ref(cu_q)
 
 
-def _agree_batch(position_ids: Optional[torch.Tensor], cu: Tuple[int, ...], total: int, group,
+def _agree_batch(position_ids: torch.Tensor | None, cu: tuple[int, ...], total: int, group,
                  world_size: int, rank: int) -> None:
     """Check this rank's ``position_ids`` against the documents and agree the verdict and the documents over the
     group (one all-gather): the same ``ValueError`` on every rank, or none."""
@@ -152,21 +152,21 @@ def _refuse(attention_mask, dropout: float, use_top_left_mask: bool, cu_seq_lens
                                   "instead, and do not return flash-attention kwargs from the collator")
 
 
-def create_ring_flash_attention_forward(process_group: ProcessGroup, heads_k_stride: int) -> List[Callable]:
+def create_ring_flash_attention_forward(process_group: ProcessGroup, heads_k_stride: int) -> list[Callable]:
     """The candidates for ``transformers.modeling_flash_attention_utils._flash_attention_forward``, as the
     original's (one here: transformers 5's parameters). Each takes ``[B=1, T/N, H, D]`` q and ``[1, T/N, Hkv, D]``
     k/v and returns ``[1, T/N, H, Dv]``; raises ``NotImplementedError``/``ValueError`` for what it refuses."""
 
     def _flash_attention_forward(query_states: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                                 attention_mask: Optional[torch.Tensor], query_length: int, is_causal: bool,
-                                 dropout: float = 0.0, position_ids: Optional[torch.Tensor] = None,
-                                 softmax_scale: Optional[float] = None, sliding_window: Optional[int] = None,
-                                 use_top_left_mask: bool = False, softcap: Optional[float] = None,
-                                 deterministic: Optional[bool] = None, cu_seq_lens_q: Optional[torch.Tensor] = None,
-                                 cu_seq_lens_k: Optional[torch.Tensor] = None, max_length_q: Optional[int] = None,
-                                 max_length_k: Optional[int] = None, target_dtype: Optional[torch.dtype] = None,
-                                 attn_implementation: Optional[str] = None, layer_idx: Optional[int] = None,
-                                 s_aux: Optional[torch.Tensor] = None, **others: Any) -> torch.Tensor:
+                                 attention_mask: torch.Tensor | None, query_length: int, is_causal: bool,
+                                 dropout: float = 0.0, position_ids: torch.Tensor | None = None,
+                                 softmax_scale: float | None = None, sliding_window: int | None = None,
+                                 use_top_left_mask: bool = False, softcap: float | None = None,
+                                 deterministic: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                                 cu_seq_lens_k: torch.Tensor | None = None, max_length_q: int | None = None,
+                                 max_length_k: int | None = None, target_dtype: torch.dtype | None = None,
+                                 attn_implementation: str | None = None, layer_idx: int | None = None,
+                                 s_aux: torch.Tensor | None = None, **others: Any) -> torch.Tensor:
         _refuse(attention_mask, dropout, use_top_left_mask, cu_seq_lens_q, cu_seq_lens_k, others)
         if query_states.dim() != 4 or query_states.shape[0] != 1:
             raise ValueError(f"{_NAME}: the batch must be one packed row [1, T/N, heads, head_dim] (varlen data is "
@@ -189,7 +189,7 @@ def create_ring_flash_attention_forward(process_group: ProcessGroup, heads_k_str
             _agree_batch(position_ids, cu, local * world_size, process_group, world_size, rank)
             _Accepted.accept(position_ids, DATA_PARAMS["cu_seqlens_q"])
         causal = bool(is_causal)
-        window: Dict[str, Any] = {} if sliding_window is None or sliding_window >= longest_document(cu, cu[-1]) else {
+        window: dict[str, Any] = {} if sliding_window is None or sliding_window >= longest_document(cu, cu[-1]) else {
             "window_size": (sliding_window - 1, -1 if causal else sliding_window - 1)}
         q, k, v = query_states, key_states, value_states
         if target_dtype is not None and q.dtype == torch.float32:  # transformers' fa_peft_integration_check
@@ -202,9 +202,9 @@ def create_ring_flash_attention_forward(process_group: ProcessGroup, heads_k_str
 
 
 def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                            scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                            softcap: Optional[float] = None, **kwargs: Any) -> Tuple[torch.Tensor, None]:
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` entry registered as ``"flash_attention_2"``: q ``[B, H, n, D]``, k/v
     ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)`` through ``transformers.modeling_flash_attention_utils.
     _flash_attention_forward`` (looked up per call, as the original: whatever is substituted there runs).
@@ -225,7 +225,7 @@ def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.to(original_dtype), None
 
 
-def _accepts(fn: Callable, names: List[str]) -> bool:
+def _accepts(fn: Callable, names: list[str]) -> bool:
     params = inspect.signature(fn).parameters
     return any(p.kind is p.VAR_KEYWORD for p in params.values()) or all(n in params for n in names)
 

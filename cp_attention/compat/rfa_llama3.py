@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from typing import TYPE_CHECKING, Optional, Tuple, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,14 +37,14 @@ if TYPE_CHECKING:
 __all__ = ["llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func",
            "llama3_flash_attn_varlen_kvpacked_func", "llama3_flash_attn_varlen_qkvpacked_func"]
 
-Result = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]
-View = Tuple[Tuple[int, ...], Tuple[int, ...], int, int, slice]
+Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
+View = tuple[tuple[int, ...], tuple[int, ...], int, int, slice]
 
 # id(cu_seqlens_q) -> (weakref to it, weakref to its cu_seqlens_k, global boundaries, causal, world size)
 _PREPARED: dict[int, tuple] = {}
 
 
-def _view(cu: Tuple[int, ...], causal: bool, rank: int, world_size: int) -> View:
+def _view(cu: tuple[int, ...], causal: bool, rank: int, world_size: int) -> View:
     """``llama3_flash_attn_prepare_cu_seqlens`` on host boundaries: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, local_k_slice). The documents overlapping this rank's slice ``[start, end)`` are
     ``cu[left:right+1]``; q's boundaries are clipped to the slice, k's start at the first one's start and end
@@ -69,7 +69,7 @@ def _view(cu: Tuple[int, ...], causal: bool, rank: int, world_size: int) -> View
 
 
 def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool, rank: int, world_size: int
-                                         ) -> Tuple[torch.Tensor, torch.Tensor, int, int, slice]:
+                                         ) -> tuple[torch.Tensor, torch.Tensor, int, int, slice]:
     """This rank's view of packed ``cu_seqlens`` (the whole batch's, the same on every rank), as the original:
     ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice)``, the tensors with
     ``cu_seqlens``'s dtype and device. Raises ``ValueError`` if the packed length does not split over
@@ -87,7 +87,7 @@ def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool,
     return cu_q, cu_k, max_q, max_k, local_k_slice
 
 
-def _group_size_rank(group: Optional[ProcessGroup]) -> Tuple[int, int]:
+def _group_size_rank(group: ProcessGroup | None) -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -96,7 +96,7 @@ def _group_size_rank(group: Optional[ProcessGroup]) -> Tuple[int, int]:
 
 
 def _gathered(name: str, view: View, total_local: int, causal: bool, group, device, world_size: int
-              ) -> Tuple[int, ...]:
+              ) -> tuple[int, ...]:
     """The global boundaries rebuilt from every rank's view (one all-gather), each rank's view checked against
     them: the same result, or the same ``ValueError``, on every rank."""
     import torch.distributed as dist
@@ -138,7 +138,7 @@ def _gathered(name: str, view: View, total_local: int, causal: bool, group, devi
 
 
 def _global_cu_seqlens(name: str, cu_seqlens_q, cu_seqlens_k, local_k_slice: slice, causal: bool, total_local: int,
-                       group, device) -> Tuple[int, ...]:
+                       group, device) -> tuple[int, ...]:
     world_size, rank = _group_size_rank(group)
     entry = _PREPARED.get(id(cu_seqlens_q))
     if entry is not None and entry[0]() is cu_seqlens_q and entry[1]() is cu_seqlens_k:
@@ -168,14 +168,15 @@ def _global_cu_seqlens(name: str, cu_seqlens_q, cu_seqlens_k, local_k_slice: sli
 
 
 def _llama3(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q, cu_seqlens_k,
-            heads_k_stride: int, local_k_slice: slice, dropout_p: float, softmax_scale: Optional[float], causal: bool,
-            window_size: Tuple[int, int], alibi_slopes: Optional[torch.Tensor], return_attn_probs: bool,
-            group: Optional[ProcessGroup]) -> Result:
+            heads_k_stride: int, local_k_slice: slice, dropout_p: float, softmax_scale: float | None, causal: bool,
+            window_size: tuple[int, int], alibi_slopes: torch.Tensor | None, return_attn_probs: bool,
+            group: ProcessGroup | None) -> Result:
     _refuse_unsupported(name, dropout_p, alibi_slopes)
     for what, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: {what} must be [total_local, heads, head_dim] (flash-attn's varlen), got {shape}")
+            raise ValueError(f"{name}: {what} must be [total_local, heads, head_dim] (flash-attn's varlen), "
+                             f"got {shape}")
     if type(heads_k_stride) is not int or heads_k_stride < 1 or k.shape[1] % heads_k_stride:
         raise ValueError(f"{name}: heads_k_stride must be a positive int dividing the {k.shape[1]} K/V heads, got "
                          f"{heads_k_stride!r}")
@@ -193,10 +194,10 @@ def _llama3(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 def llama3_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                   heads_k_stride: int, local_k_slice: slice, dropout_p: float = 0.0,
-                                  softmax_scale: Optional[float] = None, causal: bool = False,
-                                  window_size: Tuple[int, int] = (-1, -1), alibi_slopes: Optional[torch.Tensor] = None,
+                                  softmax_scale: float | None = None, causal: bool = False,
+                                  window_size: tuple[int, int] = (-1, -1), alibi_slopes: torch.Tensor | None = None,
                                   deterministic: bool = False, return_attn_probs: bool = False,
-                                  group: Optional[ProcessGroup] = None) -> Result:
+                                  group: ProcessGroup | None = None) -> Result:
     """Attention over a packed batch held in contiguous slices (rank r: tokens ``[r*T/N, (r+1)*T/N)``).
 
     ``q [T/N, H, D]``, ``k``/``v [T/N, Hkv, D]``; ``cu_seqlens_q`` ... ``local_k_slice`` from
@@ -209,7 +210,7 @@ def llama3_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                    local_k_slice, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_attn_probs, group)
 
 
-def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> Tuple[torch.Tensor, ...]:
+def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     if not isinstance(packed, torch.Tensor) or packed.dim() != 4 or packed.shape[1] != count:
         shape = tuple(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
         raise ValueError(f"{name}: {what} must be [total, {count}, heads, head_dim], got {shape}; pack with "
@@ -220,10 +221,10 @@ def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> Tuple[tor
 def llama3_flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                            heads_k_stride: int, local_k_slice: slice, dropout_p: float = 0.0,
-                                           softmax_scale: Optional[float] = None, causal: bool = False,
-                                           window_size: Tuple[int, int] = (-1, -1),
-                                           alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                           return_attn_probs: bool = False, group: Optional[ProcessGroup] = None
+                                           softmax_scale: float | None = None, causal: bool = False,
+                                           window_size: tuple[int, int] = (-1, -1),
+                                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                           return_attn_probs: bool = False, group: ProcessGroup | None = None
                                            ) -> Result:
     """:func:`llama3_flash_attn_varlen_func` with ``kv [T/N, 2, Hkv, D]``."""
     name = "llama3_flash_attn_varlen_kvpacked_func"
@@ -235,10 +236,10 @@ def llama3_flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu
 def llama3_flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                             max_seqlen_q: int, max_seqlen_k: int, heads_k_stride: int,
                                             local_k_slice: slice, dropout_p: float = 0.0,
-                                            softmax_scale: Optional[float] = None, causal: bool = False,
-                                            window_size: Tuple[int, int] = (-1, -1),
-                                            alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                            return_attn_probs: bool = False, group: Optional[ProcessGroup] = None
+                                            softmax_scale: float | None = None, causal: bool = False,
+                                            window_size: tuple[int, int] = (-1, -1),
+                                            alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                            return_attn_probs: bool = False, group: ProcessGroup | None = None
                                             ) -> Result:
     """:func:`llama3_flash_attn_varlen_func` with ``qkv [T/N, 3, H, D]``."""
     name = "llama3_flash_attn_varlen_qkvpacked_func"

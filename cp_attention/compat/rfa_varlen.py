@@ -27,7 +27,7 @@ Each call reads ``cu_seqlens`` to the host (as the original's zigzag does) and p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,8 +36,12 @@ from ..layouts.base import Layout
 from ..layouts.builtin import ContiguousLayout
 from ..layouts.documents import cu_seqlens_tuple
 from .rfa_batch import _refuse_unsupported
-from .rfa_llama3 import (llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func,
-                         llama3_flash_attn_varlen_kvpacked_func, llama3_flash_attn_varlen_qkvpacked_func)
+from .rfa_llama3 import (
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
+    llama3_flash_attn_varlen_qkvpacked_func,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,7 +54,7 @@ __all__ = [
     "llama3_flash_attn_varlen_qkvpacked_func",
 ]
 
-Result = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]
+Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
 
 class PerDocumentContiguousLayout(ContiguousLayout):
@@ -78,7 +82,7 @@ class PerDocumentContiguousLayout(ContiguousLayout):
 RING_VARLEN_LAYOUT = PerDocumentContiguousLayout()
 
 
-def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> Tuple[torch.Tensor, ...]:
+def _unpack(name: str, what: str, packed: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     """Views of a packed ``[total, count, heads, head_dim]`` tensor (gradients flow back to it)."""
     if not isinstance(packed, torch.Tensor) or packed.dim() != 4 or packed.shape[1] != count:
         shape = tuple(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
@@ -105,7 +109,7 @@ def _global_cu_seqlens(name: str, cu_seqlens, total: int, world_size: int, halve
     return tuple(x * world_size for x in local)
 
 
-def _world_size(group: Optional[ProcessGroup]) -> int:
+def _world_size(group: ProcessGroup | None) -> int:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -113,14 +117,15 @@ def _world_size(group: Optional[ProcessGroup]) -> int:
     return dist.get_world_size(group)
 
 
-def _varlen(name: str, layout: "str | Layout", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
-            dropout_p: float, softmax_scale: Optional[float], causal: bool, window_size: Tuple[int, int],
-            alibi_slopes: Optional[torch.Tensor], return_attn_probs: bool, group: Optional[ProcessGroup]) -> Result:
+def _varlen(name: str, layout: str | Layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+            dropout_p: float, softmax_scale: float | None, causal: bool, window_size: tuple[int, int],
+            alibi_slopes: torch.Tensor | None, return_attn_probs: bool, group: ProcessGroup | None) -> Result:
     _refuse_unsupported(name, dropout_p, alibi_slopes)
     for what, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: {what} must be [total_local, heads, head_dim] (flash-attn's varlen), got {shape}")
+            raise ValueError(f"{name}: {what} must be [total_local, heads, head_dim] (flash-attn's varlen), "
+                             f"got {shape}")
     n = _world_size(group)
     cu = _global_cu_seqlens(name, cu_seqlens, q.shape[0], n, halves=layout == "zigzag")
     window = tuple(window_size) if isinstance(window_size, list) else window_size
@@ -135,10 +140,10 @@ def _varlen(name: str, layout: "str | Layout", q: torch.Tensor, k: torch.Tensor,
 
 
 def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                max_seqlen: int, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                                causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                                alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                return_attn_probs: bool = False, group: Optional[ProcessGroup] = None) -> Result:
+                                max_seqlen: int, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                                alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                return_attn_probs: bool = False, group: ProcessGroup | None = None) -> Result:
     """Attention over packed sequences, every sequence split in N contiguous parts (rank r holds part r of each).
 
     ``q [total_local, H, D]``, ``k``/``v [total_local, Hkv, D]``, ``cu_seqlens`` the local boundaries (global / N,
@@ -151,10 +156,10 @@ def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def ring_flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                                         dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                                         causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                                         alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                         return_attn_probs: bool = False, group: Optional[ProcessGroup] = None
+                                         dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                         causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                                         alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                         return_attn_probs: bool = False, group: ProcessGroup | None = None
                                          ) -> Result:
     """:func:`ring_flash_attn_varlen_func` with ``kv [total_local, 2, Hkv, D]``."""
     name = "ring_flash_attn_varlen_kvpacked_func"
@@ -164,10 +169,10 @@ def ring_flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_s
 
 
 def ring_flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                                          dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                                          causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                                          alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                          return_attn_probs: bool = False, group: Optional[ProcessGroup] = None
+                                          dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                          causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                                          alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                          return_attn_probs: bool = False, group: ProcessGroup | None = None
                                           ) -> Result:
     """:func:`ring_flash_attn_varlen_func` with ``qkv [total_local, 3, H, D]``."""
     name = "ring_flash_attn_varlen_qkvpacked_func"
@@ -177,10 +182,10 @@ def ring_flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.T
 
 
 def zigzag_ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                       max_seqlen: int, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                                       causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                                       alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                       return_attn_probs: bool = False, group: Optional[ProcessGroup] = None
+                                       max_seqlen: int, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                       causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                                       alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                       return_attn_probs: bool = False, group: ProcessGroup | None = None
                                        ) -> Result:
     """Attention over packed sequences, every sequence cut in 2N chunks (rank r holds chunks r and 2N-1-r of each).
 
@@ -193,11 +198,11 @@ def zigzag_ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torc
 
 def zigzag_ring_flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens: torch.Tensor,
                                                 max_seqlen: int, dropout_p: float = 0.0,
-                                                softmax_scale: Optional[float] = None, causal: bool = False,
-                                                window_size: Tuple[int, int] = (-1, -1),
-                                                alibi_slopes: Optional[torch.Tensor] = None,
+                                                softmax_scale: float | None = None, causal: bool = False,
+                                                window_size: tuple[int, int] = (-1, -1),
+                                                alibi_slopes: torch.Tensor | None = None,
                                                 deterministic: bool = False, return_attn_probs: bool = False,
-                                                group: Optional[ProcessGroup] = None) -> Result:
+                                                group: ProcessGroup | None = None) -> Result:
     """:func:`zigzag_ring_flash_attn_varlen_func` with ``kv [total_local, 2, Hkv, D]``."""
     name = "zigzag_ring_flash_attn_varlen_kvpacked_func"
     k, v = _unpack(name, "kv", kv, 2)
@@ -206,11 +211,11 @@ def zigzag_ring_flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tenso
 
 
 def zigzag_ring_flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                                                 dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                                                 causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                                                 alibi_slopes: Optional[torch.Tensor] = None,
+                                                 dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                                 causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                                                 alibi_slopes: torch.Tensor | None = None,
                                                  deterministic: bool = False, return_attn_probs: bool = False,
-                                                 group: Optional[ProcessGroup] = None) -> Result:
+                                                 group: ProcessGroup | None = None) -> Result:
     """:func:`zigzag_ring_flash_attn_varlen_func` with ``qkv [total_local, 3, H, D]``."""
     name = "zigzag_ring_flash_attn_varlen_qkvpacked_func"
     q, k, v = _unpack(name, "qkv", qkv, 3)

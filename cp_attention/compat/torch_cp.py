@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence, TypedDict, Union
+from typing import Any, Callable, Iterator, Sequence, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ _PATCH_LOCK = threading.Lock()
 
 class _Patch(TypedDict):
     users: int  # contexts entered (in any thread) and not yet left
-    original: Optional[Callable[..., torch.Tensor]]  # torch's F.scaled_dot_product_attention, saved by _install
+    original: Callable[..., torch.Tensor] | None  # torch's F.scaled_dot_product_attention, saved by _install
 
 
 _PATCH: _Patch = {"users": 0, "original": None}
@@ -60,7 +60,7 @@ def _original() -> Callable[..., torch.Tensor]:
 class _Context:
     """What one ``context_parallel`` block fixes: the group, layout, documents and local length."""
 
-    def __init__(self, mesh: Any, layout: Layout, cu_seqlens: Any, local_len: Optional[int]) -> None:
+    def __init__(self, mesh: Any, layout: Layout, cu_seqlens: Any, local_len: int | None) -> None:
         self.mesh, self.layout, self.cu_seqlens, self.local_len = mesh, layout, cu_seqlens, local_len
         self.plans: dict[bool, Any] = {}  # per is_causal; built on the first call (every rank alike)
 
@@ -70,7 +70,7 @@ class _Context:
         return self.plans[causal]
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
-                  dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
+                  dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
         _check_sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self.local_len)
         # SDPA's tensors are [batch, heads, seq, dim]; the ring takes [batch, seq, heads, dim]: views only.
         out = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
@@ -79,7 +79,7 @@ class _Context:
 
 
 def _check_sdpa_call(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any,
-                     enable_gqa: Any, local_len: Optional[int]) -> None:
+                     enable_gqa: Any, local_len: int | None) -> None:
     """Refuse, by name, an SDPA call the ring cannot run exactly (before any communication)."""
     where = "scaled_dot_product_attention inside cp_attention.compat.torch_cp.context_parallel"
     if attn_mask is not None:
@@ -120,8 +120,8 @@ def _check_sdpa_call(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p
 
 
 def _sdpa_dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
-                   scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` while a context is active somewhere: the calling thread's
     context runs it on the ring; any other thread gets torch's own function."""
     ctx = getattr(_STATE, "active", None)
@@ -148,7 +148,7 @@ def _uninstall() -> None:
             F.scaled_dot_product_attention = _original()
 
 
-def _buffer_list(buffers: Optional[Sequence[torch.Tensor]], seq_dims: Optional[Sequence[int]], what: str,
+def _buffer_list(buffers: Sequence[torch.Tensor] | None, seq_dims: Sequence[int] | None, what: str,
                  dims_name: str) -> tuple[list[torch.Tensor], list[int]]:
     buffers = [] if buffers is None else list(buffers)
     seq_dims = [] if seq_dims is None else list(seq_dims)
@@ -164,7 +164,7 @@ def _buffer_list(buffers: Optional[Sequence[torch.Tensor]], seq_dims: Optional[S
     return buffers, dims
 
 
-def _global_length(buffers: list[torch.Tensor], dims: list[int], what: str) -> Optional[int]:
+def _global_length(buffers: list[torch.Tensor], dims: list[int], what: str) -> int | None:
     lengths = [b.shape[d] for b, d in zip(buffers, dims)]
     if len(set(lengths)) > 1:
         raise ValueError(f"{what}: every buffer must have the same length along its sequence dim, got {lengths}; "
@@ -193,9 +193,9 @@ def _check_shardable(buffers: list[torch.Tensor], no_restore: list[torch.Tensor]
 
 
 @contextlib.contextmanager
-def context_parallel(mesh: Any, *, buffers: Optional[Sequence[torch.Tensor]] = None,
-                     buffer_seq_dims: Optional[Sequence[int]] = None,
-                     no_restore_buffers: Optional[set] = None, layout: Union[str, Layout] = "zigzag",
+def context_parallel(mesh: Any, *, buffers: Sequence[torch.Tensor] | None = None,
+                     buffer_seq_dims: Sequence[int] | None = None,
+                     no_restore_buffers: set | None = None, layout: str | Layout = "zigzag",
                      cu_seqlens: Any = None) -> Iterator[None]:
     """Shard ``buffers`` in place and run every ``F.scaled_dot_product_attention`` call of this thread on
     cp_attention's ring over ``mesh``, as ``torch.distributed.tensor.experimental.context_parallel`` does.
@@ -262,7 +262,7 @@ def context_parallel(mesh: Any, *, buffers: Optional[Sequence[torch.Tensor]] = N
 
 @torch.no_grad()
 def context_parallel_unshard(mesh: Any, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
-                             layout: Union[str, Layout] = "zigzag", cu_seqlens: Any = None) -> list[torch.Tensor]:
+                             layout: str | Layout = "zigzag", cu_seqlens: Any = None) -> list[torch.Tensor]:
     """The full tensors of ``buffers`` sharded by :func:`context_parallel` (e.g. its outputs): each
     all-gathered over ``mesh`` along its seq dim and put back in sequence order by ``layout``.
 

@@ -30,9 +30,9 @@ from .reference import MathKernel
 
 SdpaCpuKernel = CpuFlashKernel  # the old class name (``cp_attention.kernels.sdpa`` is gone)
 
-__all__ = ["AUTO_TABLE", "AttentionKernel", "BLOCK_KINDS", "KernelBase", "KernelChoice", "accumulation_dtype", "check_kernel_name", "CpuFlashKernel",
-           "CudnnKernel", "EfficientKernel", "FlashAttnKernel", "FlashKernel", "get_kernel", "KERNEL_NAMES", "MathKernel",
-           "resolve_kernel_name", "SdpaCpuKernel"]
+__all__ = ["AUTO_TABLE", "AttentionKernel", "BLOCK_KINDS", "KernelBase", "KernelChoice", "accumulation_dtype",
+           "check_kernel_name", "CpuFlashKernel", "CudnnKernel", "EfficientKernel", "FlashAttnKernel", "FlashKernel",
+           "get_kernel", "KERNEL_NAMES", "MathKernel", "resolve_kernel_name", "SdpaCpuKernel"]
 
 _KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
     CpuFlashKernel(), FlashKernel(), FlashAttnKernel(), EfficientKernel(), CudnnKernel(), MathKernel())}
@@ -58,12 +58,12 @@ def resolve_kernel_name(name: str) -> str:
     return _ALIASES.get(name, name)
 
 
-def _shape_ok(kernel: AttentionKernel, head_dim: "int | None", v_head_dim: "int | None") -> bool:
+def _shape_ok(kernel: AttentionKernel, head_dim: int | None, v_head_dim: int | None) -> bool:
     return head_dim is None or kernel.supports_shape(head_dim, v_head_dim or head_dim)
 
 
-def get_kernel(name: str, device: "torch.device | str", dtype: torch.dtype, softcap: bool = False,
-               mask: bool = False, head_dim: "int | None" = None, v_head_dim: "int | None" = None
+def get_kernel(name: str, device: torch.device | str, dtype: torch.dtype, softcap: bool = False,
+               mask: bool = False, head_dim: int | None = None, v_head_dim: int | None = None
                ) -> AttentionKernel:
     """The kernel called ``name`` for ``device`` and ``dtype``, with ``softcap`` logit softcapping, with
     ``mask`` sliding windows, and q/k and v head dims ``head_dim``/``v_head_dim`` (None: not considered).

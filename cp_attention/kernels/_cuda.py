@@ -31,7 +31,7 @@ _BF16_CAPABILITY = (8, 0)
 __all__ = ["FusedKernel", "band_pieces", "device_capability", "fold_heads", "pad_head", "repeat_heads", "round_up"]
 
 
-def device_capability(device: torch.device) -> "tuple[int, int] | None":
+def device_capability(device: torch.device) -> tuple[int, int] | None:
     """``device``'s CUDA compute capability, or None for a non-CUDA device or while CUDA is not
     initialised (asked only once tensors live there, so resolving a kernel never initialises CUDA)."""
     if device.type != "cuda" or not torch.cuda.is_initialized():
@@ -75,7 +75,7 @@ def fold_heads(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dx.reshape(b, s, kv_heads, h // kv_heads, d).float().sum(3)
 
 
-def band_pieces(sq: int, sk: int, lo: int, hi: int) -> "list[tuple[slice, slice, int, int]]":
+def band_pieces(sq: int, sk: int, lo: int, hi: int) -> list[tuple[slice, slice, int, int]]:
     """``(query rows, key rows, window_left, window_right)`` calls of a bottom-right-aligned windowed op
     (flash's: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 unbounded, a
     side >= Sk clamped to unbounded) that compute the band ``lo <= j - i <= hi`` of a ``[Sq, Sk]``
@@ -119,14 +119,14 @@ class FusedKernel(KernelBase):
 
     name = "fused"
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-    max_head_dim: "int | None" = None  # largest padded head dim the op takes; None: any
+    max_head_dim: int | None = None  # largest padded head dim the op takes; None: any
     top_left_native = False  # True: the op itself masks causal blocks top-left
     # The smallest block side the op runs exactly (after causal blocks are cut into squares): cuDNN's
     # is 2 (see cuda_cudnn).
     min_block = 1
-    min_capability: "tuple[int, int] | None" = (8, 0)  # flash and cuDNN attention need Ampere or newer
+    min_capability: tuple[int, int] | None = (8, 0)  # flash and cuDNN attention need Ampere or newer
 
-    def supports(self, device: "torch.device | str", dtype: torch.dtype) -> bool:
+    def supports(self, device: torch.device | str, dtype: torch.dtype) -> bool:
         device = torch.device(device)
         return device.type == "cuda" and dtype in self.dtypes and self._capable(device, dtype)
 
@@ -137,13 +137,13 @@ class FusedKernel(KernelBase):
         have = device_capability(device)
         return need == (0, 0) or have is None or have >= need
 
-    def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
+    def supports_shape(self, head_dim: int, v_head_dim: int | None = None) -> bool:
         """Whether the op takes q/k head dim ``head_dim`` and v head dim ``v_head_dim`` (default: the same)."""
         if self.max_head_dim is None:
             return True
         return round_up(max(head_dim, v_head_dim or head_dim), 8) <= self.max_head_dim
 
-    def block_refusal(self, sq: int, sk: int, causal: bool) -> "str | None":
+    def block_refusal(self, sq: int, sk: int, causal: bool) -> str | None:
         """Why a ``[Sq, Sk]`` block cannot run here: a call of it (a square piece of a causal block)
         with a side shorter than :attr:`min_block`."""
         pieces = self._pieces(sq, sk, causal) or [(slice(0, sq), slice(0, sk), causal)]
@@ -167,7 +167,7 @@ class FusedKernel(KernelBase):
     _fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _abstract_hook
     _bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = _abstract_hook
 
-    def _pieces(self, sq: int, sk: int, causal: bool) -> "list[tuple[slice, slice, bool]] | None":
+    def _pieces(self, sq: int, sk: int, causal: bool) -> list[tuple[slice, slice, bool]] | None:
         """``(query rows, key rows, causal)`` calls that compute a top-left causal block with square
         causal blocks only, or None when the block runs as one call."""
         if not causal or sq == sk or self.top_left_native:
@@ -178,7 +178,7 @@ class FusedKernel(KernelBase):
 
     # The kernel that runs head dims beyond max_head_dim (the memory-efficient one, which takes any):
     # set by the subclasses that have a limit, so this module needs none of them.
-    wide_fallback: "FusedKernel | None" = None
+    wide_fallback: FusedKernel | None = None
 
     def _fallback(self, kwargs: dict):
         return MathKernel() if kwargs.get("softcap") else self.wide_fallback
@@ -243,7 +243,7 @@ class FusedKernel(KernelBase):
         return {**rest, "mask": band_mask(q.shape[1], k.shape[1], *band, q.device)}
 
     # ---- native windows (supports_band): the op's window_size_left/right, one call per band piece
-    def _band_forward(self, q, k, v, band: "tuple[int, int]", scale: float, kwargs: dict):
+    def _band_forward(self, q, k, v, band: tuple[int, int], scale: float, kwargs: dict):
         outs, lses = [], []
         for rows, keys, left, right in band_pieces(q.shape[1], k.shape[1], *band):
             o, lse = self._fwd(q[:, rows], k[:, keys], v[:, keys], False, scale, window=(left, right), **kwargs)
@@ -251,7 +251,7 @@ class FusedKernel(KernelBase):
             lses.append(lse)
         return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 1), torch.cat(lses, 2))
 
-    def _band_backward(self, dout, q, k, v, out, lse, band: "tuple[int, int]", scale: float, kwargs: dict):
+    def _band_backward(self, dout, q, k, v, out, lse, band: tuple[int, int], scale: float, kwargs: dict):
         pieces = band_pieces(q.shape[1], k.shape[1], *band)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)

@@ -16,7 +16,6 @@ import weakref
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
-
 import torch.nn.functional as F
 
 __all__ = ["AttentionKernel", "KernelBase", "MaskCache", "VarlenKernel", "accumulation_dtype", "band_mask",
@@ -74,12 +73,12 @@ class AttentionKernel(Protocol):
     # natively, instead of a materialised mask (flash's window_size_left/right).
     supports_band: bool
 
-    def block_refusal(self, sq: int, sk: int, causal: bool) -> "str | None":
+    def block_refusal(self, sq: int, sk: int, causal: bool) -> str | None:
         """Why the kernel cannot run a ``[Sq, Sk]`` block (causal: top-left), or None if it can. Judged from
         host ints only: the plan asks once per block shape, so a refused block goes to the next kernel."""
         ...
 
-    def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
+    def supports_shape(self, head_dim: int, v_head_dim: int | None = None) -> bool:
         """Whether the kernel takes these q/k and v head dims; ``get_kernel(..., head_dim=...)`` consults it."""
         ...
 
@@ -132,11 +131,11 @@ class KernelBase:
     supports_varlen: bool = False
     supports_band: bool = False
 
-    def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
+    def supports_shape(self, head_dim: int, v_head_dim: int | None = None) -> bool:
         """Every head dim, unless the kernel says otherwise."""
         return True
 
-    def block_refusal(self, sq: int, sk: int, causal: bool) -> "str | None":
+    def block_refusal(self, sq: int, sk: int, causal: bool) -> str | None:
         """Every block shape, unless the kernel says otherwise."""
         return None
 
@@ -150,7 +149,7 @@ class MaskCache:
         self._build = build
         self._store: dict[int, dict[torch.dtype, torch.Tensor]] = {}
 
-    def get(self, mask: "torch.Tensor | None", dtype: torch.dtype) -> "torch.Tensor | None":
+    def get(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """``build(mask, dtype)``, made once per mask and dtype; None for no mask."""
         if mask is None:
             return None

@@ -29,7 +29,7 @@ once, and is the same on every rank (it reads only the table and the shape).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, cast
+from typing import Callable, cast
 
 import torch
 
@@ -48,7 +48,7 @@ class TableRow:
     for ``dtypes``."""
 
     device: str
-    min_capability: Optional[tuple[int, int]]
+    min_capability: tuple[int, int] | None
     dtypes: tuple[torch.dtype, ...]
     causal: tuple[str, ...]
     full: tuple[str, ...]
@@ -87,7 +87,7 @@ AUTO_TABLE: tuple[TableRow, ...] = (
 _ANYWHERE = TableRow("*", None, FLOAT_DTYPES, ("math",), ("math",), ("math",), (), ("math",))
 
 
-def table_row(device: torch.device, dtype: torch.dtype, capability: "tuple[int, int] | None") -> TableRow:
+def table_row(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None) -> TableRow:
     """The row of :data:`AUTO_TABLE` for ``device`` and ``dtype``; ``capability`` None (CUDA not yet
     initialised: a plan built ahead in a loader) takes the newest row."""
     for row in AUTO_TABLE:
@@ -105,8 +105,8 @@ class KernelChoice(KernelBase):
 
     name = "auto"
 
-    def __init__(self, kernels: "dict[str, AttentionKernel]", device: torch.device, dtype: torch.dtype,
-                 softcap: bool, head_dim: "int | None", v_head_dim: "int | None",
+    def __init__(self, kernels: dict[str, AttentionKernel], device: torch.device, dtype: torch.dtype,
+                 softcap: bool, head_dim: int | None, v_head_dim: int | None,
                  fits: Callable[[AttentionKernel], bool]) -> None:
         self.row = table_row(device, dtype, device_capability(device))
         self._head_dims = (head_dim, v_head_dim)
@@ -121,7 +121,7 @@ class KernelChoice(KernelBase):
         self.candidates: dict[str, tuple[AttentionKernel, ...]] = {
             kind: tuple(kernels[n] for n in self.row.order(kind) if fits(kernels[n]) and able(kind, kernels[n]))
             for kind in BLOCK_KINDS}
-        self.picks: dict[str, Optional[str]] = {
+        self.picks: dict[str, str | None] = {
             kind: (found[0].name if found else None) for kind, found in self.candidates.items()}
         dense = self.candidates["causal"]
         if not dense:
@@ -140,12 +140,12 @@ class KernelChoice(KernelBase):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return True  # built for one device and dtype
 
-    def supports_shape(self, head_dim: int, v_head_dim: "int | None" = None) -> bool:
+    def supports_shape(self, head_dim: int, v_head_dim: int | None = None) -> bool:
         """True for the head dims it was chosen for (its candidates were filtered by them; None: any)."""
         chosen, v_chosen = self._head_dims
         return chosen is None or (head_dim, v_head_dim or head_dim) == (chosen, v_chosen or chosen)
 
-    def block_refusal(self, sq: int, sk: int, causal: bool) -> "str | None":
+    def block_refusal(self, sq: int, sk: int, causal: bool) -> str | None:
         return None  # math, last in every list, runs every block
 
     def route(self, kind: str, sq: int, sk: int, causal: bool) -> AttentionKernel:

@@ -35,7 +35,7 @@ _additive = MaskCache(_to_additive).get
 _CHUNKED = (160, 768)
 
 
-def _chunks(n: int) -> "list[tuple[int, int]]":
+def _chunks(n: int) -> list[tuple[int, int]]:
     m = 6 if n >= 448 else 4
     return [(n * i // m, n * (i + 1) // m) for i in range(m)]
 
@@ -61,14 +61,15 @@ class CpuFlashKernel(KernelBase):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return torch.device(device).type == "cpu" and dtype in FLOAT_DTYPES
 
-    def forward(self, q, k, v, causal, scale, mask: "torch.Tensor | None" = None):
+    def forward(self, q, k, v, causal, scale, mask: torch.Tensor | None = None):
         if _chunked(q, k, causal, mask):
-            parts = [self._forward(q[:, a:b], k[:, :b], v[:, :b], a == 0, scale, None if a == 0 else _chunk_mask(b - a, b))
+            parts = [self._forward(q[:, a:b], k[:, :b], v[:, :b], a == 0, scale,
+                                   None if a == 0 else _chunk_mask(b - a, b))
                      for a, b in _chunks(q.shape[1])]
             return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 2)
         return self._forward(q, k, v, causal, scale, mask)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask: "torch.Tensor | None" = None):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask: torch.Tensor | None = None):
         if not _chunked(q, k, causal, mask):
             return self._backward(dout, q, k, v, out, lse, causal, scale, mask)
         dqs, dk, dv = [], None, None

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_efficient import EfficientKernel
 from ._cuda import FusedKernel, fold_heads, pad_head, repeat_heads, round_up
+from .cuda_efficient import EfficientKernel
 
 __all__ = ["CudnnKernel"]
 

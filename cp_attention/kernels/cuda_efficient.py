@@ -51,7 +51,7 @@ def _padded_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _BIASES = MaskCache(_padded_bias)
 
 
-def _bias(mask: "torch.Tensor | None", dtype: torch.dtype, batch: int, heads: int) -> "torch.Tensor | None":
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype, batch: int, heads: int) -> torch.Tensor | None:
     """``mask [B or 1, Sq, Sk]`` (True = may attend) as an additive bias ``[batch, heads, Sq, Sk]``
     (converted once per mask and dtype)."""
     bias = _BIASES.get(mask, dtype)
@@ -67,7 +67,7 @@ class EfficientKernel(FusedKernel):
     supports_mask = True
     min_capability = None  # CUTLASS kernels from sm50 on
 
-    def _fwd(self, q, k, v, causal, scale, mask: "torch.Tensor | None" = None):
+    def _fwd(self, q, k, v, causal, scale, mask: torch.Tensor | None = None):
         b, sq, h, dqk = q.shape
         d, e = round_up(dqk, 8), round_up(v.shape[-1], 8)
         res = _aten._efficient_attention_forward(
@@ -76,7 +76,7 @@ class EfficientKernel(FusedKernel):
             scale=scale)
         return res[0][..., :v.shape[-1]], res[1][:, :, :sq]
 
-    def _bwd(self, dout, q, k, v, out, lse, causal, scale, mask: "torch.Tensor | None" = None):
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale, mask: torch.Tensor | None = None):
         b, sq, h, dqk = q.shape
         sk, hkv, dvd = k.shape[1], k.shape[2], v.shape[-1]
         d, e = round_up(dqk, 8), round_up(dvd, 8)

@@ -48,20 +48,20 @@ class FlashKernel(FusedKernel):
     # Sliding-window bands through the op's window_size_left/right (FusedKernel._band_forward).
     supports_band = True
 
-    def _fwd(self, q, k, v, causal, scale, window: "tuple[int, int] | None" = None):
+    def _fwd(self, q, k, v, causal, scale, window: tuple[int, int] | None = None):
         return self._op_forward(q, k, v, None, None, q.shape[1], k.shape[1], causal, scale, window)
 
-    def _bwd(self, dout, q, k, v, out, lse, causal, scale, window: "tuple[int, int] | None" = None):
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale, window: tuple[int, int] | None = None):
         return self._op_backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], causal, scale, window)
 
     @staticmethod
-    def _window(window: "tuple[int, int] | None") -> dict:
+    def _window(window: tuple[int, int] | None) -> dict:
         # passed only when in use, so calls without a window stay what they were
         return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
 
     @staticmethod
     def _op_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
-                    window: "tuple[int, int] | None" = None):
+                    window: tuple[int, int] | None = None):
         # Dense bshd (cu_q None) or varlen [T, H, D]; head dims padded to one multiple of 8.
         d = round_up(max(q.shape[-1], v.shape[-1]), 8)
         out, lse = _aten._flash_attention_forward(
@@ -71,7 +71,7 @@ class FlashKernel(FusedKernel):
 
     @staticmethod
     def _op_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
-                     window: "tuple[int, int] | None" = None):
+                     window: tuple[int, int] | None = None):
         dqk, dvd = q.shape[-1], v.shape[-1]
         d = round_up(max(dqk, dvd), 8)
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read

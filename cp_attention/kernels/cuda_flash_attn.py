@@ -36,8 +36,8 @@ from types import ModuleType
 
 import torch
 
-from .cuda_efficient import EfficientKernel
 from ._cuda import FusedKernel, pad_head, round_up
+from .cuda_efficient import EfficientKernel
 
 __all__ = ["FlashAttnKernel", "flash_attn_interface"]
 
@@ -45,7 +45,7 @@ _NOT_INSTALLED = "kernel 'flash_attn' needs the flash-attn package (>= 2.6): pip
 
 
 @functools.lru_cache(maxsize=1)
-def _import_interface() -> "ModuleType | None":
+def _import_interface() -> ModuleType | None:
     # Imported once; a broken build (e.g. an ABI mismatch with torch) counts as absent.
     try:
         return importlib.import_module("flash_attn.flash_attn_interface")
@@ -53,7 +53,7 @@ def _import_interface() -> "ModuleType | None":
         return None
 
 
-def flash_attn_interface() -> "ModuleType | None":
+def flash_attn_interface() -> ModuleType | None:
     """``flash_attn.flash_attn_interface`` if importable (one already in ``sys.modules`` wins), else None."""
     return sys.modules.get("flash_attn.flash_attn_interface") or _import_interface()
 
@@ -62,7 +62,7 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text)[:2])
 
 
-def split_window_api(fai: ModuleType) -> "bool | None":
+def split_window_api(fai: ModuleType) -> bool | None:
     """True for the 2.7+ calling convention (``window_size_left``, ``window_size_right``), False for
     2.6's ``window_size`` pair, None for a flash-attn before 2.6 (no ``softcap`` argument). Read from
     the function's parameters (a 2.7+ custom op keeps the decorated function in ``_init_fn``), else
@@ -71,7 +71,7 @@ def split_window_api(fai: ModuleType) -> "bool | None":
 
 
 @functools.lru_cache(maxsize=8)
-def _split_for(fn) -> "bool | None":
+def _split_for(fn) -> bool | None:
     # cached per function object: inspect.signature costs tens of microseconds per kernel call
     params: Mapping[str, inspect.Parameter]
     try:
@@ -95,7 +95,7 @@ class FlashAttnKernel(FusedKernel):
     max_head_dim = 256
     supports_softcap = True
 
-    def supports(self, device: "torch.device | str", dtype: torch.dtype) -> bool:
+    def supports(self, device: torch.device | str, dtype: torch.dtype) -> bool:
         if not super().supports(device, dtype):
             return False
         fai = flash_attn_interface()

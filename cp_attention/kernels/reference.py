@@ -39,7 +39,7 @@ class MathKernel(KernelBase):
 
     @staticmethod
     def _scores(qc: torch.Tensor, k: torch.Tensor, row0: int, causal: bool, scale: float, softcap: float,
-                mask: "torch.Tensor | None" = None) -> tuple[torch.Tensor, "torch.Tensor | None"]:
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scores of a query chunk, softcapped if asked (flash-attn's order: scale, then cap, then
         mask), and the cap's derivative ``1 - tanh^2`` for backward (None without a cap)."""
         s = torch.einsum("bqhgd,bkhd->bhgqk", qc, k) * scale
@@ -55,7 +55,7 @@ class MathKernel(KernelBase):
             s = s.masked_fill(~mask[:, None, None, row0:row0 + qc.shape[1]], float("-inf"))
         return s, slope
 
-    def forward(self, q, k, v, causal, scale, softcap: float = 0.0, mask: "torch.Tensor | None" = None):
+    def forward(self, q, k, v, causal, scale, softcap: float = 0.0, mask: torch.Tensor | None = None):
         acc = accumulation_dtype(q.dtype)
         qg, k, v = self._grouped(q, k).to(acc), k.to(acc), v.to(acc)
         b, sq, h, _ = q.shape
@@ -70,7 +70,7 @@ class MathKernel(KernelBase):
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, softcap: float = 0.0,
-                 mask: "torch.Tensor | None" = None):
+                 mask: torch.Tensor | None = None):
         acc = accumulation_dtype(q.dtype)
         b, sq, h, _ = q.shape
         hkv = k.shape[2]

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from .documents import CuSeqlens, check_cu_seqlens
 from .args import as_int, check_dim
+from .documents import CuSeqlens, check_cu_seqlens
 from .gather import gather_shards
 
 __all__ = ["Layout"]
@@ -64,7 +64,7 @@ class Layout:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
 
-    def positions(self, seq_len: int, rank: int, world_size: int, cu_seqlens: "CuSeqlens | None" = None
+    def positions(self, seq_len: int, rank: int, world_size: int, cu_seqlens: CuSeqlens | None = None
                   ) -> torch.Tensor:
         """Global token indices held by ``rank``, in local (increasing) order.
 
@@ -85,13 +85,13 @@ class Layout:
         return self._packed_positions(cu, rank, world_size)
 
     def shard(self, x: torch.Tensor, dim: int, rank: int, world_size: int,
-              cu_seqlens: "CuSeqlens | None" = None) -> torch.Tensor:
+              cu_seqlens: CuSeqlens | None = None) -> torch.Tensor:
         """This rank's tokens of a full tensor ``x`` along ``dim`` (a copy); see :meth:`positions`."""
         dim = check_dim(dim, x.dim(), "shard")
         idx = self.positions(x.shape[dim], rank, world_size, cu_seqlens).to(x.device)
         return x.index_select(dim, idx)
 
-    def unshard(self, shards: Sequence[torch.Tensor], dim: int, cu_seqlens: "CuSeqlens | None" = None
+    def unshard(self, shards: Sequence[torch.Tensor], dim: int, cu_seqlens: CuSeqlens | None = None
                 ) -> torch.Tensor:
         """Exact inverse of :meth:`shard`: the full tensor from the shards of ranks 0..N-1, in order.
 
@@ -124,7 +124,7 @@ class Layout:
         inverse = torch.argsort(order).to(first.device)
         return torch.cat(shards, dim=dim).index_select(dim, inverse)
 
-    def gather(self, x_local: torch.Tensor, dim: int, group=None, cu_seqlens: "CuSeqlens | None" = None
+    def gather(self, x_local: torch.Tensor, dim: int, group=None, cu_seqlens: CuSeqlens | None = None
                ) -> torch.Tensor:
         """All-gather every rank's shard over ``group`` and unshard: the full tensor on each rank.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import array
 import operator
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ __all__ = [
     "zigzag_chunks",
 ]
 
-CuSeqlens = Union[torch.Tensor, Sequence[int]]
+CuSeqlens = torch.Tensor | Sequence[int]
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -102,7 +102,7 @@ def cu_seqlens_from_lengths(lengths: Iterable[int]) -> tuple[int, ...]:
 _CHECKED: list = [(None, None)]
 
 
-def check_cu_seqlens(cu_seqlens: CuSeqlens, total: "int | None" = None) -> tuple[int, ...]:
+def check_cu_seqlens(cu_seqlens: CuSeqlens, total: int | None = None) -> tuple[int, ...]:
     """Validate document boundaries and return them as a tuple.
 
     Raises ``ValueError`` unless they start at 0, strictly increase (no empty document) and, when
@@ -145,7 +145,7 @@ def _as_tensor(cu: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", cu), dtype=torch.int64)
 
 
-def longest_document(cu_seqlens: "tuple[int, ...] | None", total: int) -> int:
+def longest_document(cu_seqlens: tuple[int, ...] | None, total: int) -> int:
     """The longest document's length of checked boundaries ``cu_seqlens`` (``total`` when None: one sequence)."""
     if cu_seqlens is None:
         return total

@@ -12,7 +12,7 @@ itself here (:func:`install_gather`) when the checks are imported (importing any
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -27,7 +27,7 @@ GATHER_OK, GATHER_BAD_DIM, GATHER_BAD_CU = 0, 1, 2
 
 # (layout, x_local, dim, group, cu_seqlens) -> the gathered tensor
 Gather = Callable[[Any, torch.Tensor, Any, Any, Any], torch.Tensor]
-_installed: Optional[Gather] = None
+_installed: Gather | None = None
 
 
 def install_gather(gather: Gather) -> None:
@@ -71,7 +71,7 @@ def shard_values(x: torch.Tensor, dim: Any, cu_seqlens: Any) -> dict:
     return values
 
 
-def shard_problem(values: dict) -> "str | None":
+def shard_problem(values: dict) -> str | None:
     """What is wrong with the shard a :func:`shard_values` describes, or None."""
     if values["problem"] == GATHER_BAD_DIM:
         ndim = values["ndim"]

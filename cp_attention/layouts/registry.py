@@ -7,7 +7,7 @@ positions (see :func:`cp_attention.schedules.derived.block_schedules`).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 from .balanced import BalancedLayout
 from .base import Layout
@@ -18,11 +18,11 @@ __all__ = ["LAYOUT_NAMES", "get_layout", "layout_names", "layout_schedule", "reg
 # Every known layout by canonical name, built-in first, then those registered, in that order, with
 # its causal schedule (None: derived from its positions).
 _LAYOUTS: dict[str, Layout] = {}
-_SCHEDULES: dict[str, Optional[Callable]] = {}
+_SCHEDULES: dict[str, Callable | None] = {}
 _BY_NAME: dict[str, Layout] = {}  # lower-case name or alias -> layout
 
 
-def register_layout(layout: Layout, schedule: Optional[Callable] = None) -> None:
+def register_layout(layout: Layout, schedule: Callable | None = None) -> None:
     """Make a layout resolvable by its name and aliases (``get_layout("mine")``), optionally with its
     causal ring schedule ``schedule(causal, rank, world_size, step, local_len) -> tuple[BlockTask, ...]``.
 
@@ -48,7 +48,7 @@ def register_layout(layout: Layout, schedule: Optional[Callable] = None) -> None
         _SCHEDULES[layout.name] = schedule
 
 
-def get_layout(layout: "str | Layout") -> Layout:
+def get_layout(layout: str | Layout) -> Layout:
     """Resolve a layout name (or alias, case-insensitive) or pass a :class:`Layout` through.
 
     Raises ``ValueError`` for an unknown name, listing the known ones (built-in and registered), and
@@ -71,7 +71,7 @@ def layout_names() -> tuple[str, ...]:
     return tuple(_LAYOUTS)
 
 
-def layout_schedule(layout: "str | Layout") -> Optional[Callable]:
+def layout_schedule(layout: str | Layout) -> Callable | None:
     """The causal ring schedule registered for ``layout``, or None (its blocks then derive from its
     positions). Raises what :func:`get_layout` raises."""
     return _SCHEDULES.get(get_layout(layout).name)

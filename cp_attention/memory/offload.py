@@ -15,8 +15,7 @@ without a GPU replaces. On the CPU the "host copy" is a plain copy (nothing to g
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint

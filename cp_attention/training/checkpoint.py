@@ -33,13 +33,13 @@ import pickletools
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, cast
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "is_sharded", "file_digests", "write_manifest", "latest_checkpoint", "checkpoint_info",
-           "find_complete_checkpoint", "check_resume_compatible", "CorruptCheckpointError", "UnsafeCheckpointError",
-           "safe_torch_load", "RESUMABLE_CHANGES"]
+__all__ = ["save_checkpoint", "load_checkpoint", "is_sharded", "file_digests", "write_manifest", "latest_checkpoint",
+           "checkpoint_info", "find_complete_checkpoint", "check_resume_compatible", "CorruptCheckpointError",
+           "UnsafeCheckpointError", "safe_torch_load", "RESUMABLE_CHANGES"]
 
 _LATEST = "latest"
 _STEP_FILE = re.compile(r"^step_(\d+)(\.pt)?$")  # a file, or a sharded directory
@@ -55,7 +55,7 @@ class UnsafeCheckpointError(CorruptCheckpointError):
     this library writes one, and ``resume_from=auto`` skips it like any other it cannot load."""
 
 
-def _unsafe_reason(e: BaseException) -> Optional[str]:
+def _unsafe_reason(e: BaseException) -> str | None:
     """The weights-only unpickler's reason for refusing an object (a GLOBAL it does not allow), or None
     when the failure is something else (a truncated or garbled file)."""
     if not isinstance(e, pickle.UnpicklingError):
@@ -82,8 +82,8 @@ def _pickle_globals(data: bytes) -> list[str]:
     found: list[str] = []
     stream = io.BytesIO(data)
     while stream.tell() < len(data):
-        pushed: list[Optional[str]] = []  # STACK_GLOBAL takes module and name from the two strings just pushed
-        memo: dict[int, Optional[str]] = {}
+        pushed: list[str | None] = []  # STACK_GLOBAL takes module and name from the two strings just pushed
+        memo: dict[int, str | None] = {}
         try:
             for op, arg, _ in pickletools.genops(stream):
                 if op.name in ("GLOBAL", "INST"):
@@ -116,7 +116,7 @@ def _torch_refuses(name: str) -> bool:
     return name not in _get_allowed_globals() and name not in _get_user_allowed_globals()
 
 
-def _refused_global(source: "str | Path | io.BytesIO") -> Optional[str]:
+def _refused_global(source: str | Path | io.BytesIO) -> str | None:
     """Why a file the weights-only unpickler stopped on before it reached a global (an opcode of a pickle
     protocol above torch.save's 2, such as a raw ``pickle.dump``'s FRAME) is unsafe: the first global it
     names that ``weights_only=True`` refuses; None when it names none (then it is merely corrupt)."""
@@ -135,7 +135,7 @@ def _refused_global(source: "str | Path | io.BytesIO") -> Optional[str]:
             "unpickler stopped before it, at an opcode torch.save's pickle protocol 2 never writes")
 
 
-def safe_torch_load(path: "str | Path", source: "str | Path | io.BytesIO") -> Any:
+def safe_torch_load(path: str | Path, source: str | Path | io.BytesIO) -> Any:
     """``torch.load(source, map_location="cpu", weights_only=True)``; ``path`` names the file in errors.
 
     Raises :class:`UnsafeCheckpointError` for an object outside tensors and plain Python types (its
@@ -173,11 +173,11 @@ def _manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def _sha256(data: "bytes | memoryview") -> str:
+def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def save_checkpoint(directory: "str | Path", step: int, state: dict[str, Any]) -> Path:
+def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any]) -> Path:
     """Write ``state`` as ``directory/step_XXXXXXX.pt`` with its manifest, and point ``directory/latest``
     at it. ``state["config"]`` and ``state["world_size"]``, when present, are copied into the manifest,
     so a resume can check compatibility without loading the payload."""
@@ -194,7 +194,7 @@ def save_checkpoint(directory: "str | Path", step: int, state: dict[str, Any]) -
     return path
 
 
-def latest_checkpoint(path: "str | Path") -> Path:
+def latest_checkpoint(path: str | Path) -> Path:
     """Resolve a checkpoint file, or a checkpoint directory to its latest checkpoint.
 
     Raises ``FileNotFoundError`` with what was looked for.
@@ -211,7 +211,7 @@ def latest_checkpoint(path: "str | Path") -> Path:
                             "with a 'latest' file, or a run directory containing one")
 
 
-def is_sharded(path: "str | Path") -> bool:
+def is_sharded(path: str | Path) -> bool:
     """Whether ``path`` is a sharded checkpoint: a ``step_*`` directory (complete or not)."""
     path = Path(path)
     return path.is_dir() and bool(_STEP_FILE.match(path.name)) and not path.name.endswith(".pt")
@@ -251,7 +251,7 @@ def write_manifest(path: Path, manifest: dict) -> None:
     _atomic_write(path.parent / _LATEST, lambda tmp: tmp.write_text(path.name))
 
 
-def _read_verified(path: Path) -> "tuple[bytes, Optional[dict]]":
+def _read_verified(path: Path) -> tuple[bytes, dict | None]:
     """The payload's bytes and its manifest (None for a checkpoint written without one), verified."""
     if not path.is_file():
         raise CorruptCheckpointError(f"checkpoint {str(path)!r} is missing (its directory's 'latest' names it)")
@@ -277,7 +277,7 @@ def _load_bytes(path: Path, data: bytes) -> dict[str, Any]:
     return safe_torch_load(path, io.BytesIO(data))
 
 
-def load_checkpoint(path: "str | Path") -> dict[str, Any]:
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (file or directory), verified against its
     manifest, tensors and plain Python types only. Raises ``FileNotFoundError`` (nothing there),
     :class:`CorruptCheckpointError`, or :class:`UnsafeCheckpointError` (an object only code could rebuild)."""
@@ -289,7 +289,7 @@ def load_checkpoint(path: "str | Path") -> dict[str, Any]:
     return _load_bytes(path, data)
 
 
-def checkpoint_info(path: "str | Path") -> dict[str, Any]:
+def checkpoint_info(path: str | Path) -> dict[str, Any]:
     """Verify one checkpoint file and return its manifest: ``step``, ``world_size`` and ``config``
     (None where the checkpoint did not record them). Raises :class:`CorruptCheckpointError`."""
     path = Path(path)
@@ -302,7 +302,7 @@ def checkpoint_info(path: "str | Path") -> dict[str, Any]:
     return manifest
 
 
-def find_complete_checkpoint(directory: "str | Path") -> "tuple[Optional[Path], Optional[dict], list[str]]":
+def find_complete_checkpoint(directory: str | Path) -> tuple[Path | None, dict | None, list[str]]:
     """The newest complete checkpoint in ``directory`` and its :func:`checkpoint_info` (None, None if
     there is none, or no directory), and why each newer one was skipped (one line per file)."""
     directory = Path(directory)
@@ -340,7 +340,7 @@ def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_resume_compatible(info: dict, cfg: dict, world_size: int, path: "str | Path") -> None:
+def check_resume_compatible(info: dict, cfg: dict, world_size: int, path: str | Path) -> None:
     """Refuse to resume from checkpoint ``path`` (its :func:`checkpoint_info`) with an incompatible config.
 
     Must match: ``cp_size``, dp (world size / cp_size), and every config field except those in

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
 from ..kernels import KERNEL_NAMES
 from ..strategies import check_comm_type_name
@@ -26,7 +26,8 @@ def example_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="bf16: forward and loss under torch.autocast(bfloat16), fp32 weights (cpu too: slow)")
     p.add_argument("--layout", default="zigzag",
-                   help="contiguous, zigzag, interleaved or balanced (per batch from packed documents; zigzag without), or a registered layout")
+                   help="contiguous, zigzag, interleaved or balanced (per batch from packed documents; zigzag "
+                        "without), or a registered layout")
     p.add_argument("--kernel", default="auto", choices=KERNEL_NAMES)
     p.add_argument("--cp-comm-type", default="p2p",
                    help="how K/V travel: p2p (the ring), all_gather, a2a (Ulysses), a2a+p2p (with --cp-a2a-size), auto")
@@ -66,16 +67,16 @@ def memory_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def memory_savers(args: argparse.Namespace) -> "tuple[Optional[int], bool | str, Optional[int]]":
+def memory_savers(args: argparse.Namespace) -> tuple[int | None, bool | str, int | None]:
     """``(loss chunk tokens or None for full logits, checkpoint, mlp_chunks)`` from :func:`memory_options`'
     flags, the defaults where ``args`` lacks them (no chunks of the loss: 1024 tokens, no savers)."""
     chunk = getattr(args, "loss_chunk_tokens", 1024)
-    modes: "dict[str, bool | str]" = {"off": False, "on": True, "offload": "offload"}
+    modes: dict[str, bool | str] = {"off": False, "on": True, "offload": "offload"}
     checkpoint = modes[getattr(args, "activation_checkpointing", "off")]
     return (chunk or None), checkpoint, getattr(args, "mlp_chunks", None)
 
 
-def comm_problem(cp_comm_type: str, a2a_size: Optional[int], cp_size: int, layers: int = 0) -> Optional[str]:
+def comm_problem(cp_comm_type: str, a2a_size: int | None, cp_size: int, layers: int = 0) -> str | None:
     """Why ``--cp-comm-type`` (one name, or with ``layers`` > 0 a comma-separated one per layer) and
     ``--cp-a2a-size`` cannot run on CP groups of ``cp_size`` ranks; None when they can."""
     names = cp_comm_type.split(",")
@@ -98,8 +99,8 @@ def comm_problem(cp_comm_type: str, a2a_size: Optional[int], cp_size: int, layer
     return None
 
 
-def place_example(args: argparse.Namespace, cp_size: Optional[int] = None,
-                  refuse: Optional[Callable[[str, str], Optional[str]]] = None, layers: int = 0) -> argparse.Namespace:
+def place_example(args: argparse.Namespace, cp_size: int | None = None,
+                  refuse: Callable[[str, str], str | None] | None = None, layers: int = 0) -> argparse.Namespace:
     """Resolve ``args.device`` and ``args.backend`` (``auto`` included) for a job of ``args.world_size``
     ranks (torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` when under it) with CP groups of ``cp_size``
     (default: all ranks); returns ``args``. Exits with a usage error (status 2) naming the option to

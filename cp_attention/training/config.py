@@ -8,7 +8,6 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -22,7 +21,7 @@ from .device import placement
 __all__ = ["validate_config", "resume_point", "trainer_placement", "build_model", "optimizer"]
 
 
-def resume_point(cfg: dict, world_size: int, run_dir: "str | Path | None") -> Optional[Path]:
+def resume_point(cfg: dict, world_size: int, run_dir: str | Path | None) -> Path | None:
     """The checkpoint this run resumes from, checked: None for a fresh start.
 
     ``trainer.resume_from`` is null (fresh), a checkpoint file, checkpoints directory or run directory
@@ -115,7 +114,7 @@ def _check_memory(t: dict) -> None:
                          "or trainer.offload_optimizer=false")
 
 
-def _heads(model_cfg: dict) -> Optional[int]:
+def _heads(model_cfg: dict) -> int | None:
     """The model's query heads: the preset's, or a local checkpoint's ``config.json``'s; None if unknown."""
     path = model_cfg.get("pretrained_path")
     if not path:
@@ -124,7 +123,7 @@ def _heads(model_cfg: dict) -> Optional[int]:
     return json.loads(config.read_text()).get("num_attention_heads") if config.is_file() else None
 
 
-def _check_cp_comm(comm: dict, cp: int, fsdp: bool, heads: Optional[int] = None) -> None:
+def _check_cp_comm(comm: dict, cp: int, fsdp: bool, heads: int | None = None) -> None:
     """``cp_comm.name`` a strategy; for ``a2a+p2p``, ``cp_comm.inner`` a proper divisor of cp_size > 1 and
     no FSDP (its mesh has one cp dim); an all-to-all (``a2a`` over cp_size, ``a2a+p2p`` over
     ``cp_comm.inner``) that splits the model's ``heads``. Raises ``ValueError`` naming the key."""
@@ -147,11 +146,12 @@ def _check_cp_comm(comm: dict, cp: int, fsdp: bool, heads: Optional[int] = None)
     _check_heads(name, inner, heads)
 
 
-def _check_heads(name: str, degree: int, heads: Optional[int]) -> None:
+def _check_heads(name: str, degree: int, heads: int | None) -> None:
     """An all-to-all over ``degree`` ranks gives each rank ``heads / degree`` query heads."""
     if name in ("a2a", "a2a+p2p") and degree > 1 and heads and heads % degree:
         over = "cp_size" if name == "a2a" else "cp_comm.inner"
-        raise ValueError(f"cp_comm={name.replace('+', '_')} splits the model's {heads} query heads over {over}={degree} "
+        raise ValueError(f"cp_comm={name.replace('+', '_')} splits the model's {heads} query heads over "
+                         f"{over}={degree} "
                          f"ranks, which does not divide them; use cp_comm=p2p, all_gather or auto, or a {over} "
                          f"that divides {heads}")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -20,7 +19,7 @@ __all__ = ["load_bytes", "load_documents", "ByteBatches", "PackedBatches", "VOCA
 VOCAB_SIZE = 256
 
 
-def load_bytes(source: str, path: Optional[str] = None, text_key: str = "text", synthetic_len: int = 1 << 20,
+def load_bytes(source: str, path: str | None = None, text_key: str = "text", synthetic_len: int = 1 << 20,
                seed: int = 0) -> torch.Tensor:
     """The whole corpus as a 1-D LongTensor of byte values.
 
@@ -80,7 +79,7 @@ class ByteBatches:
 _PARAGRAPH = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more blank (or whitespace-only) lines
 
 
-def load_documents(source: str, path: Optional[str] = None, text_key: str = "text") -> "list[torch.Tensor]":
+def load_documents(source: str, path: str | None = None, text_key: str = "text") -> list[torch.Tensor]:
     """The corpus as a list of documents, each a non-empty 1-D LongTensor of byte values.
 
     ``builtin``: one document per help topic of ``pydoc_data.topics``; ``jsonl``: one per line
@@ -123,7 +122,7 @@ class PackedBatches:
     resumed run sees exactly the batches it would have seen.
     """
 
-    def __init__(self, documents: "list[torch.Tensor]", seq_len: int, seed: int) -> None:
+    def __init__(self, documents: list[torch.Tensor], seq_len: int, seed: int) -> None:
         if not documents or any(d.dim() != 1 or d.numel() == 0 for d in documents):
             raise ValueError("PackedBatches needs a non-empty list of non-empty 1-D documents")
         if seq_len < 1:
@@ -131,16 +130,16 @@ class PackedBatches:
         self.documents, self.seq_len, self.seed = documents, seq_len, seed
         self.epoch, self.doc, self.offset = 0, 0, 0
         self._order_epoch = -1
-        self._order: Optional[list[int]] = None
+        self._order: list[int] | None = None
 
-    def order(self, epoch: int) -> "list[int]":
+    def order(self, epoch: int) -> list[int]:
         """The documents' order in ``epoch``: a permutation drawn from ``(seed, epoch)`` alone."""
         if self._order is None or epoch != self._order_epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._order, self._order_epoch = torch.randperm(len(self.documents), generator=g).tolist(), epoch
         return self._order
 
-    def _row(self) -> "tuple[torch.Tensor, torch.Tensor]":
+    def _row(self) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, left = [], [], self.seq_len
         while left:
             doc = self.documents[self.order(self.epoch)[self.doc]]
@@ -155,7 +154,7 @@ class PackedBatches:
                     self.epoch, self.doc = self.epoch + 1, 0
         return torch.cat(ids), torch.cat(pos)
 
-    def next(self, batch: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    def next(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``(input_ids, position_ids)``, both ``[batch, seq_len]``; ``position_ids`` count
         0, 1, 2, ... within each document (or piece of one) and restart at 0 at the next."""
         rows = [self._row() for _ in range(batch)]

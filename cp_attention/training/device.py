@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import ContextManager, NamedTuple, Optional
+from typing import ContextManager, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ def _cuda_devices() -> int:
 
 
 def placement(device: str = "auto", backend: str = "auto", *, local_ranks: int = 1, cp_size: int = 1,
-              precision: str = "fp32", cuda_devices: Optional[int] = None, prefix: str = "") -> Placement:
+              precision: str = "fp32", cuda_devices: int | None = None, prefix: str = "") -> Placement:
     """Resolve the ``device`` and ``backend`` options for ``local_ranks`` ranks on this machine.
 
     ``device="auto"`` follows an explicit backend (nccl: cuda, gloo: cpu), else takes CUDA when there

@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ _COMM_FAILURE = ("connection closed by peer", "connection reset by peer", "conne
                  "timed out")
 
 
-def _as_peer_error(e: BaseException, rank: int, where: str, timeout_s) -> Optional[PeerRankError]:
+def _as_peer_error(e: BaseException, rank: int, where: str, timeout_s) -> PeerRankError | None:
     """``e`` restated as a :class:`PeerRankError` if it is a communication failure, else None."""
     text = " ".join(str(x) for x in (e, e.__cause__) if x is not None)
     if isinstance(e, PeerRankError) or not (isinstance(e, dist.DistError) or

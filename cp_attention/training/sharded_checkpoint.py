@@ -40,7 +40,7 @@ def _model_and_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer) -> 
     return {"model": model_state, "optim": optim_state}
 
 
-def save_sharded_checkpoint(directory: "str | Path", step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+def save_sharded_checkpoint(directory: str | Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
                             trainer_state: dict[str, Any], config: dict, world_size: int) -> Path:
     """Every rank calls this (it is collective); returns ``directory/step_XXXXXXX``. ``trainer_state``
     (rank 0's) is what is not sharded: step, scheduler, data position, RNG."""
@@ -152,7 +152,7 @@ def _safe_dcp_reader_and_planner(path: Path, metadata):
     return SafeReader(path), SafePlanner()
 
 
-def load_sharded_checkpoint(path: "str | Path", model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def load_sharded_checkpoint(path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Load a :func:`save_sharded_checkpoint` directory into this rank's shards of ``model`` and ``opt``
     (sharded by FSDP2 on any mesh) and return its trainer state. Every rank calls this. The checkpoint
     is verified against its manifest by the resume (rank 0, :func:`.config.resume_point`) first. Raises

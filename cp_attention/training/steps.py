@@ -7,7 +7,7 @@ over the CP group are exactly the gradients without CP; data-parallel replicas a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -22,7 +22,7 @@ def _group_size(group) -> int:
     return group_rank_and_size(group)[1]
 
 
-def reduce_gradients(model: "torch.nn.Module | Iterable[torch.nn.Parameter]", cp_group=None, dp_group=None) -> None:
+def reduce_gradients(model: torch.nn.Module | Iterable[torch.nn.Parameter], cp_group=None, dp_group=None) -> None:
     """Sum the gradients over ``cp_group`` and average them over ``dp_group``, in place.
 
     ``cp_group=None`` is the default group, as in ``ring_attention``; ``dp_group=None`` means no data
@@ -58,8 +58,8 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[Any],
-               loss_fn: Callable[[Any], "tuple[torch.Tensor, torch.Tensor]"], *, cp_group=None, dp_group=None,
-               scheduler: Optional[Any] = None, grad_clip: Optional[float] = None,
+               loss_fn: Callable[[Any], tuple[torch.Tensor, torch.Tensor]], *, cp_group=None, dp_group=None,
+               scheduler: Any | None = None, grad_clip: float | None = None,
                sharded: bool = False) -> torch.Tensor:
     """One optimizer step over ``micro_batches`` (gradient accumulation); returns the mean loss value.
 

@@ -14,7 +14,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 __all__ = ["Summary", "shown", "read_metrics", "loss_rows", "plot_loss", "resume_command", "training_summary",
            "example_summary", "directory_summary", "outputs_summary", "benchmark_summary"]
@@ -30,7 +30,7 @@ class Summary:
     title: str
     rows: list[tuple[str, str]] = field(default_factory=list)
 
-    def add(self, key: str, value: str) -> "Summary":
+    def add(self, key: str, value: str) -> Summary:
         """Append a row (``value`` may hold several lines, aligned under the first); returns self."""
         self.rows.append((key, value))
         return self
@@ -49,7 +49,7 @@ class Summary:
         return self.render()
 
 
-def shown(path: "str | Path") -> str:
+def shown(path: str | Path) -> str:
     """``path`` relative to the working directory when it lies under it (what a user types), else absolute."""
     path = Path(path).resolve()
     try:
@@ -58,7 +58,7 @@ def shown(path: "str | Path") -> str:
         return str(path)
 
 
-def read_metrics(path: "str | Path") -> list[dict]:
+def read_metrics(path: str | Path) -> list[dict]:
     """The records of a ``metrics.jsonl`` (a half-written last line is skipped); ``[]`` if there is none."""
     path = Path(path)
     if not path.is_file():
@@ -72,7 +72,7 @@ def read_metrics(path: "str | Path") -> list[dict]:
     return records
 
 
-def loss_rows(records: Sequence[dict], tokens_per_s: Optional[float]) -> list[tuple[str, str]]:
+def loss_rows(records: Sequence[dict], tokens_per_s: float | None) -> list[tuple[str, str]]:
     """The ``loss`` (final and best, with their steps) and ``throughput`` rows for ``records`` (dicts
     with ``step`` and ``loss``, in step order)."""
     rows = []
@@ -85,7 +85,7 @@ def loss_rows(records: Sequence[dict], tokens_per_s: Optional[float]) -> list[tu
     return rows
 
 
-def plot_loss(records: Sequence[dict], path: "str | Path") -> Optional[str]:
+def plot_loss(records: Sequence[dict], path: str | Path) -> str | None:
     """Draw the loss (left axis) and the learning rate (right axis) of ``records`` per step into the PNG
     ``path``; returns None when written, or why not (matplotlib missing, nothing logged)."""
     if not records:
@@ -110,7 +110,7 @@ def plot_loss(records: Sequence[dict], path: "str | Path") -> Optional[str]:
     return None
 
 
-def resume_command(script: str, overrides: Iterable[str], run_dir: "str | Path") -> str:
+def resume_command(script: str, overrides: Iterable[str], run_dir: str | Path) -> str:
     """The command that continues the run in ``run_dir``: ``script`` with the run's own Hydra
     ``overrides`` (a resume must keep what a step computes), its directory and
     ``trainer.resume_from=auto``; under torchrun, prefixed with torchrun's ``--nproc-per-node``."""
@@ -120,14 +120,14 @@ def resume_command(script: str, overrides: Iterable[str], run_dir: "str | Path")
     args = [script, *kept, f"hydra.run.dir={shown(run_dir)}", "trainer.resume_from=auto"]
     if "RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
         nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
-        launcher = ["torchrun", *(["--nnodes=%d" % nodes] if nodes > 1 else []),
+        launcher = ["torchrun", *([f"--nnodes={nodes}"] if nodes > 1 else []),
                     f"--nproc-per-node={os.environ['LOCAL_WORLD_SIZE']}"]
     else:
         launcher = ["python"]
     return shlex.join(launcher + args)
 
 
-def _checkpoint_row(ckpt_dir: Path) -> Optional[str]:
+def _checkpoint_row(ckpt_dir: Path) -> str | None:
     latest = ckpt_dir / "latest"
     if not latest.is_file():
         return None
@@ -136,7 +136,7 @@ def _checkpoint_row(ckpt_dir: Path) -> Optional[str]:
     return f"checkpoints/{name} (the latest of {kept})"
 
 
-def training_summary(run_dir: "str | Path", final: Optional[dict], command: str, total_steps: int, *,
+def training_summary(run_dir: str | Path, final: dict | None, command: str, total_steps: int, *,
                      setup: str = "", plot: bool = True) -> Summary:
     """The launcher's summary of the run in ``run_dir``: its files (``loss.png`` drawn now unless
     ``plot`` is False), the final and best loss, tokens/s of this launch (``final``: the loop's last
@@ -174,8 +174,8 @@ def training_summary(run_dir: "str | Path", final: Optional[dict], command: str,
     return summary
 
 
-def example_summary(script: str, losses: Sequence[float], tokens_per_s: Optional[float],
-                    written: Optional[str] = None, steps: Optional[Sequence[int]] = None) -> Summary:
+def example_summary(script: str, losses: Sequence[float], tokens_per_s: float | None,
+                    written: str | None = None, steps: Sequence[int] | None = None) -> Summary:
     """An example script's summary: its final and best loss (``losses``: one per step, step 1 first, or
     one per ``steps``), tokens/s, and what it wrote (``written``; default: nothing, the log above is its
     only output)."""
@@ -187,7 +187,7 @@ def example_summary(script: str, losses: Sequence[float], tokens_per_s: Optional
     return summary
 
 
-def directory_summary(script: str, directory: "str | Path", files: dict[str, str],
+def directory_summary(script: str, directory: str | Path, files: dict[str, str],
                       patterns: dict[str, str]) -> Summary:
     """A job's summary of the folder it wrote: ``files`` (a label -> a file name in it) that exist,
     and how many files match each of ``patterns`` (a label -> a glob, e.g. ``"*.png"``)."""
@@ -204,7 +204,7 @@ def directory_summary(script: str, directory: "str | Path", files: dict[str, str
     return summary
 
 
-def outputs_summary(script: str, outputs: dict[str, "str | Path | None"], hint: str = "") -> Summary:
+def outputs_summary(script: str, outputs: dict[str, str | Path | None], hint: str = "") -> Summary:
     """A benchmark's or experiment's summary: each of ``outputs`` (a label -> the path written, None
     if not asked for) that exists, or that the results went to stdout only (``hint``: how to keep them)."""
     summary = Summary(f"{script}: done")
@@ -216,7 +216,7 @@ def outputs_summary(script: str, outputs: dict[str, "str | Path | None"], hint: 
     return summary
 
 
-def benchmark_summary(json_path: Optional[str], json_option: bool = True) -> Summary:
+def benchmark_summary(json_path: str | None, json_option: bool = True) -> Summary:
     """A benchmark script's summary (named after ``sys.argv[0]``): the JSON file it wrote
     (``json_path``, from ``--json``), or that its tables went to stdout only (and, with
     ``json_option``, that ``--json PATH`` keeps them)."""

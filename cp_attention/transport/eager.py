@@ -20,7 +20,8 @@ __all__ = ["eager_only", "EAGER_REASON"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 EAGER_REASON = ("context-parallel attention talks to the other ranks and decides on the host (agreement checks, "
-                "plans, collectives), so it runs eagerly: a graph break under torch.compile; see docs/guides/compile.md")
+                "plans, collectives), so it runs eagerly: a graph break under torch.compile; see "
+                "docs/guides/compile.md")
 
 
 def eager_only(fn: F) -> F:

@@ -31,7 +31,7 @@ _DEFAULT_TIMEOUT_S = 300.0
 class _Posted:
     """What :meth:`LoopbackRank.exchange` returns: ``wait()`` fills the receive buffers."""
 
-    def __init__(self, rank: "LoopbackRank", recv: Sequence[torch.Tensor], keys: list[tuple[int, int, int]]):
+    def __init__(self, rank: LoopbackRank, recv: Sequence[torch.Tensor], keys: list[tuple[int, int, int]]):
         self._rank, self._recv, self._keys = rank, recv, keys
 
     def wait(self) -> None:
@@ -44,7 +44,7 @@ class LoopbackGroup:
     function on all of them at once (one thread each)."""
 
     def __init__(self, world_size: int, timeout_s: float = _DEFAULT_TIMEOUT_S,
-                 mesh_shape: "tuple[int, int] | None" = None) -> None:
+                 mesh_shape: tuple[int, int] | None = None) -> None:
         """``mesh_shape=(outer, inner)`` makes it a two-level CP group (as a 2-D ``DeviceMesh``): each
         rank's handle then has ``levels``, the (outer, inner) groups of row-major mesh rank r.
         Raises ``ValueError`` for a bad world size or a mesh shape that does not multiply to it."""
@@ -71,7 +71,7 @@ class LoopbackGroup:
                 handle.levels = (_LoopbackLevel(handle, [col + inner * i for i in range(outer)]),
                                  _LoopbackLevel(handle, [row * inner + i for i in range(inner)]))
 
-    def rank(self, r: int) -> "LoopbackRank":
+    def rank(self, r: int) -> LoopbackRank:
         """The handle of rank ``r``: pass it as ``group`` to :func:`cp_attention.ring_attention`."""
         return self._ranks[r]
 
@@ -122,7 +122,7 @@ class LoopbackGroup:
         one rank's ring backward could wait in a receive that another rank's backward, queued behind
         it on that thread, was to send; a deadlock until the timeout."""
         results: list[Any] = [None] * self.world_size
-        errors: list["BaseException | None"] = [None] * self.world_size
+        errors: list[BaseException | None] = [None] * self.world_size
         device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
         def body(r: int) -> None:
@@ -153,11 +153,11 @@ class LoopbackRank:
 
     def __init__(self, group: LoopbackGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
-        self.levels: "tuple[_LoopbackLevel, _LoopbackLevel] | None" = None
+        self.levels: tuple[_LoopbackLevel, _LoopbackLevel] | None = None
         self.sent_bytes = 0  # see Transport
 
     @property
-    def token(self) -> "LoopbackRank":
+    def token(self) -> LoopbackRank:
         # Per rank, not per group: the ranks share this process's caches, and each must keep its own
         # verdicts (a rank that saw another's verdict would skip an all-gather the others wait in).
         return self

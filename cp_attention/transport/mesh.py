@@ -70,7 +70,7 @@ def is_two_level(group: Any) -> bool:
     return True
 
 
-def mesh_levels(group: Any) -> "tuple[Any, Any] | None":
+def mesh_levels(group: Any) -> tuple[Any, Any] | None:
     """``(outer, inner)`` process groups of a two-level mesh (this rank's dim-0 and dim-1 groups), else None."""
     if not is_two_level(group):
         return None

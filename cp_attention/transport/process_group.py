@@ -114,7 +114,7 @@ class ProcessGroupTransport:
             self._token = group_token(pg)
         else:
             self._token = None
-        self.levels: "tuple[ProcessGroupTransport, ProcessGroupTransport] | None" = None
+        self.levels: tuple[ProcessGroupTransport, ProcessGroupTransport] | None = None
         self.sent_bytes = 0  # see Transport: what this rank sent, for the benchmarks' traffic figures
 
     @property
@@ -191,7 +191,7 @@ class ProcessGroupTransport:
         return tensor if on is tensor else tensor.copy_(on)
 
 
-_TOKENS: "weakref.WeakKeyDictionary[Any, object]" = weakref.WeakKeyDictionary()
+_TOKENS: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
 
 
 _TOKENS_LOCK = threading.Lock()

@@ -11,4 +11,5 @@ from .savers import checkpoint_activations, save_memory
 from .trainer import context_parallel_trainer
 
 __all__ = ["apply_context_parallel", "generate", "parallelize", "checkpoint_activations", "context_parallel_trainer",
-           "shard_batch", "model_inputs", "causal_lm_loss", "lm_loss", "save_memory", "gather_sequence", "ATTN_IMPLEMENTATION"]
+           "shard_batch", "model_inputs", "causal_lm_loss", "lm_loss", "save_memory", "gather_sequence",
+           "ATTN_IMPLEMENTATION"]

@@ -30,7 +30,7 @@ any attention argument it does not implement.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,12 +90,12 @@ _LOSS_ONLY = frozenset({"num_items_in_batch", "shift_labels", "ignore_index"})
 
 @eager_only
 def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: "Optional[RingMask]", dropout: float = 0.0,
-                            scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                            softcap: Optional[float] = None, position_ids: Optional[torch.Tensor] = None,
-                            is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
-                            cu_seq_lens_q: Optional[torch.Tensor] = None, cu_seq_lens_k: Optional[torch.Tensor] = None,
-                            max_length_q: Optional[int] = None, max_length_k: Optional[int] = None,
+                            attention_mask: RingMask | None, dropout: float = 0.0,
+                            scaling: float | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, position_ids: torch.Tensor | None = None,
+                            is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
+                            cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
+                            max_length_q: int | None = None, max_length_k: int | None = None,
                             **others: Any) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: q ``[B, H, n, D]``, k/v ``[B, Hkv, n, D]`` -> ``([B, n, H, Dv], None)``.
 
@@ -120,7 +120,7 @@ def _ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"context-parallel attention got argument(s) it does not implement: {', '.join(unknown)}; "
             "refusing rather than ignoring them (that would give a silently wrong result). "
             "Use the model without CP, or ask for support in cp_attention")
-    state: Optional[_CPState] = getattr(module, "_cp_attention", None)
+    state: _CPState | None = getattr(module, "_cp_attention", None)
     if state is None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} is set on a model that was not patched; "
                            "call cp_attention.integrations.huggingface.apply_context_parallel(model, group=...)")
@@ -195,13 +195,13 @@ def _eager_hook(hook):
 
 
 def _refuse_generate(*args, **kwargs):
-    raise NotImplementedError("model.generate() on a context-parallel model would run every rank's shard as a whole "
-                              "prompt; call cp_attention.integrations.huggingface.generate(model, input_ids, group=..., "
-                              "layout=..., attention_mask=..., **generate_kwargs), which shards the prompt and the KV "
-                              "cache and returns what model.generate returns without CP")
+    raise NotImplementedError("model.generate() on a context-parallel model would run every rank's shard as a "
+                              "whole prompt; call cp_attention.integrations.huggingface.generate(model, input_ids, "
+                              "group=..., layout=..., attention_mask=..., **generate_kwargs), which shards the prompt "
+                              "and the KV cache and returns what model.generate returns without CP")
 
 
-def apply_context_parallel(model: torch.nn.Module, group=None, layout: Union[str, cpa.Layout] = "zigzag",
+def apply_context_parallel(model: torch.nn.Module, group=None, layout: str | cpa.Layout = "zigzag",
                            kernel: str = "auto", cp_comm_type: str = "p2p") -> torch.nn.Module:
     """Patch ``model`` in place so its attention runs ring attention over ``group``; returns ``model``.
 
@@ -268,7 +268,7 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None)
     return (total + (local_sum - local_sum.detach())) / count
 
 
-def gather_sequence(x: torch.Tensor, group=None, layout: Union[str, cpa.Layout] = "zigzag",
+def gather_sequence(x: torch.Tensor, group=None, layout: str | cpa.Layout = "zigzag",
                     dim: int = 1, cu_seqlens=None) -> torch.Tensor:
     """All-gather every rank's shard of ``x`` along ``dim`` and unshard it (for evaluation; no gradient).
     For a packed or padded batch pass ``cu_seqlens=local["cu_seq_lens_q"]`` from :func:`.batch.shard_batch`."""

@@ -6,15 +6,19 @@ patched model takes from it. Re-exported by :mod:`cp_attention.integrations.hugg
 from __future__ import annotations
 
 import zlib
-from typing import Any, Mapping, Union
+from typing import Any, Mapping
 
 import torch
 
 import cp_attention as cpa
-from cp_attention.transport import group_rank_and_size
-from cp_attention.layouts.documents import (cu_seqlens_from_position_ids, document_position_ids, longest_document,
-                                            pad_cu_seqlens)
 from cp_attention.checks.verdicts import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
+from cp_attention.layouts.documents import (
+    cu_seqlens_from_position_ids,
+    document_position_ids,
+    longest_document,
+    pad_cu_seqlens,
+)
+from cp_attention.transport import group_rank_and_size
 
 from .checks import documents
 
@@ -23,7 +27,7 @@ __all__ = ["shard_batch", "model_inputs", "IGNORE_INDEX"]
 IGNORE_INDEX = -100  # the label cross-entropy ignores (padding, the last token of each document)
 
 
-def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: Union[str, cpa.Layout] = "zigzag"
+def shard_batch(batch: Mapping[str, torch.Tensor], group=None, layout: str | cpa.Layout = "zigzag"
                 ) -> dict[str, Any]:
     """This rank's share of a batch of full ``[batch, seq]`` tensors.
 
@@ -151,8 +155,9 @@ def _check_entries(batch: Mapping[str, Any], b: int, s: int) -> None:
     mask = batch.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (b, s):
-            raise ValueError(f"attention_mask must be a [batch, seq] padding mask of input_ids' shape {(b, s)} (1: real "
-                             f"token, 0: padding), got {_describe(mask)}; a 4-D mask cannot be sharded by rows of tokens")
+            raise ValueError(f"attention_mask must be a [batch, seq] padding mask of input_ids' shape {(b, s)} "
+                             f"(1: real token, 0: padding), got {_describe(mask)}; a 4-D mask cannot be sharded by "
+                             "rows of tokens")
         if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("attention_mask must hold 1 (real token) and 0 (padding) only, got other values; an "
                              "additive mask (0 and -inf) is not a padding mask")
@@ -162,7 +167,8 @@ def _check_entries(batch: Mapping[str, Any], b: int, s: int) -> None:
                 and (pos.dim() == 1 or pos.shape[0] in (1, b))):
             raise ValueError(f"position_ids must be [seq], [1, seq] or [batch, seq] for input_ids of shape {(b, s)}, "
                              f"got {_describe(pos)}")
-        if pos.is_complex() or pos.dtype == torch.bool or (pos.is_floating_point() and not torch.equal(pos, pos.round())):
+        if pos.is_complex() or pos.dtype == torch.bool or (pos.is_floating_point()
+                                                           and not torch.equal(pos, pos.round())):
             raise ValueError(f"position_ids must hold integers, got {pos.dtype} values that are not")
     for name in ("max_length_q", "max_length_k"):
         if batch.get(name) is not None and not _is_int(batch[name]):
@@ -177,7 +183,7 @@ def model_inputs(local: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
-                   ) -> "list[tuple[int, int, int, tuple[int, ...]]] | None":
+                   ) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
     """For a packed or padded batch, ``(row, start, stop, row_cu)`` per row: the real tokens
     ``start:stop`` of the row and their document boundaries (relative to ``start``). None if plain."""
     mask = batch.get("attention_mask")
@@ -201,7 +207,7 @@ def _document_rows(batch: Mapping[str, torch.Tensor], b: int, s: int
     if given is not None and restarting and not padded:
         return [(r, 0, s, cu_seqlens_from_position_ids(given.expand(b, s)[r])) for r in range(b)]
     if mask is not None and padded:
-        out: "list[tuple[int, int, int, tuple[int, ...]]]" = []
+        out: list[tuple[int, int, int, tuple[int, ...]]] = []
         for r in range(b):
             real = torch.nonzero(mask[r]).flatten()
             if real.numel() == 0:
@@ -249,7 +255,7 @@ def _shard_packed(batch: Mapping[str, torch.Tensor], rows, lay: cpa.Layout, rank
     ids = batch["input_ids"]
     b, s = ids.shape
     bounds = [0]
-    for _, start, _, row_cu in rows:
+    for _, _start, _, row_cu in rows:
         bounds += [bounds[-1] + c for c in row_cu[1:]]
     cu, pad = pad_cu_seqlens(bounds, lay.divisor(world_size))
 

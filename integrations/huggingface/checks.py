@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 import cp_attention as cpa
 from cp_attention.checks.agreement import AgreedScope
-from cp_attention.engine.plan import AttentionPlan
-from cp_attention.transport import transport_for
-from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids, longest_document
 from cp_attention.checks.verdicts import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
+from cp_attention.engine.plan import AttentionPlan
+from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple, document_position_ids, longest_document
+from cp_attention.transport import transport_for
 
 from .gen_state import active_generation
 
@@ -32,7 +32,7 @@ _KINDS = (ValueError, NotImplementedError)
 CACHE_ARGUMENTS = ("past_key_values", "cache")
 
 
-def documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
+def documents(cu_q, cu_k, max_q, max_k, total: int) -> tuple[int, ...] | None:
     """The packed-document boundaries from transformers' attention kwargs, checked; None if unpacked.
 
     Raises ``ValueError`` (or ``NotImplementedError`` for differing query and key boundaries).
@@ -58,14 +58,14 @@ def documents(cu_q, cu_k, max_q, max_k, total: int) -> "tuple[int, ...] | None":
 
 @functools.lru_cache(maxsize=16)
 def expected_positions(layout: cpa.Layout, total: int, rank: int, world_size: int,
-                       cu: "tuple[int, ...] | None") -> torch.Tensor:
+                       cu: tuple[int, ...] | None) -> torch.Tensor:
     """This rank's position ids under ``layout``: global positions, or positions within documents."""
     positions = layout.positions(total, rank, world_size, cu)
     return positions if cu is None else document_position_ids(positions, cu)
 
 
 def check_positions(position_ids: torch.Tensor, layout: cpa.Layout, total: int, rank: int, world_size: int,
-                    cu: "tuple[int, ...] | None") -> None:
+                    cu: tuple[int, ...] | None) -> None:
     """Raise ``ValueError`` unless ``position_ids`` are this rank's positions (see :func:`expected_positions`)."""
     expected = expected_positions(layout, total, rank, world_size, cu).to(position_ids.device)
     if position_ids.shape[-1] != expected.numel() or not torch.equal(position_ids, expected.expand_as(position_ids)):
@@ -83,10 +83,10 @@ class ForwardChecks:
 
     def __init__(self, group, layout: cpa.Layout, rank: int, world_size: int) -> None:
         self.group, self.layout, self.rank, self.world_size = group, layout, rank, world_size
-        self._positions: Optional[weakref.ref] = None
-        self._cu_q: Optional[weakref.ref] = None
-        self.cu: "tuple[int, ...] | None" = None
-        self.plan: Optional[AttentionPlan] = None  # this forward's, once its data is agreed
+        self._positions: weakref.ref | None = None
+        self._cu_q: weakref.ref | None = None
+        self.cu: tuple[int, ...] | None = None
+        self.plan: AttentionPlan | None = None  # this forward's, once its data is agreed
         self._agreed = AgreedScope()
         self.loss: Any = None  # the model's loss_function (.loss.CPModelLoss): checks a forward's labels
 
@@ -94,7 +94,7 @@ class ForwardChecks:
         """Whether ``position_ids`` is the tensor this forward's check accepted."""
         return self._positions is not None and self._positions() is position_ids
 
-    def plan_for(self, cu_q, causal: bool, window_size: "tuple[int, int]") -> Optional[AttentionPlan]:
+    def plan_for(self, cu_q, causal: bool, window_size: tuple[int, int]) -> AttentionPlan | None:
         """This forward's plan for a layer called with ``cu_q`` (the tensor the check accepted, or None
         for an unpacked forward), ``causal`` and ``window_size``; None outside a checked forward."""
         if self.plan is None:
@@ -102,13 +102,13 @@ class ForwardChecks:
         same = (cu_q is None and self.cu is None) or (cu_q is not None and self.accepted_documents(cu_q)[1])
         return self.plan.variant(causal, window_size) if same else None
 
-    def accepted_documents(self, cu_q) -> "tuple[tuple[int, ...] | None, bool]":
+    def accepted_documents(self, cu_q) -> tuple[tuple[int, ...] | None, bool]:
         """(the boundaries, True) if ``cu_q`` is the tensor this forward's check accepted, else (None, False)."""
         if cu_q is not None and self._cu_q is not None and self._cu_q() is cu_q:
             return self.cu, True
         return None, False
 
-    def _problem(self, kwargs: dict[str, Any], local: int, own_cache: Any) -> "tuple[int, str] | None":
+    def _problem(self, kwargs: dict[str, Any], local: int, own_cache: Any) -> tuple[int, str] | None:
         total = local * self.world_size
         try:
             for name in CACHE_ARGUMENTS:  # generate's own sharded cache (``own_cache``) already holds the prompt
@@ -145,7 +145,7 @@ class ForwardChecks:
         return None
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
-                 ) -> "tuple[tuple, dict[str, Any]] | None":
+                 ) -> tuple[tuple, dict[str, Any]] | None:
         """Forward pre-hook (``with_kwargs=True``). Raises the same ``ValueError`` or
         ``NotImplementedError`` on every rank if any rank's data is refused.
 
@@ -182,7 +182,8 @@ class ForwardChecks:
                             header)
             if len(set(headers)) > 1:
                 shapes = ", ".join(f"{show_shape(h[:SHAPE_DIMS + 1])} with "
-                                   f"{h[SHAPE_DIMS + 2] or 'no'} packed tokens on rank {r}" for r, h in enumerate(headers))
+                                   f"{h[SHAPE_DIMS + 2] or 'no'} packed tokens on rank {r}"
+                                   for r, h in enumerate(headers))
                 raise ValueError(f"the ranks hold inputs of different shapes or documents: {shapes}; every rank must "
                                  "hold its shard of the same batch: shard_batch(batch, group=..., layout=...) on "
                                  "every rank")

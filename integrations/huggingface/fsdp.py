@@ -18,15 +18,14 @@ optimizer state in CPU memory, the optimizer step on the CPU) change where memor
 from __future__ import annotations
 
 import struct
-from typing import Optional, Union
 
 import torch
 
 import cp_attention as cpa
+from cp_attention.checks.verdicts import agree
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import CP_DIM, is_device_mesh
 from cp_attention.versions import require_version
-from cp_attention.checks.verdicts import agree
 
 from .attention import apply_context_parallel
 from .savers import check_savers, save_memory
@@ -58,7 +57,7 @@ def _check_mesh(mesh) -> None:
                          f"init_device_mesh(device_type, ({world // max(cp, 1)}, {cp}), mesh_dim_names=('dp', 'cp'))")
 
 
-def _wrapped(model: torch.nn.Module) -> Optional[str]:
+def _wrapped(model: torch.nn.Module) -> str | None:
     """The data-parallel wrapper already on ``model`` (or on one of its modules), if any."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
@@ -92,9 +91,9 @@ def fsdp_mesh(mesh):
     return mesh._flatten("_".join(mesh.mesh_dim_names))
 
 
-def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "zigzag",
-                activation_checkpointing: Union[bool, str] = False, mp_policy=None, kernel: str = "auto",
-                reshard_after_forward: bool = True, cp_comm_type: str = "p2p", mlp_chunks: Optional[int] = None,
+def parallelize(model: torch.nn.Module, mesh, layout: str | cpa.Layout = "zigzag",
+                activation_checkpointing: bool | str = False, mp_policy=None, kernel: str = "auto",
+                reshard_after_forward: bool = True, cp_comm_type: str = "p2p", mlp_chunks: int | None = None,
                 offload_optimizer: bool = False) -> torch.nn.Module:
     """Context parallelism over ``mesh["cp"]`` and FSDP2 over all of ``mesh`` (dp x cp); returns ``model``.
 
@@ -113,10 +112,11 @@ def parallelize(model: torch.nn.Module, mesh, layout: Union[str, cpa.Layout] = "
     :func:`.savers.save_memory`); ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy``: the sharded
     parameters, gradients and optimizer state live in CPU memory (pinned when CUDA is available),
     parameters are copied to the device for each all-gather, and the optimizer steps on the CPU: build
-    the optimizer after this call (meta weights initialised after it: ``to_empty(device="cpu")``). ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16
-    compute, fp32 gradient reduction). ``kernel`` as in ``ring_attention``. ``reshard_after_forward``
-    as in ``fully_shard`` for the decoder layers. ``cp_comm_type`` as in ``apply_context_parallel``, but
-    ``"a2a+p2p"``, which needs a CP dim of two levels (a (dp, cp) mesh's is one).
+    the optimizer after this call (meta weights initialised after it: ``to_empty(device="cpu")``).
+    ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16 compute, fp32 gradient reduction). ``kernel``
+    as in ``ring_attention``. ``reshard_after_forward`` as in ``fully_shard`` for the decoder layers.
+    ``cp_comm_type`` as in ``apply_context_parallel``, but ``"a2a+p2p"``, which needs a CP dim of two levels
+    (a (dp, cp) mesh's is one).
 
     Raises, before any communication: ``RuntimeError`` for a transformers older than
     ``cp_attention.versions.FLOORS``; ``TypeError`` if ``mesh`` is no DeviceMesh; ``ValueError`` for a

@@ -16,9 +16,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import types
-from typing import Any, Mapping, Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -61,7 +59,7 @@ def effective_config(model: Any, generate_kwargs: Mapping[str, Any]) -> tuple[Ge
     return model._prepare_generation_config(generate_kwargs.get("generation_config"), **options)
 
 
-def refused_option(config: GenerationConfig, assistant_model: Any) -> Optional[str]:
+def refused_option(config: GenerationConfig, assistant_model: Any) -> str | None:
     """Why the merged ``config`` asks for what context-parallel generate cannot do, or None."""
     if config.use_cache is False:
         return (f"use_cache=False {_WHERE}: context-parallel generation decodes from its sharded KV cache; "

@@ -20,7 +20,7 @@ all-reduce stays on the device.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode, _push_mode
@@ -39,7 +39,7 @@ class _SharedDraws(TorchFunctionMode):
         self.paused = False
         self._scratch: dict[torch.device, torch.Generator] = {}
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
                            ) -> Any:
         kwargs = kwargs or {}
         if func not in _DRAWS:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 __all__ = ["active_generation", "decoding", "running"]
 
@@ -23,7 +23,7 @@ def running(generation: Any) -> Iterator[None]:
         _LOCAL.generation = previous
 
 
-def active_generation(state: Any) -> Optional[Any]:
+def active_generation(state: Any) -> Any | None:
     """The generation this thread runs on the model whose CP state is ``state``, if any."""
     gen = getattr(_LOCAL, "generation", None)
     return gen if gen is not None and gen.state is state else None

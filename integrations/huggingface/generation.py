@@ -22,19 +22,25 @@ of a generation is per thread (a loopback rank is a thread): :mod:`.gen_state`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
 import cp_attention as cpa
+from cp_attention.checks.verdicts import agree
 from cp_attention.engine.decode import decode_attention
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_position_ids, pad_cu_seqlens
 from cp_attention.transport import group_rank_and_size, transport_for
 from cp_attention.transport.process_group import group_token
-from cp_attention.checks.verdicts import agree
 
-from .gen_args import GENERATE_PARAMETERS, differing_arguments, digest, effective_config, named_fingerprints
-from .gen_args import refused_option
+from .gen_args import (
+    GENERATE_PARAMETERS,
+    differing_arguments,
+    digest,
+    effective_config,
+    named_fingerprints,
+    refused_option,
+)
 from .gen_draws import shared_draws
 from .gen_state import running
 
@@ -65,7 +71,7 @@ class Generation:
         self.transport = transport_for(state.group)
         self.prefilled = False
         self.step = -1  # decoding steps so far (the first is 0)
-        self._logit_rows: Optional[torch.Tensor] = None
+        self._logit_rows: torch.Tensor | None = None
         self.batch = 0
 
     def keeps_new_token(self) -> bool:
@@ -129,8 +135,8 @@ class Generation:
         return output
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               window: Optional[int], scaling: Optional[float], softcap: Optional[float],
-               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, None]:
+               window: int | None, scaling: float | None, softcap: float | None,
+               sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         """A decoding step's attention: ``query [B, H, 1, D]`` against every rank's share of this layer's
         cache (``key``/``value``: this rank's, the new token included if it keeps it) -> ``[B, 1, H, Dv]``."""
         if query.shape[2] != 1:
@@ -144,7 +150,7 @@ class Generation:
 
 
 def _problem(model: Any, state: Any, group: Any, layout: Any, input_ids: Any, attention_mask: Any,
-             kwargs: dict[str, Any]) -> "tuple[tuple[int, str] | None, dict[str, tuple[int, str]]]":
+             kwargs: dict[str, Any]) -> tuple[tuple[int, str] | None, dict[str, tuple[int, str]]]:
     """This rank's refusal of the call (an index into ``_KINDS`` and a message), or None and every argument's
     fingerprint (:func:`~.gen_args.named_fingerprints`)."""
     try:
@@ -183,7 +189,7 @@ def _problem(model: Any, state: Any, group: Any, layout: Any, input_ids: Any, at
         return (0, f"generate could not fingerprint its arguments to agree them across ranks: {e!r}"), {}
 
 
-def _left_padding_problem(mask: torch.Tensor) -> Optional[str]:
+def _left_padding_problem(mask: torch.Tensor) -> str | None:
     """Why ``mask [B, S]`` is not left padding (each row zeros, then at least one 1), or None."""
     ones = mask.to(torch.long)
     if not bool(((ones == 0) | (ones == 1)).all()) or bool((ones[:, 1:] < ones[:, :-1]).any()) \
@@ -193,8 +199,8 @@ def _left_padding_problem(mask: torch.Tensor) -> Optional[str]:
     return None
 
 
-def generate(model: torch.nn.Module, input_ids: torch.Tensor, group=None, layout: "str | cpa.Layout" = "zigzag",
-             attention_mask: Optional[torch.Tensor] = None, **generate_kwargs: Any) -> Any:
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, group=None, layout: str | cpa.Layout = "zigzag",
+             attention_mask: torch.Tensor | None = None, **generate_kwargs: Any) -> Any:
     """What ``model.generate(input_ids, attention_mask=..., **generate_kwargs)`` returns in one process
     without CP, on every rank alike, for a model patched by ``apply_context_parallel(model, group, layout)``.
 

@@ -28,10 +28,10 @@ class ShardedLayer(DynamicLayer):
     def __init__(self, owner: Callable[[], bool]) -> None:
         super().__init__()
         self.owner = owner
-        self.positions: "torch.Tensor | None" = None  # [B, L] long: each key's index in its row, -1 empty
+        self.positions: torch.Tensor | None = None  # [B, L] long: each key's index in its row, -1 empty
         self.length = 0  # the global sequence length cached so far (every rank alike)
         self.query_position = -1  # the index of the token of the current decoding step
-        self.prefill_map: "tuple[torch.Tensor, torch.Tensor] | None" = None
+        self.prefill_map: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def start(self, rows_index: torch.Tensor, positions: torch.Tensor, length: int) -> None:
         """Prepare the prefill: ``rows_index [B, L]`` picks each row's local tokens out of this rank's shard
@@ -66,14 +66,14 @@ class ShardedLayer(DynamicLayer):
             self.positions = torch.cat([positions, new], dim=1)
         return keys, values
 
-    def _held(self) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This share's keys, values and positions, which the prefill sets; ``RuntimeError`` before it."""
         if self.keys is None or self.values is None or self.positions is None:
             raise RuntimeError("the sharded KV cache holds nothing before its sharded prefill: decode through "
                                "cp_attention's generate(), which runs the prefill first")
         return self.keys, self.values, self.positions
 
-    def visible(self, left: "int | None") -> torch.Tensor:
+    def visible(self, left: int | None) -> torch.Tensor:
         """``[B, L]``: which held keys the current query sees (its row's, at most ``left`` tokens back)."""
         positions = self._held()[2]
         seen = positions >= 0
@@ -84,7 +84,7 @@ class ShardedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_mask_sizes(self, query_length: "int | torch.Tensor") -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         """(kv length, kv offset) for ``query_length`` queries; transformers before 5.4 passes the queries'
         ``cache_position`` (``[q_length]``) instead, whose length is read (its shape: no host sync)."""
         if isinstance(query_length, torch.Tensor):

@@ -24,7 +24,7 @@ refusal is raised on every rank alike.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +122,7 @@ class _Transform:
             return z * self.const
         return z
 
-    def backward(self, z: Optional[torch.Tensor], grad: torch.Tensor) -> torch.Tensor:
+    def backward(self, z: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
         """The gradient at the head's output ``z`` (read by the softcap only) from ``grad`` at the
         transform's (in place)."""
         if self.kind == "final_logit_softcapping":  # MulBackward, TanhBackward (1 - tanh**2), DivBackward
@@ -149,7 +149,7 @@ def _wide(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _wide_logits(h: torch.Tensor, params: Sequence[torch.Tensor], transform: _Transform, keep: bool = False
-                 ) -> "tuple[Optional[torch.Tensor], torch.Tensor, torch.dtype]":
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.dtype]:
     """One chunk's logits as :func:`.attention.causal_lm_loss` reads them, at least fp32 (bf16/fp16 upcast,
     fp32/fp64 kept), in a tensor of their own to work on in place; with the head's output ``z`` if ``keep``
     and the transform's backward reads it (else None, freed), and ``z``'s dtype."""
@@ -200,7 +200,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, labels: torch.Tensor, chunk: int, transform: _Transform,
-                kept: Optional[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:
+                kept: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
         device = hidden.device.type
         # The backward recomputes under the forward's autocast state, so its logits are the forward's.
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -220,7 +220,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         want_h = ctx.needs_input_grad[0]
         want = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
         grad_hidden = torch.empty_like(hidden) if want_h else None
-        acc: list[Optional[torch.Tensor]] = [None] * len(params)
+        acc: list[torch.Tensor | None] = [None] * len(params)
         device, enabled, dtype = ctx.autocast
         weight = None  # the weight the linear multiplied by (autocast casts it), made once
         if want_h or any(want):
@@ -348,7 +348,7 @@ def _run_model(model: torch.nn.Module, decoder: torch.nn.Module, local: Mapping[
 
 
 def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tokens: int = 1024,
-            num_items_in_batch: "torch.Tensor | int | None" = None) -> torch.Tensor:
+            num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """``causal_lm_loss(model(**model_inputs(local)).logits, local["shift_labels"], group=group)`` without
     the full logits: the LM head and cross-entropy run over chunks of at most ``chunk_tokens`` of the
     ``batch * local_seq`` tokens, in forward and (recomputed) in backward.
@@ -415,7 +415,7 @@ def lm_loss(model: torch.nn.Module, local: dict[str, Any], group=None, chunk_tok
             "its forward does something to the logits lm_loss does not: compute the loss with "
             "causal_lm_loss(model(**model_inputs(local)).logits, ...) and report it to cp_attention")
     total = stats[0].to(local_sum.dtype)
-    denominator: "torch.Tensor | float"
+    denominator: torch.Tensor | float
     if num_items_in_batch is None:
         denominator = stats[1].clamp_min(1).to(local_sum.dtype)
     elif isinstance(num_items_in_batch, torch.Tensor):

@@ -30,7 +30,7 @@ Trainer's ``num_items_in_batch`` instead).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -80,8 +80,8 @@ def _causal_lm_base() -> Callable:
 class CPModelLoss:
     """A patched model's ``loss_function`` (see the module docstring); ``check`` is its forward pre-hook's."""
 
-    def __init__(self, base: Callable, group: Any, cp_loss: Callable, refusal: Optional[str],
-                 uncounted_refusal: Optional[str]) -> None:
+    def __init__(self, base: Callable, group: Any, cp_loss: Callable, refusal: str | None,
+                 uncounted_refusal: str | None) -> None:
         self.base, self.group, self.cp_loss = base, group, cp_loss
         self.refusal = refusal  # whenever labels are given
         self.uncounted_refusal = uncounted_refusal  # when they are given without num_items_in_batch
@@ -107,8 +107,8 @@ class CPModelLoss:
             raise NotImplementedError(self.uncounted_refusal)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                 num_items_in_batch: "torch.Tensor | int | None" = None, ignore_index: int = _IGNORE_INDEX,
-                 shift_labels: Optional[torch.Tensor] = None, **forward_kwargs: Any) -> torch.Tensor:
+                 num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = _IGNORE_INDEX,
+                 shift_labels: torch.Tensor | None = None, **forward_kwargs: Any) -> torch.Tensor:
         """The loss the model's forward asks for with ``labels`` (transformers hands it the forward's own
         kwargs too, the attention's among them: ``ForCausalLMLoss`` ignores them, and so does this)."""
         if shift_labels is None or self.refusal is not None or (self.uncounted_refusal is not None
@@ -124,7 +124,7 @@ class CPModelLoss:
 def model_loss(model: torch.nn.Module, group_arg: Any, group: Any, cp_loss: Callable) -> CPModelLoss:
     """The :class:`CPModelLoss` for ``model`` patched over ``group`` (``group_arg``: what the caller passed,
     perhaps a mesh), computing the CP loss with ``cp_loss`` (:func:`causal_lm_loss`)."""
-    base: Optional[Callable] = getattr(model, "loss_function", None)  # transformers' loss of the model's class
+    base: Callable | None = getattr(model, "loss_function", None)  # transformers' loss of the model's class
     base = base.base if isinstance(base, CPModelLoss) else base  # patched again: wrap the model's own
     refusal = uncounted_refusal = None
     if base is not None and base is not _causal_lm_base():

@@ -6,7 +6,7 @@ causal masks, windows and document boundaries itself, and refuses what it cannot
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -22,10 +22,10 @@ class RingMask:
     sliding window (transformers' size W: keys ``i - W < j <= i``) or None."""
 
     causal: bool
-    window: Optional[int]
+    window: int | None
 
 
-def layer_window(mask, sliding_window: Optional[int], causal: bool) -> Optional[int]:
+def layer_window(mask, sliding_window: int | None, causal: bool) -> int | None:
     """The layer's sliding window (transformers' size), from its ``sliding_window`` argument and the
     mask its model built for it (a :class:`RingMask`, or None for the plain causal mask); None if none.
 
@@ -65,10 +65,10 @@ _MASK_OPTIONS = frozenset({"allow_is_causal_skip", "dtype", "device", "mask_func
 _ABSENT = object()
 
 
-def ring_mask(batch_size: int, q_length: Optional[int] = None, kv_length: Any = None, q_offset: Any = 0,
-              kv_offset: Any = 0, attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
+def ring_mask(batch_size: int, q_length: int | None = None, kv_length: Any = None, q_offset: Any = 0,
+              kv_offset: Any = 0, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
               allow_is_bidirectional_skip: Any = _ABSENT, config: Any = None, use_vmap: bool = False,
-              cache_position: Optional[torch.Tensor] = None, **options: Any) -> Optional[RingMask]:
+              cache_position: torch.Tensor | None = None, **options: Any) -> RingMask | None:
     """``AttentionMaskInterface`` entry: the ring applies its masks itself, so no mask is built.
 
     transformers >= 5.4 describes the queries as ``q_length``/``q_offset``, 5.0-5.3 as ``cache_position``

@@ -16,7 +16,7 @@ Three savers, for the activations that grow with the sequence (see ``cp_attentio
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Optional, Union, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -71,7 +71,7 @@ def _recorded_classes(model: torch.nn.Module) -> dict[type, str]:
     return found
 
 
-def _mlp_problem(layer: torch.nn.Module, recorded: dict[type, str]) -> Optional[str]:
+def _mlp_problem(layer: torch.nn.Module, recorded: dict[type, str]) -> str | None:
     """Why ``layer``'s MLP cannot run over sequence chunks exactly, or None."""
     name = type(layer).__name__
     mlp = getattr(layer, "mlp", None)
@@ -97,7 +97,7 @@ def _tiled_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.
                        name=f"{type(self).__name__}.forward")
 
 
-def _set_chunks(mlp: torch.nn.Module, chunks: Optional[int]) -> None:
+def _set_chunks(mlp: torch.nn.Module, chunks: int | None) -> None:
     tiled = _CHUNKS in mlp.__dict__
     if chunks is None:
         if tiled:
@@ -112,8 +112,8 @@ def _set_chunks(mlp: torch.nn.Module, chunks: Optional[int]) -> None:
     mlp.__dict__[_CHUNKS] = chunks
 
 
-def check_savers(checkpoint: Union[bool, str], mlp_chunks: Optional[int],
-                 names: "tuple[str, str]" = ("checkpoint", "mlp_chunks")) -> None:
+def check_savers(checkpoint: bool | str, mlp_chunks: int | None,
+                 names: tuple[str, str] = ("checkpoint", "mlp_chunks")) -> None:
     """Refuse memory-saver values :func:`save_memory` cannot take: ``checkpoint`` must be True, False or
     ``"offload"``, ``mlp_chunks`` None or an int >= 1. ``names``: how the caller calls the two (an
     argument, a config key). Raises ``ValueError`` naming the argument (pure: alike on every rank)."""
@@ -125,8 +125,8 @@ def check_savers(checkpoint: Union[bool, str], mlp_chunks: Optional[int],
                          "int >= 1, the sequence chunks each decoder layer's MLP runs over (e.g. 4)")
 
 
-def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
-                mlp_chunks: Optional[int] = None) -> torch.nn.Module:
+def save_memory(model: torch.nn.Module, checkpoint: bool | str = True,
+                mlp_chunks: int | None = None) -> torch.nn.Module:
     """Put memory savers on a HuggingFace causal LM (before or after ``apply_context_parallel``, before
     FSDP2 or DDP wraps it); returns ``model``. Exact: the loss and the gradients are those without savers
     (up to floating-point reordering in the tiled MLP's matmuls).
@@ -176,7 +176,7 @@ def save_memory(model: torch.nn.Module, checkpoint: Union[bool, str] = True,
     return model
 
 
-def _fp32_weight(cls: "type[torch.nn.Module]") -> bool:
+def _fp32_weight(cls: type[torch.nn.Module]) -> bool:
     """Whether a norm class casts its weight to fp32 in forward (Gemma's ``1 + self.weight.float()``): its
     weight's gradient is then an fp32 sum over the tokens, which chunks would round differently (1e-7
     relative even in an fp64 model), so such a norm stays whole."""

@@ -39,22 +39,28 @@ override points (``get_batch_samples``, ``get_*_dataloader``, ``compute_loss``, 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 import cp_attention as cpa
+from cp_attention import versions
 from cp_attention.kernels import check_kernel_name
 from cp_attention.transport import transport_for
-from cp_attention import versions
 
 from .attention import apply_context_parallel, gather_sequence
 from .batch import model_inputs, shard_batch
 from .lm_loss import head_kind, lm_loss
 from .loss import trainer_label_count
 from .savers import check_savers, save_memory
-from .trainer_eval import (EvalSteps, fill_eval_loader, gather_real_rows, refuse_rows_not_examples, unpack_logits,
-                           world_gathers)
+from .trainer_eval import (
+    EvalSteps,
+    fill_eval_loader,
+    gather_real_rows,
+    refuse_rows_not_examples,
+    unpack_logits,
+    world_gathers,
+)
 
 __all__ = ["context_parallel_trainer"]
 
@@ -168,12 +174,12 @@ class _ContextParallelMixin(_TrainerBase):
 
     _metrics: dict[str, dict[str, list]]  # TRL's SFTTrainer's (compute_loss writes it only under TRL)
 
-    def __init__(self, *args: Any, cp_size: int = 1, cp_layout: Union[str, cpa.Layout] = "zigzag",
-                 cp_kernel: str = "auto", cp_comm_type: str = "p2p", cp_loss_chunk_tokens: Optional[int] = 1024,
-                 cp_activation_checkpointing: Union[bool, str] = False, cp_mlp_chunks: Optional[int] = None,
+    def __init__(self, *args: Any, cp_size: int = 1, cp_layout: str | cpa.Layout = "zigzag",
+                 cp_kernel: str = "auto", cp_comm_type: str = "p2p", cp_loss_chunk_tokens: int | None = 1024,
+                 cp_activation_checkpointing: bool | str = False, cp_mlp_chunks: int | None = None,
                  **kwargs: Any) -> None:
         self.cp_layout, self.cp_size, self._cp_group, self._cp_mesh = cpa.get_layout(cp_layout), cp_size, None, None
-        self._cp_eval: Optional[EvalSteps] = None  # the evaluation loop's steps, while one runs
+        self._cp_eval: EvalSteps | None = None  # the evaluation loop's steps, while one runs
         check_kernel_name(cp_kernel)
         if cpa.check_comm_type_name(cp_comm_type) == "a2a+p2p":
             raise NotImplementedError("the CP Trainer's CP group is one level (a (dp, cp) mesh's cp dim); "
@@ -339,7 +345,7 @@ class _ContextParallelMixin(_TrainerBase):
         return trl is not None and versions.parse_version(trl) < (1, 15)
 
     # ---------------------------------------------------------------------------- evaluation
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: Optional[list[str]] = None):
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
         """The step's loss over every dp group's real examples (the same on every rank: one process's
         loss on the same global batch), from ``compute_loss`` given the step's label tokens (in chunks
         when only the loss is asked for); and the logits gathered and unpacked to the batch's
@@ -389,8 +395,8 @@ class _ContextParallelMixin(_TrainerBase):
                                cu_seqlens=local.get("cu_seq_lens_q"))
         return loss, unpack_logits(full, inputs), inputs.get("labels")
 
-    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: Optional[bool] = None,
-                        ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"):
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         """The Trainer's loop, its gathers keeping the real examples of each step once (see
         :func:`gather_real_rows`)."""
         if self._cp_group is None:
@@ -411,7 +417,7 @@ class _ContextParallelMixin(_TrainerBase):
             self.gather_function, self._cp_eval = saved, None
 
 
-def _stop_if_refused(refused: Optional[Exception], refusals: int) -> None:
+def _stop_if_refused(refused: Exception | None, refusals: int) -> None:
     """Raise this rank's refusal, or stop because another dp group's batch was refused (``refusals``: the
     ranks that refused, summed over the world): no rank goes on into a collective the others left."""
     if refused is not None:

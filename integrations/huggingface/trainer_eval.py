@@ -11,7 +11,7 @@ is all real or all filler, whatever the collator, and every rank still takes eve
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
@@ -63,12 +63,12 @@ def fill_eval_loader(loader, dp: int):
 class EvalSteps:
     """The real examples of each dp rank in the current step of one evaluation loop."""
 
-    def __init__(self, batches: Optional[EvalBatches], dp: int) -> None:
+    def __init__(self, batches: EvalBatches | None, dp: int) -> None:
         self.batches, self.dp, self.step = batches, dp, 0
-        self.current: Optional[list[int]] = None  # None: every row is real
+        self.current: list[int] | None = None  # None: every row is real
 
     @classmethod
-    def of(cls, dataloader, dp: int, drop_last: bool) -> "EvalSteps":
+    def of(cls, dataloader, dp: int, drop_last: bool) -> EvalSteps:
         """The steps of ``dataloader``; raises ``NotImplementedError`` for a loader whose last batch
         accelerate fills with repeated examples that cannot be told apart (iterable datasets, split
         batches, a loader not made by the Trainer's get_eval/test_dataloader) unless it drops it."""
@@ -84,7 +84,7 @@ class EvalSteps:
             "split_batches=True, or a loader not made by get_eval_dataloader/get_test_dataloader); use a "
             "map-style dataset, or set dataloader_drop_last=True")
 
-    def advance(self) -> Optional[list[int]]:
+    def advance(self) -> list[int] | None:
         """Move to the next step; its real examples per dp rank (None: all rows real)."""
         if self.batches is not None:
             self.current = self.batches.sizes[self.step * self.dp:(self.step + 1) * self.dp]

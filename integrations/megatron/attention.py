@@ -42,11 +42,11 @@ token's position within its document (see ``.rope``). Padding between documents
 
 Features the ring cannot honour exactly are refused with an error that names them: attention bias,
 attention dropout, masks other than the causal or empty one, ``cp_comm_type="a2a+p2p"`` without
-hierarchical CP groups, an all-to-all that cannot split the heads, YaRN/mRoPE, multi-token prediction under a non-zigzag layout, and for packed
-sequences: ``qkv_format`` other than ``"thd"``, ``cu_seqlens_kv`` (or its padded form) different
-from ``cu_seqlens_q``'s (cross-document attention), an ``attention_mask`` alongside them, a dynamic
-CP group (``packed_seq_params.cp_group``/``local_cp_size`` other than the model's), multi-latent
-attention and multi-token prediction.
+hierarchical CP groups, an all-to-all that cannot split the heads, YaRN/mRoPE, multi-token prediction
+under a non-zigzag layout, and for packed sequences: ``qkv_format`` other than ``"thd"``, ``cu_seqlens_kv``
+(or its padded form) different from ``cu_seqlens_q``'s (cross-document attention), an ``attention_mask``
+alongside them, a dynamic CP group (``packed_seq_params.cp_group``/``local_cp_size`` other than the
+model's), multi-latent attention and multi-token prediction.
 """
 
 from __future__ import annotations
@@ -54,15 +54,15 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Sequence
 
 import torch
 
 import cp_attention as cpa
 from cp_attention._extras import require_extra
-from cp_attention.transport import group_rank_and_size
 from cp_attention.kernels import check_kernel_name
 from cp_attention.schedules import check_window_size
+from cp_attention.transport import group_rank_and_size
 
 require_extra("megatron", ("megatron.core",), "cp_attention.integrations.megatron")
 
@@ -84,10 +84,10 @@ except ImportError:  # pragma: no cover - a megatron-core without it
     def _rope_mscale(config) -> float:
         return 1.0
 
-from .batch import DEFAULT_LAYOUT, get_batch_on_this_cp_rank  # noqa: E402
+from .batch import DEFAULT_LAYOUT  # noqa: E402
 from .checks import ForwardChecks, check_layer_call, install_forward_checks  # noqa: E402
 from .groups import check_heads, layer_comm_type, resolve_cp_group, ring_group, spec_comm_types  # noqa: E402
-from .packed import group_ranks, packed_documents  # noqa: E402
+from .packed import group_ranks  # noqa: E402
 from .rope import LayoutRotaryEmbedding  # noqa: E402
 from .spec import replace_core_attention  # noqa: E402
 
@@ -141,9 +141,9 @@ class RingDotProductAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, layout: Union[str, cpa.Layout, None] = None,
-                 kernel: str = "auto", spec_cp_comm_type: "str | tuple[str, ...] | None" = None) -> None:
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, layout: str | cpa.Layout | None = None,
+                 kernel: str = "auto", spec_cp_comm_type: str | tuple[str, ...] | None = None) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
@@ -173,10 +173,10 @@ class RingDotProductAttention(MegatronModule):
         self.global_positions_ready = self.cp_size == 1
         # Set by apply_context_parallel to the model's LayoutRotaryEmbedding.packed_rows: RoPE rows of
         # this rank's packed tokens (a plain attribute, not a submodule). None: no RoPE to apply.
-        self.packed_rotary: Optional[Callable[[tuple[int, ...]], torch.Tensor]] = None
-        self.packed_rotary_problem: Optional[str] = None
+        self.packed_rotary: Callable[[tuple[int, ...]], torch.Tensor] | None = None
+        self.packed_rotary_problem: str | None = None
         # Set by apply_context_parallel to the model's once-per-forward data checks (a plain attribute).
-        self.forward_checks: Optional[ForwardChecks] = None
+        self.forward_checks: ForwardChecks | None = None
 
     def _init_softmax_offset(self, config) -> None:
         """Attention sinks as megatron's ``softmax_type``: ``softmax_offset`` is one logit per local
@@ -213,9 +213,9 @@ class RingDotProductAttention(MegatronModule):
                                   "AttnMaskType.causal or AttnMaskType.no_mask")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type=None,
-                attention_bias: Optional[torch.Tensor] = None,
-                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, attn_mask_type=None,
+                attention_bias: torch.Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         """``query [s, b, h, d]``, ``key``/``value [s, b, h_kv, d(_v)]`` -> ``[s, b, h * d_v]``; with THD
         ``packed_seq_params``, ``[t, h, d]`` -> ``[t, h * d_v]`` (``[t, 1, h, d]`` -> ``[t, 1, h * d_v]``)."""
         if attention_bias is not None:
@@ -238,16 +238,17 @@ class RingDotProductAttention(MegatronModule):
         out = self._ring(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), None, causal)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
-    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[tuple[int, ...]],
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: tuple[int, ...] | None,
               causal: bool) -> torch.Tensor:
         """The ring on bshd tensors: with the forward's plan when its check accepted this call."""
         common: dict[str, Any] = dict(softmax_scale=self.softmax_scale, kernel=self.kernel,
                                       sinks=self.softmax_offset, cp_comm_type=self.cp_comm_type)
-        plan = None if self.forward_checks is None else self.forward_checks.plan_for(documents, causal, self.window_size)
+        plan = (None if self.forward_checks is None
+                else self.forward_checks.plan_for(documents, causal, self.window_size))
         if plan is not None:
             return cpa.ring_attention(q, k, v, plan=plan, **common)
-        return cpa.ring_attention(q, k, v, group=self.ring_group, layout=self.layout, causal=causal, cu_seqlens=documents,
-                                  window_size=self.window_size, **common)
+        return cpa.ring_attention(q, k, v, group=self.ring_group, layout=self.layout, causal=causal,
+                                  cu_seqlens=documents, window_size=self.window_size, **common)
 
     def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         documents: tuple[int, ...], causal: bool) -> torch.Tensor:
@@ -266,8 +267,8 @@ class RingDotProductAttention(MegatronModule):
         return out[:, None] if four_d else out
 
 
-def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto",
-                        cp_comm_type: "str | Sequence[str] | None" = None) -> type:
+def ring_core_attention(layout: str | None = None, kernel: str = "auto",
+                        cp_comm_type: str | Sequence[str] | None = None) -> type:
     """A ``core_attention`` class for a layer spec: :class:`RingDotProductAttention` bound to ``layout``.
 
     ``layout=None`` defers to ``config.cp_layout`` (else zigzag) when the model is built.
@@ -280,8 +281,8 @@ def ring_core_attention(layout: Optional[str] = None, kernel: str = "auto",
                        spec_comm_types(cp_comm_type))
 
 
-@functools.lru_cache(maxsize=None)
-def _ring_class(layout: Optional[str], kernel: str, cp_comm_type: "str | tuple[str, ...] | None" = None) -> type:
+@functools.cache
+def _ring_class(layout: str | None, kernel: str, cp_comm_type: str | tuple[str, ...] | None = None) -> type:
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("layout", layout)
         kwargs.setdefault("kernel", kernel)
@@ -292,8 +293,8 @@ def _ring_class(layout: Optional[str], kernel: str, cp_comm_type: "str | tuple[s
     return type("RingDotProductAttention", (RingDotProductAttention,), {"__init__": __init__})
 
 
-def use_ring_attention(spec: Any, layout: Optional[str] = None, kernel: str = "auto",
-                       cp_comm_type: "str | Sequence[str] | None" = None) -> Any:
+def use_ring_attention(spec: Any, layout: str | None = None, kernel: str = "auto",
+                       cp_comm_type: str | Sequence[str] | None = None) -> Any:
     """A copy of a megatron layer or block spec with ring attention in every ``core_attention`` slot
     (``cp_comm_type`` as in :func:`ring_core_attention`).
 
@@ -306,8 +307,8 @@ def use_ring_attention(spec: Any, layout: Optional[str] = None, kernel: str = "a
     return spec
 
 
-def get_gpt_layer_ring_spec(layout: Optional[str] = None, backend: str = "local", kernel: str = "auto",
-                            cp_comm_type: "str | Sequence[str] | None" = None, **spec_kwargs) -> Any:
+def get_gpt_layer_ring_spec(layout: str | None = None, backend: str = "local", kernel: str = "auto",
+                            cp_comm_type: str | Sequence[str] | None = None, **spec_kwargs) -> Any:
     """megatron's GPT layer spec with :class:`RingDotProductAttention` as core attention (``cp_comm_type``
     as in :func:`ring_core_attention`: one per layer is how to choose per layer with megatron-core
     0.16, whose own list-valued ``config.cp_comm_type`` indexes the list with the 1-based layer number).

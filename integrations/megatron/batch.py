@@ -3,15 +3,15 @@ packed ones (documents of any length, sharded by our layouts, not TransformerEng
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 import cp_attention as cpa
-from cp_attention.transport import group_rank_and_size
 from cp_attention.layouts.documents import cu_seqlens_tuple, document_position_ids
+from cp_attention.transport import group_rank_and_size
 
 from .checks import agreed
 from .packed import packed_documents
@@ -99,8 +99,8 @@ def _shard_packed_batch(batch: Mapping[str, Any], lay: cpa.Layout, rank: int, wo
     return out
 
 
-def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.Layout] = DEFAULT_LAYOUT,
-                              cp_group=None, packed_seq_params: Optional[PackedSeqParams] = None
+def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: str | cpa.Layout = DEFAULT_LAYOUT,
+                              cp_group=None, packed_seq_params: PackedSeqParams | None = None
                               ) -> dict[str, Any]:
     """This CP rank's share of a megatron batch dict, for any layout.
 
@@ -142,8 +142,8 @@ def get_batch_on_this_cp_rank(batch: Mapping[str, Any], layout: Union[str, cpa.L
                   lambda out: (), 0)[0]
 
 
-def _shard_batch(batch: Mapping[str, Any], layout: Union[str, cpa.Layout], rank: int, world_size: int,
-                 packed_seq_params: Optional[PackedSeqParams]) -> dict[str, Any]:
+def _shard_batch(batch: Mapping[str, Any], layout: str | cpa.Layout, rank: int, world_size: int,
+                 packed_seq_params: PackedSeqParams | None) -> dict[str, Any]:
     """:func:`get_batch_on_this_cp_rank` on this rank alone (raises on this rank only)."""
     lay = cpa.get_layout(layout)
     if batch.get("cu_seqlens") is not None:

@@ -17,18 +17,23 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 import cp_attention as cpa
 from cp_attention.checks.agreement import AgreedScope
+from cp_attention.checks.verdicts import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 from cp_attention.engine.plan import AttentionPlan
 from cp_attention.transport import transport_for
-from cp_attention.checks.verdicts import SHAPE_DIMS, agree, documents_header, shape_header, show_shape
 
-from .packed import check_stream_length, packed_config_verdict, packed_local_tokens, \
-    packed_stream_verdict, packed_verdict
+from .packed import (
+    check_stream_length,
+    packed_config_verdict,
+    packed_local_tokens,
+    packed_stream_verdict,
+    packed_verdict,
+)
 
 __all__ = ["ForwardChecks", "install_forward_checks", "check_layer_call", "check_mask", "agreed"]
 
@@ -76,7 +81,7 @@ def _expected_mask(layout: cpa.Layout, total: int, rank: int, cp_size: int, caus
     return torch.zeros(len(positions), total, dtype=torch.bool)
 
 
-def check_mask(mask: Optional[torch.Tensor], causal: bool, layout: cpa.Layout, rank: int, cp_size: int,
+def check_mask(mask: torch.Tensor | None, causal: bool, layout: cpa.Layout, rank: int, cp_size: int,
                local: int) -> None:
     """Accept ``None`` or the mask the ring applies anyway: megatron's bool ``[b, 1, local, local * cp_size]``
     causal (or, for ``causal=False``, empty) mask sharded by ``layout``. Raises ``NotImplementedError``."""
@@ -125,8 +130,8 @@ def _batch_hint(layout: cpa.Layout) -> str:
     return f"Shard every batch with get_batch_on_this_cp_rank(batch, layout='{layout.name}') on every CP rank"
 
 
-def check_layer_call(attention, mask: Optional[torch.Tensor], packed_seq_params, causal: bool,
-                     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Optional[tuple[int, ...]]:
+def check_layer_call(attention, mask: torch.Tensor | None, packed_seq_params, causal: bool,
+                     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...] | None:
     """The verdict on one call of the ring core ``attention``: its packed documents (None if unpacked).
 
     Inside a forward checked by :class:`ForwardChecks` that accepted this call's mask and packed
@@ -145,7 +150,7 @@ def check_layer_call(attention, mask: Optional[torch.Tensor], packed_seq_params,
                                 attention.cp_size)
         return documents
 
-    def check() -> Optional[tuple[int, ...]]:
+    def check() -> tuple[int, ...] | None:
         if packed_seq_params is not None:
             return packed_verdict(attention, packed_seq_params, mask, query, key, value)
         check_mask(mask, causal, attention.layout, attention.cp_rank, attention.cp_size, query.shape[0])
@@ -157,7 +162,7 @@ def check_layer_call(attention, mask: Optional[torch.Tensor], packed_seq_params,
     return documents
 
 
-def _ref(obj: Any) -> "tuple[bool, Optional[weakref.ref]]":
+def _ref(obj: Any) -> tuple[bool, weakref.ref | None]:
     if obj is None:
         return True, None
     try:
@@ -166,7 +171,7 @@ def _ref(obj: Any) -> "tuple[bool, Optional[weakref.ref]]":
         return False, None
 
 
-def _same(ref: Optional[weakref.ref], obj: Any) -> bool:
+def _same(ref: weakref.ref | None, obj: Any) -> bool:
     return obj is None if ref is None else ref() is obj
 
 
@@ -189,14 +194,14 @@ class ForwardChecks:
     def _reset(self) -> None:
         self._agreed.leave()
         self._active = False
-        self._mask: Optional[weakref.ref] = None
-        self._params: Optional[weakref.ref] = None
+        self._mask: weakref.ref | None = None
+        self._params: weakref.ref | None = None
         self._any_mask = False
-        self.documents: Optional[tuple[int, ...]] = None
-        self.plan: Optional[AttentionPlan] = None
+        self.documents: tuple[int, ...] | None = None
+        self.plan: AttentionPlan | None = None
 
-    def accepted(self, mask: Optional[torch.Tensor], packed_seq_params, causal: bool
-                 ) -> "tuple[bool, Optional[tuple[int, ...]]]":
+    def accepted(self, mask: torch.Tensor | None, packed_seq_params, causal: bool
+                 ) -> tuple[bool, tuple[int, ...] | None]:
         """(True, the documents or None) if this forward's check accepted exactly ``mask`` and
         ``packed_seq_params`` for a layer of this ``causal`` flag, else (False, None). Depends only on
         what every rank agreed on, and on objects the model passes through alike on every rank."""
@@ -212,7 +217,7 @@ class ForwardChecks:
         i = self.arg_names.index(name) if name in self.arg_names else len(args)
         return args[i] if i < len(args) else None
 
-    def _verdict(self, mask: Any, params: Any, local: Optional[int]) -> Optional[tuple[int, ...]]:
+    def _verdict(self, mask: Any, params: Any, local: int | None) -> tuple[int, ...] | None:
         if params is not None:
             return packed_stream_verdict(params, mask, self.layout, self.cp_size, self.group, local)
         if mask is not None and local is not None:
@@ -253,8 +258,8 @@ class ForwardChecks:
             # One plan for the whole forward: every layer reuses it (and its built steps).
             self.plan = AttentionPlan(self.layout, transport_for(self.group), True, documents, agreed=True)
 
-    def plan_for(self, documents: Optional[tuple[int, ...]], causal: bool, window_size: tuple[int, int]
-                 ) -> Optional[AttentionPlan]:
+    def plan_for(self, documents: tuple[int, ...] | None, causal: bool, window_size: tuple[int, int]
+                 ) -> AttentionPlan | None:
         """This forward's plan for a layer whose call the check accepted with ``documents`` (the very
         tuple it agreed on, or None unpacked), ``causal`` and ``window_size``; None otherwise."""
         if self.plan is None or documents is not self.documents:

@@ -4,13 +4,14 @@ hierarchical CP groups), and the layer's ``cp_comm_type``."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
+
+from megatron.core import parallel_state
 
 import cp_attention as cpa
 from cp_attention.strategies.dispatch import strategy_problem
 from cp_attention.transport import transport_for
 from cp_attention.transport.process_group import two_level_transport
-from megatron.core import parallel_state
 
 __all__ = ["resolve_cp_group", "layer_comm_type", "check_heads", "ring_group", "spec_comm_types"]
 
@@ -26,7 +27,7 @@ def resolve_cp_group(pg_collection):
                        "with a .cp group")
 
 
-def layer_comm_type(config, layer_number: int, given: Optional[str], spec: "str | tuple[str, ...] | None") -> str:
+def layer_comm_type(config, layer_number: int, given: str | None, spec: str | tuple[str, ...] | None) -> str:
     """This layer's strategy: the spec's (one, or the layer's entry of one per layer), else megatron's
     (``config.cp_comm_type``: one, or one per layer, entry ``layer_number - 1`` this layer's), else
     ``"p2p"``. ``given``: what megatron's ``TransformerLayer`` passed. Raises ``ValueError`` if the spec
@@ -56,7 +57,7 @@ def layer_comm_type(config, layer_number: int, given: Optional[str], spec: "str 
     return cpa.check_comm_type_name(spec)
 
 
-def spec_comm_types(cp_comm_type: "str | Sequence[str] | None") -> "str | tuple[str, ...] | None":
+def spec_comm_types(cp_comm_type: str | Sequence[str] | None) -> str | tuple[str, ...] | None:
     """A spec's ``cp_comm_type`` checked: None, one name, or a tuple of names (one per layer). Raises
     ``ValueError`` for an unknown name."""
     if cp_comm_type is None or isinstance(cp_comm_type, str):

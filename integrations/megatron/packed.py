@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,13 +15,13 @@ __all__ = ["packed_documents", "packed_verdict", "packed_config_verdict", "packe
            "check_stream_length", "packed_local_tokens", "group_ranks"]
 
 
-def _show(cu: Optional[tuple[int, ...]]) -> str:
+def _show(cu: tuple[int, ...] | None) -> str:
     if cu is None:
         return "None"
     return f"[{', '.join(map(str, cu[:8]))}{', ...' if len(cu) > 8 else ''}]"
 
 
-def _boundaries(packed_seq_params: Any, field: str) -> Optional[tuple[int, ...]]:
+def _boundaries(packed_seq_params: Any, field: str) -> tuple[int, ...] | None:
     value = getattr(packed_seq_params, field, None)
     if value is None:
         return None
@@ -90,7 +90,7 @@ def packed_documents(packed_seq_params: PackedSeqParams) -> tuple[int, ...]:
     return tuple(documents)
 
 
-def group_ranks(group) -> Optional[tuple[int, ...]]:
+def group_ranks(group) -> tuple[int, ...] | None:
     """The global ranks of ``group`` (None without a group or torch.distributed), to compare groups."""
     if group is None or not dist.is_initialized():
         return None
@@ -115,8 +115,8 @@ def packed_config_verdict(attention) -> None:
         raise NotImplementedError(attention.packed_rotary_problem)
 
 
-def packed_stream_verdict(packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
-                          layout, cp_size: int, cp_group, local: Optional[int] = None) -> tuple[int, ...]:
+def packed_stream_verdict(packed_seq_params: PackedSeqParams, attention_mask: torch.Tensor | None,
+                          layout, cp_size: int, cp_group, local: int | None = None) -> tuple[int, ...]:
     """This rank's verdict on the data of a packed forward: the documents to attend within
     (:func:`packed_documents`), or ``ValueError``/``NotImplementedError`` for malformed or unsupported
     ``packed_seq_params`` (a dynamic CP group, ``local_cp_size``), an ``attention_mask`` alongside them,
@@ -170,7 +170,7 @@ def packed_local_tokens(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return shapes[0][0]
 
 
-def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask: Optional[torch.Tensor],
+def packed_verdict(attention, packed_seq_params: PackedSeqParams, attention_mask: torch.Tensor | None,
                    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
     """This rank's verdict on a packed call of the ring core ``attention``: the documents to attend
     within (:func:`packed_documents`), or ``ValueError``/``NotImplementedError`` naming what it cannot

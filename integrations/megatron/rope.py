@@ -16,13 +16,13 @@ each token's position WITHIN its document, through megatron's own (unpacked) ``a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import cp_attention as cpa
-from cp_attention.transport import group_rank_and_size
 from cp_attention.layouts.documents import CuSeqlens, check_cu_seqlens, document_position_ids, longest_document
+from cp_attention.transport import group_rank_and_size
 
 if TYPE_CHECKING:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -47,7 +47,7 @@ class LayoutRotaryEmbedding(torch.nn.Module):
     :meth:`packed_rows` itself. Other attributes (``inv_freq``, ...) are the wrapped module's.
     """
 
-    def __init__(self, rope: torch.nn.Module, layout: "str | cpa.Layout", group) -> None:
+    def __init__(self, rope: torch.nn.Module, layout: str | cpa.Layout, group) -> None:
         super().__init__()
         self.rope: RotaryEmbedding = rope  # megatron's (or a subclass): its inv_freq and table methods
         self.layout = cpa.get_layout(layout)
@@ -123,7 +123,7 @@ class LayoutRotaryEmbedding(torch.nn.Module):
         return self.rope.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group=None) -> Optional[torch.Tensor]:
+                cp_group=None) -> torch.Tensor | None:
         """Rotary angles ``[max_seq_len // cp_size, 1, 1, dim]`` for this rank's tokens.
 
         For a packed (THD) batch (``packed_seq=True``) returns ``None``: the ring attention applies

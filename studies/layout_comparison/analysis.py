@@ -16,10 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 from benchmarks.modelled import (
-    AttentionShape, check_work, flops_per_pair, imbalance, kv_bytes_per_hop, min_pairs, step_sync_efficiency,
+    AttentionShape,
+    check_work,
+    flops_per_pair,
+    imbalance,
+    kv_bytes_per_hop,
+    min_pairs,
+    step_sync_efficiency,
 )
 from cp_attention.layouts import Layout, get_layout
 from cp_attention.schedules import rank_steps, source_rank
@@ -38,7 +43,7 @@ __all__ = [
 ]
 
 
-def split_problem(layout: "str | Layout", seq_len: int, world_size: int) -> Optional[str]:
+def split_problem(layout: str | Layout, seq_len: int, world_size: int) -> str | None:
     """Why ``layout`` cannot split ``seq_len`` over ``world_size`` ranks, or None if it can."""
     try:
         get_layout(layout).check(seq_len, world_size)
@@ -128,7 +133,7 @@ def summarize(work: Sequence[Sequence[int]], seq_len: int, causal: bool) -> Work
     )
 
 
-def pair_owners(layout: "str | Layout", causal: bool, seq_len: int, world_size: int
+def pair_owners(layout: str | Layout, causal: bool, seq_len: int, world_size: int
                 ) -> list[tuple[int, int, int, int]]:
     """Every computed (query, key) pair in GLOBAL token positions: ``(q, k, rank, step)``.
 
@@ -191,7 +196,7 @@ class Projection:
 
 
 def project(work: Sequence[Sequence[int]], seq_len: int, shape: AttentionShape, cluster: ClusterSpec,
-            ring_length: Optional[int] = None) -> Projection:
+            ring_length: int | None = None) -> Projection:
     """Project one attention call on ``cluster`` from a modelled work matrix ``work[rank][step]``.
 
     Model, per ring step s of the L = ``ring_length`` steps that run (default N; fewer under a sliding

@@ -16,7 +16,7 @@ import csv
 import sys
 from pathlib import Path
 from statistics import mean
-from typing import Optional, Sequence
+from typing import Sequence
 
 if not __package__:  # run as a script: `studies` and `benchmarks` import from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
@@ -24,7 +24,14 @@ if not __package__:  # run as a script: `studies` and `benchmarks` import from t
 from benchmarks import args as flags
 from benchmarks.measure import Stopwatch
 from studies.layout_comparison.traffic import (
-    Batch, batch_figures, corpus_batches, giant_batch, lognormal_batch, pick, ratio, stdlib_lengths,
+    Batch,
+    batch_figures,
+    corpus_batches,
+    giant_batch,
+    lognormal_batch,
+    pick,
+    ratio,
+    stdlib_lengths,
 )
 
 __all__ = ["batches", "sweep", "summary_rows", "goal_lines", "win_rows", "markdown", "packed_bytes_section", "main"]
@@ -42,7 +49,7 @@ def batches(total: int, seeds: int, giants: int, corpus: int) -> tuple[list[Batc
     return out + (corpus_batches(lengths, total, corpus) if corpus else []), what
 
 
-def sweep(world_sizes: Sequence[int], layouts: Sequence[str], total: Optional[int], per_rank: Optional[int],
+def sweep(world_sizes: Sequence[int], layouts: Sequence[str], total: int | None, per_rank: int | None,
           seeds: int, giants: int, corpus: int, calls_up_to: int, log=print) -> tuple[Records, str]:
     """Every (batch, N, layout) record (:func:`batch_figures`); T = ``total``, or ``per_rank * N``."""
     rows: Records = []
@@ -79,8 +86,10 @@ def summary_rows(rows: Records, layouts: Sequence[str]) -> list[list]:
                             _cell([r["bytes_needs"] / 1e9 for r in mine], ".2f"),
                             _cell(ratio(here, lay, "zigzag", "bytes_needs"), ".0%"),
                             _cell(ratio(here, lay, "zigzag", "bytes_needs", "bytes_whole"), ".0%"),
-                            _cell([r["calls_varlen"] for r in mine], ".2f"), _cell([r["calls_batched"] for r in mine], ".1f"),
-                            _cell([r["step_ms"] for r in mine], ".2f"), _cell([r["step_ms_whole"] for r in mine], ".2f")])
+                            _cell([r["calls_varlen"] for r in mine], ".2f"),
+                            _cell([r["calls_batched"] for r in mine], ".1f"),
+                            _cell([r["step_ms"] for r in mine], ".2f"),
+                            _cell([r["step_ms_whole"] for r in mine], ".2f")])
     return out
 
 
@@ -128,8 +137,10 @@ def goal_lines(rows: Records, n: int = 8) -> list[str]:
         lines.append(
             f"{label}, N = {n}, {len(today)} batches: balanced's worst imbalance {imb:.4f} (goal <= 1.05: "
             f"{'met' if imb <= 1.05 else 'MISSED'}); K/V + dK/dV bytes over zigzag's today (whole shards): mean "
-            f"{mean(today):.1%}, worst {max(today):.1%} (goal <= 30% mean, <= 50% any: {'met' if ok_bytes else 'MISSED'}); "
-            f"over zigzag's needs-only: mean {mean(needs):.1%}, worst {max(needs):.1%}; varlen kernel calls per rank and "
+            f"{mean(today):.1%}, worst {max(today):.1%} (goal <= 30% mean, <= 50% any: "
+            f"{'met' if ok_bytes else 'MISSED'}); "
+            f"over zigzag's needs-only: mean {mean(needs):.1%}, worst {max(needs):.1%}; varlen kernel calls per rank "
+            f"and "
             f"step not above zigzag's on {sum(calls)} of {len(calls)} batches")
     return lines
 
@@ -176,7 +187,7 @@ def markdown(rows: Records, layouts: Sequence[str], corpus: str) -> str:
                         "\n".join(f"- {g}" for g in goal_lines(rows)), f"Corpus: {corpus}."])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Records:
+def main(argv: Sequence[str] | None = None) -> Records:
     """The command line (see the module's docstring); returns the records."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     flags.add_ring(ap, world_sizes=[8, 16, 32, 64, 128], layouts=LAYOUTS, tokens_per_rank=None)  # T = N x this

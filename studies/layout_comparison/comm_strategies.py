@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from cp_attention.layouts import get_layout
@@ -82,7 +81,7 @@ def _measure_worker(layouts: list[str], names: list[str], seq: int, shape: dict,
     q, k, v, dout = _tensors(case)
     out = []
     for lay in layouts:
-        shard = lambda t: get_layout(lay).shard(t, 1, rank, world)  # noqa: E731
+        shard = lambda t, lay=lay: get_layout(lay).shard(t, 1, rank, world)  # noqa: E731
         impls = {n: _calls(*(shard(t) for t in (q, k, v, dout)), group=mesh if n == "a2a+p2p" else None,
                            layout=lay, causal=causal, cp_comm_type=n)
                  for n in names if (n != "a2a+p2p" or mesh is not None) and (n != "a2a" or case.heads % world == 0)}

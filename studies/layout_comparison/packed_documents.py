@@ -18,15 +18,20 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 from benchmarks.documents import lognormal_lengths  # noqa: F401 (re-exported: the study imports it from here)
 from benchmarks.measure import Stopwatch
 from benchmarks.modelled import (
-    AttentionShape, flops_per_pair, imbalance, model_bytes, one_thread, step_sync_efficiency,
+    AttentionShape,
+    flops_per_pair,
+    imbalance,
+    model_bytes,
+    one_thread,
+    step_sync_efficiency,
 )
-from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from cp_attention.layouts import get_layout
+from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens
 from cp_attention.schedules import work_model
 from studies.layout_comparison.analysis import document_padding, document_pairs
 
@@ -60,7 +65,7 @@ class PackedStream:
         return self.real_tokens + self.pad
 
 
-def packed_stream(p: dict, seed: int, divisor: int, total_tokens: Optional[int] = None) -> PackedStream:
+def packed_stream(p: dict, seed: int, divisor: int, total_tokens: int | None = None) -> PackedStream:
     """The packed workload of the ``packed`` config ``p`` for one seed, padded to a multiple of ``divisor``.
 
     ``p["fit"]`` says what happens to the document that crosses ``total_tokens``: ``trim`` cuts it so the
@@ -122,7 +127,7 @@ def check_packed(p: dict) -> None:
 
 # ---------------------------------------------------------------- modelled
 
-def _packed_work(lay: str, causal: bool, stream: PackedStream, ws: int) -> Optional[list[list[int]]]:
+def _packed_work(lay: str, causal: bool, stream: PackedStream, ws: int) -> list[list[int]] | None:
     try:
         return work_model(lay, causal, stream.tokens, ws, cu_seqlens=stream.cu_seqlens)
     except NotImplementedError:  # a user-defined layout without packed positions
@@ -200,8 +205,7 @@ def _baseline_worker(args, cu: tuple[int, ...]) -> dict:
     """One process, the whole packed stream (spawn with ``threads`` = the ring's total)."""
     import torch
 
-    from benchmarks.measure import make_inputs, ours
-    from benchmarks.measure import measure
+    from benchmarks.measure import make_inputs, measure, ours
 
     full = make_inputs(args, cu[-1])
     rows = measure({"baseline": ours(*full, None, "contiguous", args.kernel, args.causal, cu)}, cu[-1], args.repeats,
@@ -214,8 +218,7 @@ def _ring_worker(args, cu: tuple[int, ...], te_cu: tuple[int, ...]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.measure import make_inputs, ours
-    from benchmarks.measure import measure
+    from benchmarks.measure import make_inputs, measure, ours
 
     rank, ws, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     full, te_full = make_inputs(args, cu[-1]), make_inputs(args, te_cu[-1])
@@ -238,8 +241,8 @@ def measure_packed(p: dict, m: dict, layouts: list[str], causal: bool, log: Call
     ``ring/zigzag, TE-padded`` (every document padded to a multiple of 2N and the padding attended: the
     TE-style split run by our zigzag), with ratios to the baseline and the modelled imbalance.
     """
-    from cp_attention.launch import spawn
     from benchmarks.measure import limit_malloc_caching
+    from cp_attention.launch import spawn
     from studies.layout_comparison.timings import _wall_rows
 
     limit_malloc_caching()
@@ -249,9 +252,9 @@ def measure_packed(p: dict, m: dict, layouts: list[str], causal: bool, log: Call
         st = packed_stream(p, p["seeds"][0], stream_divisor(ok + ["zigzag"], [ws]), p["measure"]["total_tokens"])
         cu = st.cu_seqlens
         te_cu = te_padded_cu_seqlens(st.lengths, 2 * ws)
-        args = argparse.Namespace(batch=1, heads=m["heads"], kv_heads=m["kv_heads"] or m["heads"], head_dim=m["head_dim"],
-                                  dtype=m["dtype"], kernel=m["kernel"], repeats=m["repeats"], causal=causal,
-                                  layouts=[get_layout(x) for x in ok])
+        args = argparse.Namespace(batch=1, heads=m["heads"], kv_heads=m["kv_heads"] or m["heads"],
+                                  head_dim=m["head_dim"], dtype=m["dtype"], kernel=m["kernel"], repeats=m["repeats"],
+                                  causal=causal, layouts=[get_layout(x) for x in ok])
         clock = Stopwatch()
         base = spawn(_baseline_worker, 1, args, cu, threads=ws)
         ring = spawn(_ring_worker, ws, args, cu, te_cu, threads=1, timeout_s=m["timeout"])

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Optional
 
-from cp_attention._extras import require_extra
 from benchmarks.modelled import imbalance, step_sync_efficiency
+from cp_attention._extras import require_extra
 
 Records = list[dict]
 _LAYOUT_COLORS = {"contiguous": "C3", "zigzag": "C0", "interleaved": "C2"}
@@ -205,8 +204,8 @@ def measured_steps(rows: Records, path: Path, mask: str = "causal") -> None:
     _save(fig, path)
 
 
-def projection(rows: Records, path: Path, mask: str = "causal", seq_len: Optional[int] = None,
-               world_size: Optional[int] = None) -> None:
+def projection(rows: Records, path: Path, mask: str = "causal", seq_len: int | None = None,
+               world_size: int | None = None) -> None:
     """Projected efficiency (ideal over projected fwd+bwd time) vs N at the largest S and vs S at the
     largest N; solid with compute/communication overlap, dashed without."""
     plt = _plt()

@@ -6,7 +6,7 @@ import csv
 import os
 import platform
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from studies.layout_comparison import plots
 from studies.layout_comparison.balance import packed_bytes_section
@@ -62,7 +62,7 @@ def _pick(rows: Records, **eq) -> Records:
     return [r for r in rows if all(r[k] == v for k, v in eq.items())]
 
 
-def _one(rows: Records, **eq) -> Optional[dict]:
+def _one(rows: Records, **eq) -> dict | None:
     found = _pick(rows, **eq)
     return found[0] if found else None
 
@@ -308,7 +308,7 @@ def _packed_section(cfg: dict, res: dict) -> str:
         c = _one(here, seed=seed0)
 
         def rng(key: str) -> str:
-            vals = [r[key] for r in here]
+            vals = [r[key] for r in here]  # noqa: B023 - rng is called within the iteration
             return f"{min(vals):.2f}–{max(vals):.2f}" if len(vals) > 1 else "-"
         trows.append([n, c["multiple"], f"{c['te_pad_tokens']} ({c['te_pad_tokens_pct']:.2f}%)",
                       rng("te_pad_tokens_pct"), c["our_pad_tokens"],
@@ -378,7 +378,8 @@ def write_results(out: Path, cfg: dict, res: dict, meta: dict, log: Callable[[st
     for name in ("modelled", "work_per_rank_step", "measured_wall", "measured_summary", "projection", "skipped"):
         write_csv(out / f"{name}.csv", res[name])
     write_csv(out / "measured_step_times.csv", res["measured_steps"])
-    for name, rows in {**(res.get("packed") or {}), **(res.get("window") or {}), **(res.get("strategies") or {})}.items():
+    for name, rows in {**(res.get("packed") or {}), **(res.get("window") or {}),
+                       **(res.get("strategies") or {})}.items():
         write_csv(out / f"{name}.csv", rows)
     for name, rows in figure_data(cfg, res).items():
         write_csv(out / f"{name}.csv", rows)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from benchmarks.measure import Stopwatch
 from benchmarks.modelled import AttentionShape
-from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.kernels import check_kernel_name
+from cp_attention.kernels.dtypes import DTYPES
 from cp_attention.layouts import get_layout
 from studies.layout_comparison import tables
 from studies.layout_comparison.analysis import ClusterSpec

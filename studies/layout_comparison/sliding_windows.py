@@ -126,7 +126,7 @@ def _window_tables(w, layouts, causal, shape, proj_shape, cluster, skipped) -> d
     return {"window": rows, "window_winners": winners, "window_work_per_rank_step": steps}
 
 
-def _supports_windows(layout: str, seq: int, ws: int, skipped: "Records | None" = None) -> bool:
+def _supports_windows(layout: str, seq: int, ws: int, skipped: Records | None = None) -> bool:
     """False (and a ``skipped`` record) for a layout whose tokens do not increase on a rank, which
     sliding-window schedules need (a user-defined layout may not)."""
     try:

@@ -8,17 +8,17 @@ message, and the report lists it.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Iterable
 
 from benchmarks.modelled import AttentionShape, comm_bytes_per_rank
-from studies.layout_comparison.analysis import ClusterSpec, pair_owners, project, split_problem, summarize
 from cp_attention.schedules import work_model
+from studies.layout_comparison.analysis import ClusterSpec, pair_owners, project, split_problem, summarize
 
 Records = list[dict]
 
 
-@lru_cache(maxsize=None)
+@cache
 def work(layout: str, causal: bool, seq_len: int, world_size: int) -> tuple[tuple[int, ...], ...]:
     """``work_model`` memoised: the sweeps ask for the same matrix several times."""
     return tuple(map(tuple, work_model(layout, causal, seq_len, world_size)))

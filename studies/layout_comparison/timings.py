@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from benchmarks.attention import measure_seq
 from benchmarks.measure import Stopwatch, call_ms
 from benchmarks.modelled import imbalance, step_sync_efficiency
-from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.kernels import get_kernel
+from cp_attention.kernels.dtypes import dtype_from_name
 from cp_attention.layouts import get_layout
 from cp_attention.schedules import rank_steps
 from studies.layout_comparison.analysis import split_problem
@@ -90,10 +90,10 @@ def step_times(args, group, rank: int, ws: int, seq: int) -> dict:
 def _wall_rows(rows: list, ws: int) -> list[dict]:
     base = next((r for r in rows if r.impl == "baseline"), None)
 
-    def ratio(x: Optional[float], b: Optional[float]) -> Optional[float]:
+    def ratio(x: float | None, b: float | None) -> float | None:
         return x / b if x is not None and b else None
 
-    def spread(runs: Optional[list]) -> Optional[float]:
+    def spread(runs: list | None) -> float | None:
         return (max(runs) - min(runs)) / statistics.median(runs) if runs and len(runs) > 1 else None
 
     out = []

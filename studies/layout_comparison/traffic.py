@@ -13,17 +13,17 @@ import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
+from benchmarks.documents import fit_lengths as _fit
+from benchmarks.documents import lognormal_lengths
+from benchmarks.modelled import AttentionShape, model_bytes, training_bytes  # noqa: F401 (re-exported)
 from cp_attention.layouts import get_layout
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.schedules.derived import block_schedules
 from cp_attention.schedules.lowering import lower_steps
 from cp_attention.strategies import batch_model
 from cp_attention.strategies.cost import HARDWARE, Hardware, Workload, estimate
-
-from benchmarks.modelled import AttentionShape, model_bytes, training_bytes  # noqa: F401 (re-exported)
-from benchmarks.documents import fit_lengths as _fit, lognormal_lengths
 
 __all__ = ["Batch", "H100_SHAPE", "training_bytes", "model_bytes", "kernel_calls", "batch_figures", "lognormal_batch",
            "giant_batch", "stdlib_lengths", "corpus_batches"]
@@ -149,7 +149,7 @@ def pick(rows: Sequence[dict], **eq) -> list[dict]:
     return [r for r in rows if all(r[k] == v for k, v in eq.items())]
 
 
-def ratio(rows: Sequence[dict], layout: str, base: str, key: str, base_key: Optional[str] = None) -> list[float]:
+def ratio(rows: Sequence[dict], layout: str, base: str, key: str, base_key: str | None = None) -> list[float]:
     """Per batch (source, batch, N): ``layout``'s ``key`` over ``base``'s ``base_key`` (default ``key``)."""
     index = {(r["source"], r["batch"], r["world_size"]): r for r in rows if r["layout"] == base}
     return [r[key] / index[(r["source"], r["batch"], r["world_size"])][base_key or key]

@@ -34,7 +34,7 @@ import gc
 import json
 import os
 from dataclasses import asdict
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,9 @@ from torch.autograd.profiler import record_function
 
 from benchmarks import args as flags
 from benchmarks.measure import Stopwatch, command_text, elapsed_ms, rss_peak_delta
+from cp_attention.launch import run_on_ranks
 from studies.memory import projection
 from studies.memory.peak import MIB, OFFLOAD_SCOPE, OFFLOADED, TERMS, measure_step
-from cp_attention.launch import run_on_ranks
 
 __all__ = ["SAVERS", "add_arguments", "build_model", "measure_one", "worker", "run"]
 
@@ -94,8 +94,9 @@ def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
     return LlamaForCausalLM(config).to(torch.bfloat16).train()
 
 
-def _saver_kwargs(saver: str, args: argparse.Namespace) -> Optional[dict]:
-    return {"checkpoint": dict(checkpoint=True, mlp_chunks=None), "offload": dict(checkpoint="offload", mlp_chunks=None),
+def _saver_kwargs(saver: str, args: argparse.Namespace) -> dict | None:
+    return {"checkpoint": dict(checkpoint=True, mlp_chunks=None),
+            "offload": dict(checkpoint="offload", mlp_chunks=None),
             "mlp_chunks": dict(checkpoint=False, mlp_chunks=args.mlp_chunks),
             "on_device": dict(checkpoint=True, mlp_chunks=args.mlp_chunks),
             "all": dict(checkpoint="offload", mlp_chunks=args.mlp_chunks)}.get(saver)
@@ -131,7 +132,8 @@ def measure_one(args: argparse.Namespace, saver: str, tokens: int, vocab: int, r
         model = cphf.save_memory(model, **_saver_kwargs(saver, args))
     g = torch.Generator().manual_seed(tokens)
     ids = torch.randint(0, vocab, (1, tokens * dist.get_world_size()), generator=g)
-    local = {k: v.to(device) if torch.is_tensor(v) else v for k, v in cphf.shard_batch({"input_ids": ids}, layout=args.layout).items()}
+    local = {k: v.to(device) if torch.is_tensor(v) else v
+             for k, v in cphf.shard_batch({"input_ids": ids}, layout=args.layout).items()}
 
     def forward_loss() -> torch.Tensor:
         if saver == "baseline":
@@ -146,20 +148,20 @@ def measure_one(args: argparse.Namespace, saver: str, tokens: int, vocab: int, r
         model.zero_grad(set_to_none=True)
         gc.collect()
         row["rss_delta"] = rss_peak_delta(lambda: forward_loss().backward())
-    del model, local
+    model = local = None  # drop the step's model and batch (the closures share these cells) before collecting
     gc.collect()
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     return max(rows, key=lambda r: r["peak"])
 
 
-def _line(points: "list[tuple[int, int]]") -> "tuple[float, float]":
+def _line(points: list[tuple[int, int]]) -> tuple[float, float]:
     (t1, p1), (t2, p2) = points[:2]
     b = (p2 - p1) / (t2 - t1)
     return p1 - b * t1, b
 
 
-def longest_under_cap(args: argparse.Namespace, saver: str, cap: float, fit: "tuple[float, float]",
+def longest_under_cap(args: argparse.Namespace, saver: str, cap: float, fit: tuple[float, float],
                       step: int) -> dict:
     """The longest local T (a multiple of ``step``) whose MEASURED peak is at most ``cap``: from the line's
     guess, steps of 1/16 until the cap is bracketed, then bisection down to 1% (every probe a measured step)."""
@@ -225,7 +227,7 @@ def worker(args: argparse.Namespace, clock: Stopwatch) -> dict:
     return out
 
 
-def _table(rows: "list[dict]", title: str) -> None:
+def _table(rows: list[dict], title: str) -> None:
     terms = list(TERMS) + [OFFLOADED]
     print(f"\n{title}\n(MiB per rank, the rank with the larger peak; the terms are the bytes live at the peak)")
     head = (f"{'saver':<11}{'T':>6}{'peak':>9}" + "".join(f"{t[:12]:>13}" for t in terms)
@@ -243,7 +245,7 @@ def _where(r: dict) -> str:
     return max(regions, key=lambda k: regions[k]["total"]) if regions else "-"
 
 
-def _phases(rows: "list[dict]") -> None:
+def _phases(rows: list[dict]) -> None:
     print("\npeak of each phase (MiB; backward split by where the allocating op belongs)")
     for r in rows:
         fwd = max((s["total"] for k, s in r["regions"].items() if k.startswith("forward")), default=0)
@@ -287,7 +289,7 @@ _SHAPE = ("hidden", "intermediate", "heads", "kv_heads", "layers", "vocab", "cp"
           "mlp_chunks", "tokens", "device")
 
 
-def _read(args: argparse.Namespace) -> "tuple[list, Optional[dict]]":
+def _read(args: argparse.Namespace) -> tuple[list, dict | None]:
     """The rows of ``--from-json`` files (a later file's row replaces an earlier one's for the same saver, T,
     vocab); the shape is the first file's."""
     rows: dict = {}
@@ -315,7 +317,7 @@ def _print_setup(args: argparse.Namespace, backend: str) -> None:
           f"mlp_chunks={args.mlp_chunks}", flush=True)
 
 
-def report(args: argparse.Namespace, rows: "list[dict]", cap: Optional[dict]) -> dict:
+def report(args: argparse.Namespace, rows: list[dict], cap: dict | None) -> dict:
     """Print every table and check from measured rows; returns what ``--json`` writes."""
     main = sorted((r for r in rows if not r.get("vocab_check")), key=lambda r: (SAVERS.index(r["saver"]), r["tokens"]))
     _table(main, "peak memory per saver and local tokens T")

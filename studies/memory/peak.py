@@ -24,12 +24,13 @@ import re
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch.autograd.profiler import record_function
 
-__all__ = ["TERMS", "OFFLOADED", "OFFLOAD_SCOPE", "Snapshot", "Peak", "term_of", "module_scopes", "measure_step", "replay"]
+__all__ = ["TERMS", "OFFLOADED", "OFFLOAD_SCOPE", "Snapshot", "Peak", "term_of", "module_scopes", "measure_step",
+           "replay"]
 
 MIB = 1024 * 1024
 TERMS = ("logits/loss", "attention", "MLP", "norms", "checkpoints", "params+grads", "other")
@@ -41,7 +42,7 @@ _BACKWARD_NODE = "autograd::engine::evaluate_function: "
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
-def term_of(path: Optional[str]) -> str:
+def term_of(path: str | None) -> str:
     """The term of a module path (``model.layers.0.self_attn.q_proj``): ``None`` (no module: the loss
     outside the model, or the lm_loss's own head) and the CausalLM root and its head are ``logits/loss``; a
     decoder layer's own ops (its residual adds: the layer outputs, which are the next layer's checkpoint)
@@ -59,7 +60,7 @@ def term_of(path: Optional[str]) -> str:
     return "other"  # the embedding's output, rotary cos/sin, masks
 
 
-def region_of(phase: str, path: Optional[str], term: str) -> str:
+def region_of(phase: str, path: str | None, term: str) -> str:
     """Where in the step an allocation happened: ``forward``/``backward`` and the part of the model."""
     m = _LAYER.search(path or "")
     where = f"layer {m.group(1)}" if m else ("head+loss" if term == "logits/loss" else "rest")
@@ -124,7 +125,7 @@ class Peak:
     host_peak: int = 0
     before: int = 0  # bytes live when the step began (parameters, the batch)
     window_peak: int = 0  # peak of (device + host) bytes allocated within the step, for the RSS cross-check
-    allocator_peak: Optional[int] = None  # CUDA: max_memory_allocated (the replay is checked against it)
+    allocator_peak: int | None = None  # CUDA: max_memory_allocated (the replay is checked against it)
     events: int = 0
     top: list = field(default_factory=list)  # the largest (term, op, bytes, blocks) groups live at the peak
     top_layers: list = field(default_factory=list)  # the same at the peak of the layers' backward
@@ -137,7 +138,7 @@ def _ancestors(e):
         p = p.parent
 
 
-def _forward_modules(events: list) -> "tuple[list, dict]":
+def _forward_modules(events: list) -> tuple[list, dict]:
     """Every allocation event, and each op sequence number's module path (``None``: no module; ``("via",
     n)``: an op run inside the backward of node ``n``, e.g. a custom Function's recompute)."""
     from torch._C._profiler import _EventType
@@ -165,7 +166,7 @@ def _forward_modules(events: list) -> "tuple[list, dict]":
     return allocs, seq_path
 
 
-def _classify(e, seq_path: dict, device: str, offload_scope: str) -> "tuple[str, Optional[str], str]":
+def _classify(e, seq_path: dict, device: str, offload_scope: str) -> tuple[str, str | None, str]:
     """(phase, module path, term) of one allocation: the nearest module range or backward node decides."""
     phase, path, term, decided, offloaded = "other", None, None, False, False
     for a in _ancestors(e):  # innermost first

@@ -31,7 +31,6 @@ bytes' line, x r x layers ratio) and the optimizer's state (16 bytes x params / 
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 from studies.memory.peak import MIB, OFFLOADED
 
@@ -60,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "offloaded checkpoints and optimizer state")
 
 
-def _params(h: int, inter: int, heads: int, kv_heads: int, layers: int, vocab: int) -> "tuple[int, int, int]":
+def _params(h: int, inter: int, heads: int, kv_heads: int, layers: int, vocab: int) -> tuple[int, int, int]:
     """(total, per layer, embedding) parameters of an untied Llama."""
     hd = h // heads
     layer = h * (h + 2 * kv_heads * hd) + h * h + 3 * h * inter + 2 * h
@@ -82,12 +81,12 @@ def _term_lines(r1: dict, r2: dict, region: str) -> dict:
     return out
 
 
-def _ab(v1: float, v2: float, t1: int, t2: int) -> "tuple[float, float]":
+def _ab(v1: float, v2: float, t1: int, t2: int) -> tuple[float, float]:
     b = (v2 - v1) / (t2 - t1)
     return v1 - b * t1, b
 
 
-def fit(rows: "list[dict]", longest: bool = False) -> dict:
+def fit(rows: list[dict], longest: bool = False) -> dict:
     """Per region, per term lines through two rows of one saver: the two shortest (the check: they predict
     the longer ones), or with ``longest`` the two longest (the projection: what is live at a region's peak
     settles as T grows, e.g. the loss's fixed chunk stops mattering)."""
@@ -107,7 +106,7 @@ def _scales(saver: str, r: float, lam: float) -> dict:
 
 
 def predict(lines: dict, saver: str, tokens: float, r: float = 1.0, lam: float = 1.0,
-            params_grads: bool = True) -> "tuple[float, str, float, float]":
+            params_grads: bool = True) -> tuple[float, str, float, float]:
     """(device peak, its region, its alpha, its beta) at ``tokens``; ``params_grads=False`` leaves that term
     out (the projection replaces it)."""
     sc = _scales(saver, r, lam)
@@ -159,7 +158,7 @@ def _m(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.0f}K"
 
 
-def report(args: argparse.Namespace, rows: "list[dict]", n_params: int) -> dict:
+def report(args: argparse.Namespace, rows: list[dict], n_params: int) -> dict:
     """Print the formula's check at the small shape and the projection table; returns the fits."""
     small = dict(hidden=args.hidden, layers=args.layers)
     fits, savers = {}, list(dict.fromkeys(r["saver"] for r in rows))
@@ -212,12 +211,13 @@ def report(args: argparse.Namespace, rows: "list[dict]", n_params: int) -> dict:
                 terms["logits/loss"] = terms.get("logits/loss", 0) - snap["vocab_bytes"]
                 parts = sorted(((t, b * sc.get(t, 1.0) / longest["tokens"]) for t, b in terms.items()
                                 if t not in (OFFLOADED, "params+grads") and b > 0), key=lambda x: -x[1])
-                print(f"    {model:<12}{saver:<11}{p['region']:<20}" + ", ".join(f"{t} {b / 1e3:.1f}" for t, b in parts))
+                print(f"    {model:<12}{saver:<11}{p['region']:<20}"
+                      + ", ".join(f"{t} {b / 1e3:.1f}" for t, b in parts))
     fits["projection"] = table
     return fits
 
 
-def vocab_report(args: argparse.Namespace, rows: "list[dict]") -> Optional[dict]:
+def vocab_report(args: argparse.Namespace, rows: list[dict]) -> dict | None:
     """Doubling the vocab: how far it moves the peak with the full logits and with lm_loss."""
     print("\nvocab doubled (measured; the peak with the parameters, MiB):")
     moves: dict = {}
@@ -238,7 +238,8 @@ def vocab_report(args: argparse.Namespace, rows: "list[dict]") -> Optional[dict]
         t_at = args.tokens[1] if len(args.tokens) > 1 else args.tokens[0]
         mv = {s: moves[(s, ts[0])] + (moves[(s, ts[1])] - moves[(s, ts[0])]) / (ts[1] - ts[0]) * (t_at - ts[0])
               for s in ("baseline", "lm_loss")}
-        print(f"  at T={t_at} by the lines: baseline moves {mv['baseline'] / MIB:.1f}, lm_loss {mv['lm_loss'] / MIB:.1f}"
+        print(f"  at T={t_at} by the lines: baseline moves {mv['baseline'] / MIB:.1f}, "
+              f"lm_loss {mv['lm_loss'] / MIB:.1f}"
               f" MiB: ratio {mv['lm_loss'] / mv['baseline']:.3f}")
         return {"tokens": t_at, "ratio": mv["lm_loss"] / mv["baseline"], "how": "the lines through two measured T"}
     if ts and ("baseline", ts[-1]) in moves and ("lm_loss", ts[-1]) in moves:
@@ -246,16 +247,16 @@ def vocab_report(args: argparse.Namespace, rows: "list[dict]") -> Optional[dict]
     return None
 
 
-def _sequence(fits: dict, model: str, gpus: int, saver: str) -> Optional[float]:
+def _sequence(fits: dict, model: str, gpus: int, saver: str) -> float | None:
     return next((p["sequence"] for p in fits.get("projection", ()) if p["model"] == model and p["gpus"] == gpus
                  and p["saver"] == saver), None)
 
 
-def goals(args: argparse.Namespace, rows: "list[dict]", fits: dict, vocab: Optional[dict] = None) -> None:
+def goals(args: argparse.Namespace, rows: list[dict], fits: dict, vocab: dict | None = None) -> None:
     """Issue 34's goals against what was measured and projected."""
     print("\ngoals (issue 34):")
 
-    def line(what: str, value: Optional[float], goal: float, fmt) -> None:
+    def line(what: str, value: float | None, goal: float, fmt) -> None:
         verdict = "n/a" if value is None else ("met" if value >= goal else "NOT met")
         print(f"  {what:<62} {'-' if value is None else fmt(value):>10}  goal >= {fmt(goal):<8} {verdict}")
 

@@ -6,10 +6,20 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.support.core import fuzz_cases
-from tests.support.core.fuzz_common import CASE_TIMEOUT, TRIED, _cu, _layout, _settings, assert_all_ok, assert_same_refusal, judge
+from tests.support.core.fuzz_common import (
+    CASE_TIMEOUT,
+    TRIED,
+    _cu,
+    _layout,
+    _settings,
+    assert_all_ok,
+    assert_same_refusal,
+    judge,
+)
 
 # ----------------------------------------------------------------------------------------------------
 # 3. Adapters: HuggingFace shard_batch, Megatron get_batch_on_this_cp_rank / packed params

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cp_attention.checks.agreement import Verdicts, in_agreed_forward, agreed_forward
-
+from cp_attention.checks.agreement import Verdicts, agreed_forward, in_agreed_forward
 from tests.support.core import agreement_cases as cases
 
 

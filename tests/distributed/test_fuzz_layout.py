@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.support.core import fuzz_cases
 from tests.support.core.fuzz_common import CASE_TIMEOUT, TRIED, _cu, _layout, _settings, judge
@@ -36,7 +37,7 @@ def layout_setup(draw):
 def _bad_cu(draw, seq: int):
     return draw(st.sampled_from((
         [1, seq], [0, seq + 1], [0, max(1, seq - 1)] if seq > 1 else [0, 2], [0, 0, seq], [0], [], [0, -1, seq],
-        [0.0, float(seq)], "0,%d" % seq, 3, [[0, seq]], ("tensor", [0, seq], "float32"),
+        [0.0, float(seq)], f"0,{seq}", 3, [[0, seq]], ("tensor", [0, seq], "float32"),
         ("tensor", [False, True], "bool"), ("tensor", [0, seq], "int64", "meta"), ("tensor", [[0, seq]], "int64"),
         [0, 2 ** 70], [0, True, seq])))
 

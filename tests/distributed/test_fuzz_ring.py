@@ -17,9 +17,9 @@ A known bug the fuzzing found, left out of the strategies where it is avoided:
 
 from __future__ import annotations
 
-
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.support.core import fuzz_cases
 from tests.support.core.fuzz_common import CASE_TIMEOUT, _cu, _settings, judge
@@ -28,7 +28,8 @@ from tests.support.core.fuzz_common import CASE_TIMEOUT, _cu, _settings, judge
 # 1. ring_attention at world sizes 2 and 3: per-rank calls
 # ----------------------------------------------------------------------------------------------------
 
-# reversed_zigzag: tests/support/core/custom_layouts.py's user-defined layout (registered in the workers; no packed documents)
+# reversed_zigzag: tests/support/core/custom_layouts.py's user-defined layout (registered in the workers; no packed
+# documents)
 LAYOUTS = ("contiguous", "zigzag", "interleaved", "dualchunkswap", "head_tail", "striped", "modulo", "ZigZag",
            "reversed_zigzag")
 CANONICAL = {"contiguous": "contiguous", "zigzag": "zigzag", "interleaved": "interleaved",

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch.multiprocessing import ProcessRaisedException
 
 from cp_attention.launch import free_port, process_group, spawn
-
 from tests.support.core import dist_cases
 
 
@@ -54,7 +53,7 @@ def test_process_group_is_destroyed_when_the_block_raises():
     with pytest.raises(ZeroDivisionError):
         with process_group("gloo", rank=0, world_size=1, port=free_port()):
             assert dist.is_initialized() and dist.get_world_size() == 1
-            1 / 0
+            _ = 1 / 0
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=r"process_group\(rank=0\) also needs world_size and port"):
         with process_group("gloo", rank=0):
@@ -70,7 +69,7 @@ def test_process_group_is_destroyed_when_the_block_ends_or_destroyed_it_itself()
     with pytest.raises(ZeroDivisionError):  # the block's own error, not one from the teardown
         with process_group("gloo", rank=0, world_size=1, port=free_port()):
             dist.destroy_process_group()
-            1 / 0
+            _ = 1 / 0
     assert not dist.is_initialized()
 
 

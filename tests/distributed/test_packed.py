@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cp_attention as cpa
-from cp_attention.layouts.documents import (cu_seqlens_from_lengths, cu_seqlens_from_position_ids, document_ids, document_position_ids,
-                                    pad_cu_seqlens, zigzag_chunks)
-
+from cp_attention.layouts.documents import (
+    cu_seqlens_from_lengths,
+    cu_seqlens_from_position_ids,
+    document_ids,
+    document_position_ids,
+    pad_cu_seqlens,
+    zigzag_chunks,
+)
 from tests.support.core import dist_cases
 from tests.support.core.reference import tolerance
 

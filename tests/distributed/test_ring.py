@@ -9,7 +9,6 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.kernels.dtypes import dtype_from_name
-
 from tests.support.core import dist_cases
 from tests.support.core.reference import tolerance
 

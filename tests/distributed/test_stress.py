@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from benchmarks import stress
-
 from tests.support.core.dist_pool import CaseError, CaseTimeout, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[2]

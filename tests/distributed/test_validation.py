@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import cp_attention as cpa
-
 from tests.support.core import dist_cases
 
 CASES = {
     # name: (kwargs for every rank, per-rank overrides, expected message fragment)
     "zigzag_odd_local_len": (dict(local_len=3), None,
                              r"local sequence length 3 x world_size 3 = 9 tokens: zigzag layout needs seq_len "
-                             r"divisible by 2\*world_size=6, got 9; pad the sequence to a multiple of 6 \(12 tokens; packed "
+                             r"divisible by 2\*world_size=6, got 9; pad the sequence to a multiple of 6 \(12 tokens; "
+                             r"packed "
                              r"documents: cp_attention\.pad_cu_seqlens\(cu_seqlens, 6\)\) or use layout='contiguous'"),
     "head_ratio": (dict(heads=3, kv_heads=2), None, "multiple of the K/V heads"),
     "one_rank_other_head_dim": (dict(), {1: dict(head_dim=6, v_dim=6)}, "same tensor shapes"),
@@ -27,13 +27,15 @@ CASES = {
     "one_rank_other_shape": (dict(), {1: dict(local_len=6)}, "same tensor shapes"),
     "one_rank_other_layout": (dict(), {2: dict(layout="interleaved")}, "same layout"),
     "one_rank_other_dtype": (dict(), {0: dict(dtype="float64")},  # named, not by index
-                             r"same dtype, got rank 0: torch\.float64, rank 1: torch\.float32, rank 2: torch\.float32;"),
+                             r"same dtype, got rank 0: torch\.float64, rank 1: torch\.float32, "
+                             r"rank 2: torch\.float32;"),
     "one_rank_other_comm_type": (dict(), {1: dict(cp_comm_type="all_gather")},
                                  r"same cp_comm_type, got rank 0: 'p2p', rank 1: 'all_gather', rank 2: 'p2p';"),
     "causal_not_a_bool": (dict(causal="no"), None, r"causal must be a bool \(True or False\)"),
     "one_rank_other_sink_values": (dict(sinks=4), {1: dict(sink_value=0.5)}, "same sinks values"),
     "one_rank_other_causal": (dict(), {2: dict(causal=False)}, "same causal"),
-    "one_rank_bad_kernel": (dict(), {1: dict(kernel="nope")}, r"unknown kernel.*\(on rank 1; ranks with bad input: \[1\]\)"),
+    "one_rank_bad_kernel": (dict(), {1: dict(kernel="nope")},
+                            r"unknown kernel.*\(on rank 1; ranks with bad input: \[1\]\)"),
     "one_rank_no_grad": (dict(), {0: dict(requires_grad=False)}, "same requires_grad"),
     "sinks_wrong_length": (dict(sinks=3), None,
                            r"sinks must hold one logit per query head: expected shape \[4\], got \[3\]"),

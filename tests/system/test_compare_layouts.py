@@ -18,10 +18,13 @@ from benchmarks.modelled import AttentionShape, comm_bytes_per_rank, imbalance, 
 from benchmarks.window import window_size
 from studies.layout_comparison.analysis import ClusterSpec, document_padding, document_pairs, project
 from studies.layout_comparison.packed_documents import (
-    check_packed, lognormal_lengths, packed_stream, packed_tables, stream_divisor,
+    check_packed,
+    lognormal_lengths,
+    packed_stream,
+    packed_tables,
+    stream_divisor,
 )
 from studies.layout_comparison.sliding_windows import check_window, window_tables
-
 from tests.unit.benchmarks.test_modelled import contiguous_imbalance
 
 ROOT = Path(__file__).resolve().parents[2]

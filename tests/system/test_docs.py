@@ -27,7 +27,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -47,7 +46,8 @@ NOT_RUN: dict[str, str] = {
     "pip install torch==2.13.0": _INSTALLS,
     "pip install -e .": _INSTALLS,
     'pip install -e ".[all]"': _INSTALLS,
-    "torchrun --nproc-per-node=2 ring_demo.py": "the python block above it, which this test launches itself under torchrun",
+    "torchrun --nproc-per-node=2 ring_demo.py":
+        "the python block above it, which this test launches itself under torchrun",
     "make train": f"{_INSTALLS}, then {_TRAIN}",
     "make test": f"{_INSTALLS}, then runs the whole suite",
     "make test-fast": "the fast tier (no dist, slow or gpu mark) of the suite this test (dist) is part of",
@@ -83,7 +83,8 @@ NOT_RUN: dict[str, str] = {
     "python -m studies.layout_comparison experiment=smoke measure.world_sizes=[1,2,4] out_dir=results/layouts":
         "the comparison's smoke run at 3 world sizes, ~30 s (tests/system/test_compare_layouts.py runs it at one)",
     "python -m studies.layout_comparison plugins=[my_module] layouts=[zigzag,reversed_zigzag]":
-        "my_module stands for the reader's module (tests/unit/layouts/test_custom_layout.py runs it with tests.support.core.custom_layouts)",
+        "my_module stands for the reader's module (tests/unit/layouts/test_custom_layout.py runs it with "
+        "tests.support.core.custom_layouts)",
     # docs/README.md
     "python benchmarks/attention.py": _BENCH,
     # docs/benchmarks/2026-11-25-strategies.md, docs/benchmarks/2026-11-25-generate.md
@@ -114,7 +115,7 @@ class Block:
     line: int  # 1-based line of the block's first code line
     lang: str
     code: str
-    output: Optional[str] = None  # the text block that follows a python block
+    output: str | None = None  # the text block that follows a python block
 
     @property
     def id(self) -> str:

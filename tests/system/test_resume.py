@@ -21,17 +21,21 @@ import pytest
 pytest.importorskip("transformers", reason="needs the hf extra")
 import torch  # noqa: E402
 
-from cp_attention.training.checkpoint import (CorruptCheckpointError, check_resume_compatible,  # noqa: E402
-                                              checkpoint_info, find_complete_checkpoint, load_checkpoint,
-                                              save_checkpoint)
-
+from cp_attention.training.checkpoint import (  # noqa: E402
+    CorruptCheckpointError,
+    check_resume_compatible,
+    checkpoint_info,
+    find_complete_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.system.test_train import ROOT, TINY, _config, weights  # noqa: E402
 
 JOB = ["trainer.steps=8", "trainer.ckpt_every=3", "trainer.resume_from=auto", "trainer.dist_timeout_s=30"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
 
 
-def steps_logged(run_dir: Path) -> "list[int]":
+def steps_logged(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -40,7 +44,7 @@ def final_loss(run_dir: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> "tuple[Path, str]":
+def base(tmp_path_factory) -> tuple[Path, str]:
     """An uninterrupted 8-step torchrun job with checkpoints at 3, 6 and 8, started with resume_from=auto:
     the reference every resumed job must equal bit for bit (same launcher, so the same threads)."""
     run = tmp_path_factory.mktemp("resume") / "base"
@@ -228,7 +232,7 @@ class _Output:
             self.text += chunk.decode(errors="replace")
             self._times.append((time.monotonic(), len(self.text)))
 
-    def when(self, marker: str) -> "float | None":
+    def when(self, marker: str) -> float | None:
         at = self.text.find(marker)
         return next(t for t, end in self._times if end > at) if at >= 0 else None
 
@@ -238,7 +242,7 @@ class _Output:
         return rc
 
 
-def _torchrun(run_dir: Path, *overrides: str, kill: "str | None" = None) -> _Output:
+def _torchrun(run_dir: Path, *overrides: str, kill: str | None = None) -> _Output:
     """scripts/train.py under torchrun; ``kill="RANK:STEP"``: through tests/support/core/train_killing_a_rank.py,
     whose ``before_step`` callback SIGKILLs rank RANK as it starts step STEP (torchrun's first attempt only)."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}

@@ -43,14 +43,15 @@ def test_benchmark_packed_smoke():
     for impl in ("varlen/1 rank", "ring/contiguous", "ring/zigzag", "ring/interleaved"):
         line = next(x for x in proc.stdout.splitlines() if x.strip().startswith(impl))
         assert len(line.split()) == len(impl.split()) + 4, line  # two rounds' ratios, "median", the median
-        table = next(x for x in proc.stdout.splitlines() if x.split()[1:2] == impl.split()[:1] and x.split()[0] == "512")
+        table = next(x for x in proc.stdout.splitlines()
+                     if x.split()[1:2] == impl.split()[:1] and x.split()[0] == "512")
         assert float(table.split()[-3]) > 0, table  # fwd+bwd ms
 
 
 @pytest.mark.slow
 def test_benchmark_window_smoke(tmp_path):
     import cp_attention as cpa
-    
+
     out = tmp_path / "window.json"
     proc = subprocess.run([sys.executable, "benchmarks/window.py", "--quick", "--layouts", "contiguous",
                            "zigzag", "--windows", "8", "--json", str(out)],
@@ -73,7 +74,8 @@ def test_benchmark_window_smoke(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,needs", [("finetune_hf.py", "transformers"), ("pretrain_megatron.py", "megatron.core")])
+@pytest.mark.parametrize("script,needs", [("finetune_hf.py", "transformers"),
+                                          ("pretrain_megatron.py", "megatron.core")])
 def test_example_smoke(script, needs):
     pytest.importorskip(needs, reason=f"{script} needs {needs}")
     proc = subprocess.run(

@@ -22,7 +22,7 @@ TINY = ["trainer.seq_len=64", "trainer.micro_batch=2", "trainer.log_every=1", "t
         "model.hidden_size=32", "model.intermediate_size=64", "trainer.device=cpu"]
 
 
-def train(run_dir: Path, *overrides: str, launcher: "list[str] | None" = None, check: bool = True):
+def train(run_dir: Path, *overrides: str, launcher: list[str] | None = None, check: bool = True):
     keys = {o.split("=", 1)[0] for o in overrides}
     tiny = [o for o in TINY if o.split("=", 1)[0] not in keys]  # an explicit override replaces the tiny default
     cmd = (launcher or [sys.executable]) + ["scripts/train.py", *tiny, f"hydra.run.dir={run_dir}", *overrides]

@@ -10,20 +10,25 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs the hf extra")
 
-from cp_attention.training.checkpoint import (CorruptCheckpointError, check_resume_compatible,  # noqa: E402
-                                              checkpoint_info, find_complete_checkpoint, write_manifest, file_digests)
-
+from cp_attention.training.checkpoint import (  # noqa: E402
+    CorruptCheckpointError,
+    check_resume_compatible,
+    checkpoint_info,
+    file_digests,
+    find_complete_checkpoint,
+    write_manifest,
+)
 from tests.system.test_train import train  # noqa: E402
 
 JOB = ["trainer.steps=4", "trainer.ckpt_every=2", "trainer.fsdp=true"]
 FP32 = 2e-6  # relative: the same sums in another order (another dp x cp), fp32
 
 
-def losses(run_dir: Path) -> "dict[int, float]":
+def losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def _close(a: "dict[int, float]", b: "dict[int, float]", steps) -> None:
+def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
     for s in steps:
         assert abs(a[s] - b[s]) <= FP32 * abs(b[s]), f"step {s}: {a[s]} != {b[s]}"
 

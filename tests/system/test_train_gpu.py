@@ -30,7 +30,7 @@ def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
-def train(run_dir: Path, *overrides: str, ranks: "int | None" = 1) -> subprocess.CompletedProcess:
+def train(run_dir: Path, *overrides: str, ranks: int | None = 1) -> subprocess.CompletedProcess:
     """scripts/train.py under torchrun with ``ranks`` processes, or spawned by itself (``ranks=None``)."""
     launcher = [sys.executable] if ranks is None else TORCHRUN + [f"--nproc-per-node={ranks}"]
     keys = {o.split("=", 1)[0] for o in overrides}
@@ -81,7 +81,7 @@ def test_train_cp2_over_nccl(tmp_path, precision):
                                                         "fp32" else 2e-2)
 
 
-def _example(script: str, *extra: str, ranks: "int | None" = None) -> list:
+def _example(script: str, *extra: str, ranks: int | None = None) -> list:
     launcher = [sys.executable] if ranks is None else TORCHRUN + [f"--nproc-per-node={ranks}"]
     size = [] if ranks is not None else ["--world-size", "1"]
     proc = _run(launcher + [f"examples/{script}", "--steps", "3", "--seq-len", "64", "--batch", "2", "--log-every",

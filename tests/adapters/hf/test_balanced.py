@@ -20,7 +20,6 @@ import torch  # noqa: E402
 import cp_attention as cpa  # noqa: E402
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, pad_cu_seqlens  # noqa: E402
 from cp_attention.transport.loopback import LoopbackGroup  # noqa: E402
-
 from tests.support.hf import generate_cases  # noqa: E402
 from tests.support.hf.hf_loopback_cases import loopback_documents  # noqa: E402
 
@@ -29,7 +28,7 @@ FP64 = 1e-10
 ROWS = [[1, 6, 2, 14, 9], [5, 3, 22, 2]]
 
 
-def differs_from_zigzag(cu: "tuple[int, ...]", world_size: int) -> bool:
+def differs_from_zigzag(cu: tuple[int, ...], world_size: int) -> bool:
     """Whether balanced places the documents ``cu`` otherwise than zigzag on some rank: else a test of this
     batch could not tell the two apart."""
     balanced, zigzag = cpa.get_layout("balanced"), cpa.get_layout("zigzag")
@@ -120,7 +119,6 @@ def test_the_layout_matrix_batches_tell_balanced_from_zigzag():
     test_windows.py) are placed otherwise by balanced than by zigzag, so those cases could not pass by
     sharding with zigzag's positions."""
     from cp_attention.integrations.huggingface.batch import _shard_batch
-
     from tests.support.hf.hf_cases import _documents_batch
 
     lay = cpa.get_layout("balanced")

@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 import cp_attention as cpa  # noqa: E402
-
 from tests.support.hf import hf_cases  # noqa: E402
 from tests.support.hf.hf_versions import BIDIRECTIONAL_CONFIG, has  # noqa: E402
 
@@ -98,8 +97,8 @@ REFUSALS = {
 
 
 # Refusals that depend on a rank's own data: agreed once per forward, the same error on every rank.
-AGREED = ("labels_dp_cp_mesh", "padding_forward", "missing_position_ids", "contiguous_missing_position_ids", "padding_on_one_rank",
-          "positions_wrong_on_one_rank", "packed_kwargs", "packed_kv_differs", "kv_cache_decode")
+AGREED = ("labels_dp_cp_mesh", "padding_forward", "missing_position_ids", "contiguous_missing_position_ids",
+          "padding_on_one_rank", "positions_wrong_on_one_rank", "packed_kwargs", "packed_kv_differs", "kv_cache_decode")
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -140,4 +139,5 @@ def test_packed_and_padded_batches_equal_their_documents(pools, world_size, fami
         assert r["shape"][0] == 1, f"packed into one row: {r['shape']}"
         assert r["documents"] in (0, 1), f"{r['documents']} documents more than the batch holds (one may be padding)"
         for key in ("logits", "loss", "grads"):
-            assert r[key] <= FP64, f"{family} {layout} {mode} cp={world_size}: rank {rank} {key} differs by {r[key]:.3e}"
+            assert r[key] <= FP64, \
+                f"{family} {layout} {mode} cp={world_size}: rank {rank} {key} differs by {r[key]:.3e}"

@@ -52,7 +52,8 @@ def test_parameters_equal_single_process_on_the_global_batch(pools, case):
         assert r["loss"] <= EXACT, f"{what}: rank {rank} losses differ by {r['loss']:.2e} (relative)"
         assert r["losses"] == results[0]["losses"], f"{what}: rank {rank}'s loss values differ from rank 0's"
         # FSDP shards every parameter over all dp x cp ranks: each holds about 1/(dp*cp) of them
-        assert r["held"] <= r["full"] / (max(dp, 1) * cp) * 1.25, f"{what}: rank {rank} holds {r['held']} of {r['full']}"
+        assert r["held"] <= r["full"] / (max(dp, 1) * cp) * 1.25, \
+            f"{what}: rank {rank} holds {r['held']} of {r['full']}"
         assert r["offloaded"] == offload, f"{what}: rank {rank} CPUOffloadPolicy {r['offloaded']}, asked {offload}"
     assert sum(r["held"] for r in results) >= results[0]["full"], f"{what}: the shards do not cover the parameters"
 

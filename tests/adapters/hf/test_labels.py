@@ -16,7 +16,6 @@ pytest.importorskip("transformers", reason="needs the hf extra")
 import torch  # noqa: E402
 
 from cp_attention.transport.loopback import LoopbackGroup  # noqa: E402
-
 from tests.support.hf.hf_cases import SEQ, VOCAB, batch, build  # noqa: E402
 
 FP64 = 1e-10
@@ -28,7 +27,7 @@ def _labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def _run(world_size: int, family: str, full: dict, layout: str, forward=None) -> "tuple[list, list]":
+def _run(world_size: int, family: str, full: dict, layout: str, forward=None) -> tuple[list, list]:
     """Each loopback rank's ``(loss, logits, error)`` of ``model(**shard_batch(full))`` after backward,
     and the replicas (for their gradients). ``forward(model, local)`` replaces the plain call."""
     from cp_attention.integrations import huggingface as cphf
@@ -51,7 +50,7 @@ def _run(world_size: int, family: str, full: dict, layout: str, forward=None) ->
     return loop.run(rank_fn), replicas
 
 
-def _reference(family: str, full: dict) -> "tuple[torch.Tensor, list]":
+def _reference(family: str, full: dict) -> tuple[torch.Tensor, list]:
     ref = build(family)
     out = ref(**full, use_cache=False)  # transformers' own loss (fp32 inside) and attention, no CP
     out.loss.backward()

@@ -152,7 +152,7 @@ _AFTER = {
 }
 
 
-def _head_lines(cls) -> "tuple[str, tuple[str, ...]]":
+def _head_lines(cls) -> tuple[str, tuple[str, ...]]:
     lines = [line.split("  #")[0].strip() for line in inspect.getsource(cls.forward).splitlines()]
     lines = [line for line in lines if line and not line.startswith("#")]
     call = next(i for i, line in enumerate(lines) if line.startswith("outputs") and "= self." in line)

@@ -35,7 +35,6 @@ def test_hf_adapter_with_every_strategy_is_exact(family, comm, mesh, layout):
 def test_unknown_or_impossible_strategies_are_refused():
     from cp_attention.integrations import huggingface as cphf
     from cp_attention.transport.loopback import LoopbackGroup
-
     from tests.support.hf.hf_cases import build
 
     with pytest.raises(ValueError, match="unknown cp_comm_type 'ulysses'"):
@@ -57,7 +56,6 @@ def test_generate_after_a_strategys_prefill_equals_one_process(comm, mesh):
 
     from cp_attention.integrations import huggingface as cphf
     from cp_attention.transport.loopback import LoopbackGroup
-
     from tests.support.hf.generate_cases import _compare, build, prompts
 
     world = 4 if mesh else 2

@@ -52,7 +52,7 @@ def test_every_family_each_saver_alone_and_together(family):
     full = make_batch("plain", family)
     base = cp_step(model, 2, full, None)
     assert base["counts"] == _expected_counts({}, base["counts"]["layers"], 2)
-    for name, savers in SAVERS.items():
+    for _name, savers in SAVERS.items():
         if "mlp_chunks" in savers and savers["mlp_chunks"] and family in MOE:
             with pytest.raises(ValueError, match=r"mlp\.(router|gate) \(\w+TopKRouter\) .* mixture-of-experts"):
                 cp_step(model, 2, full, savers)

@@ -173,7 +173,6 @@ def test_strategies_the_cp_group_cannot_run_are_refused_at_once():
     import transformers as tf
 
     from cp_attention.integrations import huggingface as cphf
-
     from tests.support.hf.hf_cases import build
 
     CPTrainer = cphf.context_parallel_trainer(tf.Trainer)
@@ -241,7 +240,6 @@ def test_models_without_loss_kwargs_are_refused(tmp_path):
     import transformers as tf
 
     from cp_attention.integrations import huggingface as cphf
-
     from tests.support.hf.hf_cases import build
 
     model = build("llama")
@@ -279,7 +277,6 @@ def test_memory_arguments_that_cannot_be_honoured_are_refused(tmp_path, kwargs, 
     import transformers as tf
 
     from cp_attention.integrations import huggingface as cphf
-
     from tests.support.hf.hf_cases import build
 
     arguments = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **args)
@@ -294,7 +291,6 @@ def test_a_head_the_chunked_loss_cannot_apply_is_refused_when_built(tmp_path):
     import transformers as tf
 
     from cp_attention.integrations import huggingface as cphf
-
     from tests.support.hf.hf_cases import build
 
     class Custom(tf.LlamaForCausalLM):

@@ -41,7 +41,6 @@ def test_the_label_count_is_the_installed_trainers(tmp_path, name):
     import transformers as tf
 
     from cp_attention.integrations.huggingface.loss import trainer_label_count
-
     from tests.support.hf.hf_cases import build
 
     args = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])

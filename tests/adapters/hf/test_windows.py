@@ -10,10 +10,9 @@ import pytest
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 import cp_attention as cpa  # noqa: E402
-
+from tests.adapters.hf.test_equivalence import FP64, PLAIN_LAYOUTS, _assert_equivalent  # noqa: E402
 from tests.support.hf import hf_cases, hf_window_cases  # noqa: E402
 from tests.support.hf.hf_versions import BIDIRECTIONAL_CONFIG, needs  # noqa: E402
-from tests.adapters.hf.test_equivalence import FP64, PLAIN_LAYOUTS, _assert_equivalent  # noqa: E402
 
 # Every layer, max_window_layers, mask-only windows (Qwen2-MoE), alternating with softcap (Gemma2),
 # local/global layer_types (Gemma3), alternating with sinks (GPT-OSS): see hf_cases._window_config.
@@ -108,7 +107,8 @@ def test_mask_interface_hands_windows_on_and_refuses_what_it_cannot_honour():
     import torch
     from transformers import masking_utils as mu
 
-    from cp_attention.integrations.huggingface import attention as hf_attention, masks as hf_masks
+    from cp_attention.integrations.huggingface import attention as hf_attention
+    from cp_attention.integrations.huggingface import masks as hf_masks
 
     hf_attention._register()
     kwargs = _creator_kwargs(mu.create_causal_mask)
@@ -137,7 +137,8 @@ def test_mask_interface_hands_a_bidirectional_config_on():
     """config.is_causal=False: transformers asks the mask interface for a bidirectional mask, handed on."""
     from transformers import masking_utils as mu
 
-    from cp_attention.integrations.huggingface import attention as hf_attention, masks as hf_masks
+    from cp_attention.integrations.huggingface import attention as hf_attention
+    from cp_attention.integrations.huggingface import masks as hf_masks
 
     hf_attention._register()
     assert mu.create_causal_mask(config=_tiny_config(is_causal=False), **_creator_kwargs(mu.create_causal_mask)) == \

@@ -20,11 +20,10 @@ import torch  # noqa: E402
 import cp_attention as cpa  # noqa: E402
 from cp_attention.layouts.documents import document_position_ids  # noqa: E402
 from cp_attention.transport.loopback import LoopbackGroup  # noqa: E402
-
 from tests.support.megatron import megatron_packed_cases as mpc  # noqa: E402
 
 
-def _differs_from_zigzag(cu: "tuple[int, ...]", world_size: int) -> bool:
+def _differs_from_zigzag(cu: tuple[int, ...], world_size: int) -> bool:
     balanced, zigzag = cpa.get_layout("balanced"), cpa.get_layout("zigzag")
     return any(not torch.equal(balanced.positions(cu[-1], r, world_size, cu_seqlens=cu),
                                zigzag.positions(cu[-1], r, world_size, cu_seqlens=cu)) for r in range(world_size))

@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
 import cp_attention as cpa  # noqa: E402
-
 from tests.support.megatron import megatron_cases as mc  # noqa: E402
 from tests.support.megatron import megatron_packed_cases as mpc  # noqa: E402
 
@@ -149,7 +148,7 @@ def test_unsupported_inputs_are_refused_on_every_rank(pools):
             assert r[name].startswith(exc + ":"), f"{name} on rank {rank}: {r[name]}"
             assert fragment in r[name], f"{name} on rank {rank}: {fragment!r} not in {r[name]!r}"
         assert results[0][name] == results[1][name], f"{name}: ranks raised different errors"
-    for rank, r in enumerate(results):
+    for _rank, r in enumerate(results):
         assert r["dropout_eval"] == "no error", r["dropout_eval"]  # dropout is a no-op in eval mode
         assert r["config_list_entry"] == "a2a", r["config_list_entry"]  # the list's entry 1 for layer 2
         assert r["rope_subclass_left_untouched"] == "ScaledRotaryEmbedding", "a refused model was half-modified"
@@ -311,7 +310,8 @@ def test_hierarchical_levels_in_megatrons_order(pools):
         assert r["levels"] == ((rank // 2, 2), (rank % 2, 2)), (rank, r)
         if rank in (1, 2):
             assert r["swapped"].startswith("ValueError: megatron's hierarchical CP groups do not split the CP group "
-                                           f"as a2a+p2p needs: CP rank {rank} of 4 is rank {rank // 2} of 2 in level 0"), r
+                                           f"as a2a+p2p needs: CP rank {rank} of 4 is rank {rank // 2} of 2 in "
+                                           "level 0"), r
             assert r["swapped_p2p"], r  # levels that cannot serve a2a+p2p are dropped, not used
         else:  # the formula holds here: a rank cannot see the others' groups without communicating
             assert r["swapped"] == "no error", r

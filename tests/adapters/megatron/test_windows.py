@@ -10,11 +10,10 @@ import pytest
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
 import cp_attention as cpa  # noqa: E402
-
+from tests.adapters.megatron.test_equivalence import PLAIN_LAYOUTS, _packed_references  # noqa: E402
 from tests.support.megatron import megatron_cases as mc  # noqa: E402
 from tests.support.megatron import megatron_packed_cases as mpc  # noqa: E402
 from tests.support.megatron import megatron_window_cases as mwc  # noqa: E402
-from tests.adapters.megatron.test_equivalence import PLAIN_LAYOUTS, _packed_references  # noqa: E402
 
 FP64 = 1e-10
 FP32 = 2e-6  # megatron's own loss is computed in fp32
@@ -110,8 +109,9 @@ PACKED_CASES = list(itertools.product((2, 4), cpa.LAYOUT_NAMES))
 @pytest.mark.parametrize("world_size,layout", PACKED_CASES, ids=[f"cp{w}-{lay}" for w, lay in PACKED_CASES])
 def test_packed_windowed_gpt_matches_each_document_alone(pools, world_size, layout):
     """THD packed batches (padded or not) with a window of 3 on layer 1: positions within documents."""
-    results = pools(world_size).run(mpc.packed_equivalence, layout=layout, refs=_packed_references(pools, **PACKED_WINDOW),
-                                    model_kw=PACKED_WINDOW, timeout=180)
+    results = pools(world_size).run(mpc.packed_equivalence, layout=layout,
+                                    refs=_packed_references(pools, **PACKED_WINDOW), model_kw=PACKED_WINDOW,
+                                    timeout=180)
     for rank, per_padding in enumerate(results):
         for padded, r in per_padding.items():
             what = f"{layout} cp={world_size} padded={padded} rank {rank}"

@@ -40,7 +40,7 @@ def ring_inputs(rank: int, world: int):
     return [layout.shard(t, dim=1, rank=rank, world_size=world) for t in (q, k, v)]
 
 
-def ring_step(q, k, v, group, mode: str, backend: "str | None"):
+def ring_step(q, k, v, group, mode: str, backend: str | None):
     """Out and q/k/v grads of a function with compiled ops around the ring; ``mode``: how it gets its plan."""
     layout = cp_attention.get_layout("zigzag")
     prebuilt = cp_attention.plan(layout, group, causal=True)
@@ -88,7 +88,7 @@ def batches() -> list[dict]:
     return [{"input_ids": ids[0]}, {"input_ids": ids[1], "position_ids": packed}]
 
 
-def hf_losses_and_grads(base, group, backend: "str | None", batches) -> list[list[torch.Tensor]]:
+def hf_losses_and_grads(base, group, backend: str | None, batches) -> list[list[torch.Tensor]]:
     """Per batch: [loss, *grads] of a fresh copy of ``base`` patched for ``group``, compiled with ``backend``."""
     from cp_attention.integrations import huggingface as cphf
 
@@ -110,11 +110,12 @@ def hf_compiled_vs_eager(group, base, batches, backend: str) -> float:
     compiled = hf_losses_and_grads(base, group, backend, batches)
     for n, (e, c) in enumerate(zip(eager, compiled)):
         for i, (a, b) in enumerate(zip(e, c)):
-            torch.testing.assert_close(b, a, **TOL, msg=lambda m: f"batch {n}, {'loss' if i == 0 else f'grad {i}'}: {m}")
+            torch.testing.assert_close(
+                b, a, **TOL, msg=lambda m, n=n, i=i: f"batch {n}, {'loss' if i == 0 else f'grad {i}'}: {m}")
     return max(float((a - b).abs().max()) for e, c in zip(eager, compiled) for a, b in zip(e, c))
 
 
-def bad_positions_error(group, base, backend: "str | None") -> str:
+def bad_positions_error(group, base, backend: str | None) -> str:
     """The error a patched model (compiled with ``backend``) raises for position ids that are not the layout's."""
     from cp_attention.integrations import huggingface as cphf
 

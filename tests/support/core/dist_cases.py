@@ -10,17 +10,16 @@ import torch
 import torch.distributed as dist
 
 import cp_attention as cpa
-from cp_attention.layouts.documents import cu_seqlens_from_lengths
-from cp_attention.transport import transport_for
-from cp_attention.kernels.dtypes import dtype_from_name
-from cp_attention.kernels import MathKernel
 from cp_attention.engine.function import AttentionFunction
 from cp_attention.engine.ring import RingSource
 from cp_attention.engine.tasks import KernelSettings
+from cp_attention.kernels import MathKernel
+from cp_attention.kernels.dtypes import dtype_from_name
+from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.schedules import rank_steps
+from cp_attention.transport import transport_for
 
 from .reference import excess_error, reference_attention
-
 
 
 def make_inputs(seed: int, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, v_dim: int,
@@ -39,7 +38,7 @@ def attention_errors(rank: int, world_size: int, *, layout: str, causal: bool, d
                      batch: int = 2, local_len: int = 6, scale: float | None = None, atol: float,
                      rtol: float, seed: int = 0, sinks: bool = False, lse_grad: bool = False,
                      softcap: float = 0.0, window: tuple = (-1, -1), cp_comm_type: str = "p2p",
-                     mesh_shape: "tuple[int, int] | None" = None) -> dict:
+                     mesh_shape: tuple[int, int] | None = None) -> dict:
     """Excess error over tolerance (<= 0 passes) for out, lse, dq, dk, dv on this rank's shard.
 
     ``mesh_shape``: the group is a two-level ``DeviceMesh`` of that shape (for ``cp_comm_type="a2a+p2p"``).

@@ -22,15 +22,14 @@ still alive at exit can abort the process: "terminate called without an active e
 from __future__ import annotations
 
 import atexit
+import multiprocessing.connection as mp_connection
 import os
 import queue
 import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable, Optional
-
-import multiprocessing.connection as mp_connection
+from typing import Any, Callable, Iterable
 
 import torch.multiprocessing as mp
 
@@ -62,7 +61,7 @@ def _exit_when_orphaned(parent: Any, grace: float) -> None:
     os._exit(3)  # no destructors run, so no gloo thread is finalised
 
 
-def _worker_main(rank: int, world_size: int, port: int, inbox, answers, stderr_path: Optional[str] = None) -> None:
+def _worker_main(rank: int, world_size: int, port: int, inbox, answers, stderr_path: str | None = None) -> None:
     if stderr_path is not None:  # fd 2, so C++ messages ("terminate called ...") land there too
         fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 2)
@@ -118,7 +117,7 @@ class WorkerPool:
 
     LIVE_GROUP_AT_EXIT = _LIVE_GROUP_AT_EXIT
 
-    def __init__(self, world_size: int, stderr_path: "str | os.PathLike[str] | None" = None) -> None:
+    def __init__(self, world_size: int, stderr_path: str | os.PathLike[str] | None = None) -> None:
         self.world_size = world_size
         self.stderr_path = None if stderr_path is None else os.fspath(stderr_path)
         self._procs: list = []
@@ -205,7 +204,7 @@ class WorkerPool:
         self._stop(kill, stuck=())
 
     @staticmethod
-    def close_all(pools: "Iterable[WorkerPool]") -> None:
+    def close_all(pools: Iterable[WorkerPool]) -> None:
         """Close several pools politely, their workers leaving all at once rather than pool by pool."""
         pools = list(pools)
         for pool in pools:
@@ -213,7 +212,7 @@ class WorkerPool:
         for pool in pools:
             pool._reap(stuck=())
 
-    def _stop(self, kill: bool, stuck: "Iterable[int]") -> None:
+    def _stop(self, kill: bool, stuck: Iterable[int]) -> None:
         """Stop the workers: the idle ones get 10 s to leave, the ``stuck`` ranks a short grace."""
         self._tell_to_stop(kill)
         self._reap(stuck)
@@ -225,7 +224,7 @@ class WorkerPool:
             if p.is_alive():
                 box.put(_LEAVE if kill else _STOP)
 
-    def _reap(self, stuck: "Iterable[int]") -> None:
+    def _reap(self, stuck: Iterable[int]) -> None:
         stuck = set(stuck)
         now = time.monotonic()
         for rank, p in sorted(enumerate(self._procs), key=lambda rp: rp[0] in stuck):  # idle ranks first

@@ -1,4 +1,5 @@
-"""Cases for tests/distributed/test_fuzz_ring.py, test_fuzz_layout.py and tests/adapters/test_fuzz_adapters.py, executed inside the gloo workers: ``fn(rank, world_size, ...)``.
+"""Cases for tests/distributed/test_fuzz_ring.py, test_fuzz_layout.py and tests/adapters/test_fuzz_adapters.py,
+executed inside the gloo workers: ``fn(rank, world_size, ...)``.
 
 Every case is described by plain, picklable data (one description per rank, so ranks may be called
 with different arguments), built into tensors here, run, and reported as ``(exception type, message)``,
@@ -130,7 +131,7 @@ def hf_shard_call(rank: int, world_size: int, *, batches: list, layout: str = "z
 
 
 def megatron_batch_call(rank: int, world_size: int, *, batches: list, layout: str = "zigzag",
-                        packed: "list | None" = None) -> tuple[str, str]:
+                        packed: list | None = None) -> tuple[str, str]:
     """``megatron.get_batch_on_this_cp_rank(batches[rank], layout, cp_group=WORLD, packed_seq_params=...)``
     with ``packed[rank]`` the keyword arguments of a ``PackedSeqParams`` (tensors given as lists) or None;
     a successful call must give every token tensor this rank's share of the sequence."""
@@ -164,8 +165,6 @@ def megatron_attention_call(rank: int, world_size: int, *, specs: list, layout: 
     tensors) or an unpacked ``mask`` ("causal": the layout's own causal mask, "padding": one with a padded
     key, "shape": a mask of the wrong shape, None)."""
     from megatron.core.packed_seq_params import PackedSeqParams
-
-    from cp_attention.integrations import megatron as cpm
 
     from ..megatron.megatron_cases import _qkv, _ring, parallel_state
 

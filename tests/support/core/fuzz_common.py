@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, settings, strategies as st
-
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 # Bad inputs tried, per target (printed at the end of the session by tests/conftest.py's pytest_terminal_summary).
 TRIED: Counter = Counter()
@@ -52,4 +52,5 @@ def _cu(draw, total: int) -> list:
 def _layout(name: str):
     import cp_attention as cpa
 
-    return cpa.get_layout(name)  # reversed_zigzag: registered by fuzz_cases' import of tests.support.core.custom_layouts
+    # reversed_zigzag: registered by fuzz_cases' import of tests.support.core.custom_layouts
+    return cpa.get_layout(name)

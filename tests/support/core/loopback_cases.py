@@ -1,7 +1,7 @@
 """Ring attention with all N ranks in one process (cp_attention.transport.loopback), against an fp64 reference.
 
-Shared by tests/unit/transport/test_loopback.py (CPU, fp64, in CI) and tests/unit/engine/test_ring_cuda.py (one GPU, real CUDA
-kernels). The reference runs on the CPU in fp64 and never sees the sharding or the packing.
+Shared by tests/unit/transport/test_loopback.py (CPU, fp64, in CI) and tests/unit/engine/test_ring_cuda.py (one GPU,
+real CUDA kernels). The reference runs on the CPU in fp64 and never sees the sharding or the packing.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def _reference(q, k, v, dout, causal: bool, scale: float, cu: list[int], window,
 
 def loopback_errors(world_size: int, *, layout: str, causal: bool, dtype: torch.dtype = torch.float64,
                     device: str = "cpu", kernel: str = "auto", heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                    v_dim: "int | None" = None, local_len: int = 8, lengths: "list[int] | None" = None,
+                    v_dim: int | None = None, local_len: int = 8, lengths: list[int] | None = None,
                     window: tuple = (-1, -1), atol: float = 1e-10, rtol: float = 0.0, seed: int = 0,
-                    use_plan: bool = False, cp_comm_type: str = "p2p", mesh_shape: "tuple | None" = None,
+                    use_plan: bool = False, cp_comm_type: str = "p2p", mesh_shape: tuple | None = None,
                     sinks: bool = False, softcap: float = 0.0, lse_grad: bool = False, strided: tuple = (),
                     stride_form: str = "transposed") -> dict:
     """Excess error over tolerance (<= 0 passes) of out, lse, dq, dk, dv (and dsinks, summed over the

@@ -21,7 +21,7 @@ class Case(NamedTuple):
     s: int = 12
     h: int = 3
     dv: int = 8
-    rows: "slice | tuple[int, ...]" = slice(2, 7)
+    rows: slice | tuple[int, ...] = slice(2, 7)
     blk_dtype: torch.dtype = torch.float32
     empty: tuple[int, ...] = ()  # accumulator rows whose LSE is -inf (nothing merged yet)
     strided: bool = False  # accumulators and block as non-contiguous views
@@ -46,7 +46,7 @@ CASES = [
 ]
 
 
-def rows_arg(case: Case) -> "slice | torch.Tensor":
+def rows_arg(case: Case) -> slice | torch.Tensor:
     return case.rows if isinstance(case.rows, slice) else torch.tensor(case.rows, dtype=torch.int64)
 
 

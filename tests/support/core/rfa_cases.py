@@ -26,7 +26,7 @@ import importlib.metadata
 import importlib.util
 import sys
 import types
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from cp_attention.kernels.dtypes import dtype_from_name
 
-from .dist_cases import make_inputs
 from ..cuda.flash_attn_standin import install
+from .dist_cases import make_inputs
 from .reference import excess_error, reference_attention
 
 RFA_VERSION = "0.1.8"
@@ -48,7 +48,7 @@ TOLERANCE = {"float32": 1e-5, "float64": 1e-10}  # issue 42: ours against one pr
 FP32_TOLERANCE = 1e-5
 
 
-def rfa_missing() -> Optional[str]:
+def rfa_missing() -> str | None:
     """A skip reason if ring-flash-attention 0.1.8 is not installed, else None (nothing is imported)."""
     try:
         found = importlib.metadata.version("ring-flash-attn")
@@ -123,7 +123,7 @@ def function_name(placement: str, packing: str) -> str:
 
 def batch_case(rank: int, world_size: int, ref: Any, *, placement: str, packing: str, causal: bool, dtype: str,
                heads: int = 4, kv_heads: int = 4, head_dim: int = 8, batch: int = 2, local_len: int = 6,
-               window: tuple = (-1, -1), scale: Optional[float] = None, return_probs: bool = False,
+               window: tuple = (-1, -1), scale: float | None = None, return_probs: bool = False,
                explicit_group: bool = False, against_original: bool = True, seed: int = 0) -> dict:
     """Ours (``cp_attention.compat.ring_flash_attn``) on this rank's shard, in the original's placement, against:
 

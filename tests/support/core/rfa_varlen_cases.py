@@ -12,7 +12,7 @@ against one process's attention over the packed documents, on gloo pool workers 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,8 @@ from .reference import excess_error, reference_attention
 from .rfa_cases import FP32_TOLERANCE, TOLERANCE, packed_leaves
 
 VARLEN_MODULES = ("ring_flash_attn_varlen", "zigzag_ring_flash_attn_varlen", "llama3_flash_attn_varlen")
-KINDS = {"ring": "ring_flash_attn_varlen", "zigzag": "zigzag_ring_flash_attn_varlen", "llama3": "llama3_flash_attn_varlen"}
+KINDS = {"ring": "ring_flash_attn_varlen", "zigzag": "zigzag_ring_flash_attn_varlen",
+         "llama3": "llama3_flash_attn_varlen"}
 PACKINGS = ("", "kvpacked", "qkvpacked")
 
 
@@ -75,7 +76,7 @@ def doc_lengths(kind: str, world_size: int) -> tuple[int, ...]:
 
 def varlen_case(rank: int, world_size: int, ref: Any, *, kind: str, packing: str, causal: bool, dtype: str,
                 heads: int = 4, kv_heads: int = 2, head_dim: int = 8, window: tuple = (-1, -1),
-                scale: Optional[float] = None, return_probs: bool = False, explicit_group: bool = False,
+                scale: float | None = None, return_probs: bool = False, explicit_group: bool = False,
                 against_original: bool = True, prepared: str = "ours", heads_k_stride: int = 1,
                 seed: int = 0) -> dict:
     """Ours on this rank's shard in the original's placement, against one process's fp64 attention over the

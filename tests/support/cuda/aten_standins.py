@@ -143,7 +143,7 @@ class AtenStandIns:
         grads = attend_grads(dout, q, k, v, out, lse, _scale(a, q.shape[-1]), allowed)
         return tuple(g.to(q.dtype) for g in grads)
 
-    def _varlen_sequences(self, a: dict) -> list[tuple[slice, slice, "torch.Tensor | None"]]:
+    def _varlen_sequences(self, a: dict) -> list[tuple[slice, slice, torch.Tensor | None]]:
         """Checks of mha_varlen_fwd/bwd; each sequence's query rows, key rows and mask."""
         q, k, v, cu_q, cu_k = a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"]
         _require(q.dim() == k.dim() == v.dim() == 3, "varlen flash takes [T, H, D]")

@@ -15,11 +15,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import cp_attention as cpa
 from cp_attention.kernels import cuda_flash_attn
-
+from tests.support.core.strides import restride
 from tests.support.cuda import flash_attn_standin
 from tests.support.cuda.fake_cuda_checks import register_flash_attn_fakes
 from tests.support.cuda.fake_cuda_support import FakeCuda, SyncWatch, cuda_guard_problem, phase, summarize, tape
-from tests.support.core.strides import restride
 
 # Which aten ops each kernel's forward / backward must reach (a kernel that fell back to another ran
 # somewhere else). flash_attn's calls are counted on the stand-in.
@@ -142,7 +141,7 @@ def ring_case(env: FakeCuda, world: int, kernel: str, layout: str = "zigzag", dt
             "events": [e for _, events in per_rank for e in events], "calls": calls}
 
 
-def check_clean(res: dict, kernel: "str | None", cu_on_cuda: bool = False, ahead: bool = False) -> None:
+def check_clean(res: dict, kernel: str | None, cu_on_cuda: bool = False, ahead: bool = False) -> None:
     """No wrong shape, no host sync anywhere, no blocking H2D copy after the plan, no upload after the
     first call (``ahead``: none in the first call either, the plan was built before); the named kernel's
     own ops ran, forward and backward."""

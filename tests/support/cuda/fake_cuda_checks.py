@@ -209,7 +209,7 @@ class CheckedAten:
     """Stands in for ``torch.ops.aten`` in the kernel modules: binds, checks and counts each fused-op
     call, then runs the real op (its fake kernel)."""
 
-    def __init__(self, values: "dict[int, torch.Tensor] | None" = None) -> None:
+    def __init__(self, values: dict[int, torch.Tensor] | None = None) -> None:
         self.calls: Counter = Counter()
         self.values = {} if values is None else values  # fake device tensor id -> its real host values
 

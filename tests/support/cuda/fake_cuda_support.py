@@ -1,7 +1,8 @@
 """Running cp_attention's CUDA path without a GPU: every tensor the library sees is a FakeTensor on
 ``cuda:0`` (torch's FakeTensorMode: aten ops run their meta/fake kernels, giving the real output
 shapes, dtypes and strides and no data), through the ring on the in-process loopback transport.
-Used through ``tests/support/cuda/fake_cuda_cases.py`` by the fake-CUDA tests (issue 23); the method is that of the shared ``/work/shared/tools/fake_cuda_trace.py`` (outside the repository).
+Used through ``tests/support/cuda/fake_cuda_cases.py`` by the fake-CUDA tests (issue 23); the method is that
+of the shared ``/work/shared/tools/fake_cuda_trace.py`` (outside the repository).
 
 What is patched, none of it in cp_attention's source, all of it undone by the caller's
 ``pytest.MonkeyPatch`` (and :meth:`FakeCuda.close`) except P1:
@@ -50,7 +51,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
@@ -91,7 +92,7 @@ def _fake_cuda_indexing_works() -> bool:
         return False
 
 
-def cuda_guard_problem() -> Optional[str]:
+def cuda_guard_problem() -> str | None:
     """None once fake CUDA tensors can be indexed from Python (a CUDA build has a guard; a CPU build
     gets the no-op one, compiled once under the system temp dir); else why not (a skip reason naming
     what is missing)."""
@@ -126,7 +127,7 @@ def cuda_guard_problem() -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------- P2
-def fix_efficient_backward_meta() -> "torch.library.Library | None":
+def fix_efficient_backward_meta() -> torch.library.Library | None:
     """A Meta kernel for ``aten::_efficient_attention_backward`` with the schema's arguments, if torch's
     lacks ``out``; the returned library's ``_destroy()`` restores torch's."""
     import torch._meta_registrations as meta
@@ -153,11 +154,12 @@ _SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.is_nonzero, aten.equal
 _COPY_OPS = {aten._to_copy, aten.copy_, aten.copy}
 
 
-_PINNED: "dict[int, weakref.ref]" = {}  # by id: tensors compare elementwise, so no WeakSet
+_PINNED: dict[int, weakref.ref] = {}  # by id: tensors compare elementwise, so no WeakSet
 
 
 def _pin_memory(self, *args, **kwargs):  # P3: a CPU build cannot pin; mark instead
-    _PINNED[id(self)] = weakref.ref(self, lambda _, key=id(self): _PINNED.pop(key, None))
+    key = id(self)
+    _PINNED[key] = weakref.ref(self, lambda _: _PINNED.pop(key, None))
     return self
 
 
@@ -177,7 +179,7 @@ class SyncWatch(TorchDispatchMode):
     The host values of small uploads are kept in ``values`` (the checks read uploaded offsets there).
     """
 
-    def __init__(self, events: Optional[list] = None, values: "dict[int, torch.Tensor] | None" = None) -> None:
+    def __init__(self, events: list | None = None, values: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.events = [] if events is None else events
         self.phase = "?"
@@ -305,15 +307,15 @@ class FakeCuda:
         self.meta_lib = None
         self.ring_function = None
 
-    def install(self, mp) -> "FakeCuda":
+    def install(self, mp) -> FakeCuda:
         import cp_attention.api as api
         import cp_attention.checks.validation as validation
         import cp_attention.engine.doc_batch as doc_batch
         import cp_attention.engine.doc_index as doc_index
-        import cp_attention.engine.plan as plan_mod
         import cp_attention.engine.function as function
-        import cp_attention.engine.varlen_batch as varlen_batch
         import cp_attention.engine.needs_index as needs_index
+        import cp_attention.engine.plan as plan_mod
+        import cp_attention.engine.varlen_batch as varlen_batch
         from cp_attention.engine.fault import RingFault
         from cp_attention.kernels import cuda_cudnn, cuda_efficient, cuda_flash
 

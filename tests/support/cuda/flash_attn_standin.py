@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Optional, Tuple
 
 import torch
 
@@ -24,7 +23,7 @@ __all__ = ["attend", "attend_grads", "band", "install", "VERSIONS"]
 VERSIONS = ("2.6.3", "2.7.4", "2.8.3")
 
 
-def band(sq: int, sk: int, left: int, right: int, device=None) -> "torch.Tensor | None":
+def band(sq: int, sk: int, left: int, right: int, device=None) -> torch.Tensor | None:
     """``[Sq, Sk]`` bool, flash's window aligned bottom-right: query i sees key j iff
     i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1 = unbounded); None if both are unbounded."""
     if left < 0 and right < 0:
@@ -273,11 +272,11 @@ def _v27_varlen(tag: str):
                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int = -1,
                                    window_size_right: int = -1, softcap: float = 0.0,
-                                   alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
-                                   block_table: Optional[torch.Tensor] = None,
-                                   leftpad_k: Optional[torch.Tensor] = None,
-                                   seqused_k: Optional[torch.Tensor] = None,
-                                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                                   alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False,
+                                   block_table: torch.Tensor | None = None,
+                                   leftpad_k: torch.Tensor | None = None,
+                                   seqused_k: torch.Tensor | None = None,
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size_left, window_size_right, softcap,
                                    alibi_slopes, (block_table, leftpad_k, seqused_k))
@@ -285,13 +284,13 @@ def _v27_varlen(tag: str):
 
     @torch.library.custom_op(f"{ns}::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
     def _flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                    out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
-                                    dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
+                                    out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor | None,
+                                    dk: torch.Tensor | None, dv: torch.Tensor | None,
                                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                                     max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
                                     window_size_left: int, window_size_right: int, softcap: float,
-                                    alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                                    rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                    alibi_slopes: torch.Tensor | None, deterministic: bool,
+                                    rng_state: torch.Tensor | None = None) -> torch.Tensor:
         # as the real op: gradients land only in the given buffers
         return _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                 max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
@@ -310,19 +309,19 @@ def _v27(tag: str):
     @torch.library.custom_op(f"{ns}::_flash_attn_forward", mutates_args=())
     def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
                             causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-                            alibi_slopes: Optional[torch.Tensor], return_softmax: bool
-                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                            alibi_slopes: torch.Tensor | None, return_softmax: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
                             alibi_slopes, True)
         return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), torch.empty(2, dtype=torch.int64)
 
     @torch.library.custom_op(f"{ns}::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
     def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                             softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
-                             dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+                             softmax_lse: torch.Tensor, dq: torch.Tensor | None, dk: torch.Tensor | None,
+                             dv: torch.Tensor | None, dropout_p: float, softmax_scale: float, causal: bool,
                              window_size_left: int, window_size_right: int, softcap: float,
-                             alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                             rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             alibi_slopes: torch.Tensor | None, deterministic: bool,
+                             rng_state: torch.Tensor | None = None) -> torch.Tensor:
         # as the real op: gradients land only in the given buffers; one allocated here is lost
         return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                          window_size_left, window_size_right, softcap, alibi_slopes, True)[1]

@@ -24,7 +24,7 @@ def mesh(dp: int, cp: int):
     return _MESHES[(dp, cp)]
 
 
-def dp_batch(step: int, dp_rank: int, packed: bool, seq: int) -> "tuple[dict, list[tuple]]":
+def dp_batch(step: int, dp_rank: int, packed: bool, seq: int) -> tuple[dict, list[tuple]]:
     """One dp rank's batch for ``step`` and its documents as ``(ids, labels)`` rows for the reference.
 
     The dp ranks' batches hold different numbers of label tokens (a masked label span, or other
@@ -66,8 +66,8 @@ def _optimizer(name: str, params):
 
 
 def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int, cp: int, packed: bool,
-                checkpointing: "bool | str", optim: str, steps: int = 3, cp_comm_type: str = "p2p",
-                chunk_tokens: "int | None" = None, mlp_chunks: "int | None" = None,
+                checkpointing: bool | str, optim: str, steps: int = 3, cp_comm_type: str = "p2p",
+                chunk_tokens: int | None = None, mlp_chunks: int | None = None,
                 offload_optimizer: bool = False) -> dict:
     """On the (dp, cp) mesh (dp=0: a 1-D "cp" mesh), train ``steps`` steps with ``parallelize`` (and
     ``cp_comm_type``, ``checkpointing``, ``mlp_chunks``, ``offload_optimizer``) and, on every rank, the
@@ -116,7 +116,7 @@ def equivalence(rank: int, world_size: int, *, family: str, layout: str, dp: int
             "impl": model.config._attn_implementation}
 
 
-def _offloaded(model) -> "bool | None":
+def _offloaded(model) -> bool | None:
     """Whether every FSDP2 parameter group of ``model`` runs CPUOffloadPolicy (None: some do, some not)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
@@ -125,7 +125,7 @@ def _offloaded(model) -> "bool | None":
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def refusal(rank: int, world_size: int, *, case: str) -> "tuple[str, str]":
+def refusal(rank: int, world_size: int, *, case: str) -> tuple[str, str]:
     """One input ``parallelize`` or ``shard_batch`` must refuse; the exception's type and message."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

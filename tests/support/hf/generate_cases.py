@@ -6,7 +6,7 @@ differently seeded processes agree, and equal one process seeded as rank 0."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -31,12 +31,13 @@ def _compare(got: Any, want: Any) -> dict:
     if len(got.scores) != len(want.scores):
         return {"sequences": same, "scores": float("inf")}
     # processors mask scores to -inf (min_new_tokens, no_repeat_ngram_size): equal infinities agree
-    gaps = [torch.where(a == b, torch.zeros_like(a), (a - b).abs()).max().item() for a, b in zip(got.scores, want.scores)]
+    gaps = [torch.where(a == b, torch.zeros_like(a), (a - b).abs()).max().item()
+            for a, b in zip(got.scores, want.scores)]
     return {"sequences": same, "scores": max(gaps)}
 
 
 def loopback_generate(world: int, family: str, layout: str, seq: int = 13, pads: tuple = (0, 3), rows: int = 2,
-                      device: str = "cpu", seed: Optional[int] = None, **gen_kwargs: Any) -> list[dict]:
+                      device: str = "cpu", seed: int | None = None, **gen_kwargs: Any) -> list[dict]:
     """Per rank: whether its sequences equal single-process generate's, its worst score difference, how
     many prompt and generated tokens its cache holds (``cached``) and its ``tokens``. With ``seed``, the
     process's generator (which every loopback thread shares) is seeded so before either generate."""

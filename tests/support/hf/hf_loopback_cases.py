@@ -15,7 +15,7 @@ from .hf_cases import batch, build
 
 def loopback_equivalence(world_size: int, *, family: str = "llama", layout: str = "zigzag", device: str = "cpu",
                          dtype: torch.dtype = torch.float64, seq: int = 32, cp_comm_type: str = "p2p",
-                         mesh_shape: "tuple[int, int] | None" = None) -> dict:
+                         mesh_shape: tuple[int, int] | None = None) -> dict:
     """Max abs differences of the gathered logits, the loss and the rank-summed gradients of the patched
     replicas against the unpatched model (the same dtype and device); ``grads_rel``: the worst gradient
     difference relative to that parameter's largest gradient. ``cp_comm_type`` and ``mesh_shape`` (a
@@ -55,7 +55,7 @@ def loopback_equivalence(world_size: int, *, family: str = "llama", layout: str 
             "grads": grad_err, "grads_rel": grad_rel}
 
 
-def packed_rows(lengths: "list[list[int]]", seed: int = 3) -> "tuple[dict, list[torch.Tensor]]":
+def packed_rows(lengths: list[list[int]], seed: int = 3) -> tuple[dict, list[torch.Tensor]]:
     """A packed batch (``position_ids`` restarting at 0 at every document; row r holds documents of
     ``lengths[r]`` tokens, every row as long) and its documents as separate token rows."""
     from .hf_cases import VOCAB
@@ -72,7 +72,7 @@ def packed_rows(lengths: "list[list[int]]", seed: int = 3) -> "tuple[dict, list[
     return {"input_ids": ids, "position_ids": pos}, docs
 
 
-def loopback_documents(world_size: int, lengths: "list[list[int]]", *, layout: str, family: str = "llama") -> dict:
+def loopback_documents(world_size: int, lengths: list[list[int]], *, layout: str, family: str = "llama") -> dict:
     """A packed batch (:func:`packed_rows`) through ``shard_batch`` and the patched model on loopback
     ranks, against each document run alone without CP (fp64): max abs differences of the gathered logits
     (per document), the loss and the rank-summed gradients; ``sharded`` whether every rank's tokens,

@@ -5,7 +5,7 @@ over gloo; and the vocab-sized tensors each creates."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,7 +67,7 @@ def full_batch(mode: str, seq: int = SEQ) -> dict:
     raise ValueError(mode)
 
 
-def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> "tuple[float, float]":
+def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, float]:
     """Largest |difference| of two replicas' parameter gradients (None must match None), and the
     largest gradient (so a test can see the gradients are not all zero)."""
     diff, scale = 0.0, 0.0
@@ -81,8 +81,8 @@ def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> "tuple[float, float]":
 
 
 def compare(world_size: int, *, family: str = "llama", mode: str = "plain", layout: str = "zigzag",
-            cp_comm_type: str = "p2p", mesh_shape: "tuple[int, int] | None" = None, chunk_tokens: int = 5,
-            num_items_in_batch: "int | float | torch.Tensor | None" = None, seq: int = SEQ, **overrides: Any) -> dict:
+            cp_comm_type: str = "p2p", mesh_shape: tuple[int, int] | None = None, chunk_tokens: int = 5,
+            num_items_in_batch: int | float | torch.Tensor | None = None, seq: int = SEQ, **overrides: Any) -> dict:
     """``lm_loss`` against ``causal_lm_loss(model(**model_inputs(local)).logits, ...)`` on identical
     replicas patched over ``world_size`` loopback ranks (1: the unpatched model, ``group=None``).
 
@@ -156,7 +156,7 @@ class VocabRows(TorchDispatchMode):
         return out
 
 
-def vocab_rows(chunk_tokens: Optional[int], vocab: int = 97, mode: str = "plain", seq: int = 32) -> dict:
+def vocab_rows(chunk_tokens: int | None, vocab: int = 97, mode: str = "plain", seq: int = 32) -> dict:
     """The most rows of any vocab-sized tensor created in the loss's forward and in its backward, for
     ``lm_loss`` over ``chunk_tokens`` (None: ``causal_lm_loss`` on the full logits), one process. The
     vocab (97) is no other dim of the model, so only logits-like tensors are counted."""
@@ -193,7 +193,7 @@ def fsdp_equivalence(rank: int, world_size: int, *, chunk_tokens: int, mode: str
     got = cphf.lm_loss(mine, local, group=mesh, chunk_tokens=chunk_tokens)
     got.backward()
     diff, scale = 0.0, float("inf")
-    for (name, p), q in zip(ref.named_parameters(), mine.parameters()):
+    for (_name, p), q in zip(ref.named_parameters(), mine.parameters()):
         a, b = p.grad.full_tensor(), q.grad.full_tensor()
         diff, scale = max(diff, (a - b).abs().max().item()), min(scale, a.abs().max().item())
     return {"loss": abs(want.item() - got.item()), "grads": diff, "grad_scale": scale, "value": got.item()}

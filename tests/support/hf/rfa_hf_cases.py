@@ -25,7 +25,7 @@ from tests.support.hf import torch_cp_cases
 STEPS = 3
 
 
-def original_adapter_signatures() -> "dict[str, list[tuple[str, object]]] | None":
+def original_adapter_signatures() -> dict[str, list[tuple[str, object]]] | None:
     """The top-level functions of ring-flash-attention's ``adapters/hf_adapter.py``: their parameters (name, default
     or ``inspect.Parameter.empty``) in order, read from its source with ``ast`` (importing it fails on
     transformers 5); None when ring-flash-attention is not installed."""

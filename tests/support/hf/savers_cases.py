@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from typing import Optional
 
 import torch
 
 from cp_attention.memory import offload
 from cp_attention.transport.loopback import LoopbackGroup
 
-from .hf_cases import SEQ, WINDOW_SEQ, _documents_batch, batch, build
+from .hf_cases import SEQ, WINDOW_SEQ, _documents_batch, batch
 
 BATCHES = ("plain", "padded", "packed")
 
@@ -74,7 +73,7 @@ def _instrument(model: torch.nn.Module, counts: _Counts) -> None:
             first.register_forward_pre_hook(lambda *_: counts.add("mlp_inner"))
 
 
-def cp_step(model_ref, world: int, full: dict, savers: Optional[dict], *, layout: str = "zigzag",
+def cp_step(model_ref, world: int, full: dict, savers: dict | None, *, layout: str = "zigzag",
             cp_comm_type: str = "p2p", mesh_shape=None, loss: str = "causal_lm_loss") -> dict:
     """One forward and backward of ``world`` CP replicas of ``model_ref`` (deep copies, patched with
     ``apply_context_parallel``, then ``save_memory(**savers)`` unless ``savers`` is None) on ``full``:

@@ -99,7 +99,7 @@ def sequential_sampling() -> dict:
 
 def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, steps: int, cp: int, layout: str,
              eval_dataset=None, save_steps: int = 0, average_tokens: bool = True, cp_comm_type: str = "p2p",
-             savers: "dict | None" = None, packing: bool = True):
+             savers: dict | None = None, packing: bool = True):
     """The Trainer of ``kind`` (``trainer``: default collator; ``flatten``: DataCollatorWithFlattening;
     ``sft``: SFTTrainer, with ``packing`` or padded rows), CP when ``cp`` > 1 (with the CP Trainer's memory arguments
     ``savers``); sequential sampling, constant-lr SGD."""
@@ -134,7 +134,7 @@ def _trainer(kind: str, model, dataset, out: str, *, batch: int, accum: int, ste
 
 
 def train(rank: int, world_size: int, *, kind: str, family: str, layout: str, cp: int, batch: int, accum: int = 1,
-          steps: int = 3, average_tokens: bool = True, cp_comm_type: str = "p2p", savers: "dict | None" = None) -> dict:
+          steps: int = 3, average_tokens: bool = True, cp_comm_type: str = "p2p", savers: dict | None = None) -> dict:
     """Train ``steps`` steps; rank 0 returns the weights and the logged losses, every rank its calls of
     the chunked loss. ``batch`` is per device: with cp > 1 each dp rank's; the global batch is ``batch *
     world_size / cp``. ``average_tokens``: the Trainer's ``average_tokens_across_devices``;

@@ -93,8 +93,8 @@ def reference(rank: int, world_size: int, model_kw: dict, with_mask: bool = Fals
             "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layout: "str | None" = None,
-              ring_windows: "list | None" = None, cp_comm_type=None):
+def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layout: str | None = None,
+              ring_windows: list | None = None, cp_comm_type=None):
     from cp_attention.integrations import megatron as cpm
 
     spec = cpm.get_gpt_layer_ring_spec(layout, normalization="RMSNorm", cp_comm_type=cp_comm_type)
@@ -111,15 +111,15 @@ def _cp_model(world_size: int, layout: str, ref: dict, model_kw: dict, rope_layo
 
 
 def equivalence(rank: int, world_size: int, layout: str, ref: dict, model_kw: dict, with_mask: bool = False,
-                rope_layout: "str | None" = None, ring_windows: "list | None" = None, cp_comm_type=None,
-                hierarchical: "tuple[int, int] | None" = None) -> dict:
+                rope_layout: str | None = None, ring_windows: list | None = None, cp_comm_type=None,
+                hierarchical: tuple[int, int] | None = None) -> dict:
     """CP=world_size vs the reference: max abs differences of gathered logits, losses and summed grads.
     ``ring_windows``: per-layer windows forced onto the ring attentions (wrong on purpose).
     ``cp_comm_type``: the layer spec's (one, or one per layer). ``hierarchical`` (a2a, p2p): megatron's
     hierarchical CP groups as ``initialize_model_parallel(hierarchical_context_parallel_sizes=...)``
     makes them (level 0 consecutive CP ranks), stood in by a DeviceMesh's (megatron needs einops)."""
-    from cp_attention.integrations.megatron import groups as megatron_groups
     from cp_attention.integrations import megatron as cpm
+    from cp_attention.integrations.megatron import groups as megatron_groups
 
     ps = parallel_state(world_size)
     group = ps.get_context_parallel_group()
@@ -374,8 +374,6 @@ def example_losses(rank: int, world_size: int, argv: list) -> list:
 def pg_collection_group(rank: int, world_size: int, layout: str) -> dict:
     """CP over ``pg_collection.cp`` (two independent pairs of ranks), not megatron's global CP group."""
     from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from cp_attention.integrations import megatron as cpm
 
     from ..core.reference import reference_attention
 

@@ -154,9 +154,9 @@ def packed_one_rank_bad(rank: int, world_size: int) -> dict:
     out = {}
     for name, variant in variants.items():
         mine = variant if rank == 0 else params
-        out[f"model/{name}"] = _error(lambda: model(local["tokens"], local["position_ids"], None,
-                                                    packed_seq_params=mine))
-        out[f"layer/{name}"] = _error(lambda: ring(q, k, v, None, packed_seq_params=mine))
+        out[f"model/{name}"] = _error(lambda mine=mine: model(local["tokens"], local["position_ids"], None,
+                                                              packed_seq_params=mine))
+        out[f"layer/{name}"] = _error(lambda mine=mine: ring(q, k, v, None, packed_seq_params=mine))
     out["ring_calls"] = calls["ring"]
     return out
 
@@ -194,12 +194,12 @@ def collectives_per_forward(rank: int, world_size: int, layout: str) -> dict:
     out = {}
     for layers in (2, 4):
         model = _model(world_size, layout, num_layers=layers)
-        runs = {
-            "plain": lambda: model(local["tokens"], local["position_ids"], None),
-            "mask": lambda: model(local["tokens"], local["position_ids"], local["attention_mask"]),
-            "mask_as_kwargs": lambda: model(input_ids=local["tokens"], position_ids=local["position_ids"],
-                                            attention_mask=local["attention_mask"]),
-            "packed": lambda: model(packed["tokens"], packed["position_ids"], None,
+        runs = {  # each is run in the loop below, within this iteration
+            "plain": lambda: model(local["tokens"], local["position_ids"], None),  # noqa: B023
+            "mask": lambda: model(local["tokens"], local["position_ids"], local["attention_mask"]),  # noqa: B023
+            "mask_as_kwargs": lambda: model(  # noqa: B023
+                input_ids=local["tokens"], position_ids=local["position_ids"], attention_mask=local["attention_mask"]),
+            "packed": lambda: model(packed["tokens"], packed["position_ids"], None,  # noqa: B023
                                     packed_seq_params=packed["packed_seq_params"]),
         }
         for name, run in runs.items():
@@ -213,7 +213,7 @@ def collectives_per_forward(rank: int, world_size: int, layout: str) -> dict:
     with counting() as counts:
         core(q, k, v, None)
     out["direct_layer"] = dict(counts)
-    for handle in getattr(model, "_cp_forward_checks_hooks"):
+    for handle in model._cp_forward_checks_hooks:
         handle.remove()
     with counting() as counts:
         runs["mask"]()

@@ -13,7 +13,6 @@ import cp_attention as cpa
 from .megatron_cases import SEQ, VOCAB, _cp_model, _error, _qkv, _ring, build, config, parallel_state
 from .megatron_cpu import cuda_hardcodes_unpatched, megatron_cuda_hardcodes_on_cpu
 
-
 # Packed (THD) batches over SEQ tokens: a 1-token document, documents shorter than CP 3, and no
 # length divisible by 2 * CP for CP 2 or 3 (so TransformerEngine's per-document split could not shard them).
 DOCS = (1, 5, 2, 9, 7)
@@ -68,7 +67,7 @@ def packed_reference(rank: int, world_size: int, model_kw: dict, padded: bool) -
 
 
 def packed_equivalence(rank: int, world_size: int, layout: str, refs: dict, model_kw: dict,
-                       rope_layout: "str | None" = None) -> dict:
+                       rope_layout: str | None = None) -> dict:
     """CP=world_size on packed THD batches vs each document run on its own at CP=1 (``refs[padded]``):
     max abs differences of the real tokens' gathered logits, of the loss and of the summed gradients.
     ``rope_layout``: rotate with the packed rows of another layout (wrong on purpose)."""

@@ -1,7 +1,8 @@
 """Sliding-window cases of the Megatron adapter (issue 11) at the core-attention level, run inside the gloo
 workers. The reference is megatron's own local ``DotProductAttention`` with its own sliding-window mask
 (``get_sliding_window_causal_mask``), at CP=1 on the full sequence; the model-level cases are
-:func:`tests.support.megatron.megatron_cases.equivalence` and :func:`tests.support.megatron.megatron_packed_cases.packed_equivalence`."""
+:func:`tests.support.megatron.megatron_cases.equivalence` and
+:func:`tests.support.megatron.megatron_packed_cases.packed_equivalence`."""
 
 from __future__ import annotations
 

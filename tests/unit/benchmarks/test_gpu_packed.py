@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from benchmarks.gpu import kernel_picks
-from benchmarks.gpu_packed import (PackedRow, efficiency, layout_row, packed_documents, replay_plan,
-                                   whole_batch)
+from benchmarks.gpu_packed import PackedRow, efficiency, layout_row, packed_documents, replay_plan, whole_batch
 from benchmarks.modelled import AttentionShape, model_bytes
 from cp_attention import LAYOUT_NAMES
 from cp_attention.kernels import BLOCK_KINDS, get_kernel

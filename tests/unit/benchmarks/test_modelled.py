@@ -9,7 +9,12 @@ import pytest
 
 import cp_attention as cpa
 from benchmarks.modelled import (
-    AttentionShape, comm_bytes_per_rank, flops_per_pair, imbalance, kv_bytes_per_hop, step_sync_efficiency,
+    AttentionShape,
+    comm_bytes_per_rank,
+    flops_per_pair,
+    imbalance,
+    kv_bytes_per_hop,
+    step_sync_efficiency,
 )
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cp_attention.checks.codec import (Codec, Field, agree_rows, decode_text, encode_text, raise_differing,
-                                       raise_first)
+from cp_attention.checks.codec import Codec, Field, agree_rows, decode_text, encode_text, raise_differing, raise_first
 from cp_attention.checks.validation import CALL_FIELDS, PLAN_FIELDS, plan_codes, tensor_codes, trusted_plan_key
 from cp_attention.transport.loopback import LoopbackGroup
 

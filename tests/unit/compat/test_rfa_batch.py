@@ -5,14 +5,12 @@ gradients of one process's attention (tests/support/core/rfa_cases.py)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import cp_attention
 import cp_attention.compat.ring_flash_attn as ours
 from cp_attention.compat import rfa_batch
-
 from tests.support.core import rfa_cases
 from tests.support.core.reference import reference_attention
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from cp_attention.compat import rfa_hf_adapter
-
 from tests.support.hf import rfa_hf_cases
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -24,9 +23,9 @@ ORIGINAL_NAMES = ("DATA_PARAMS", "RING_ATTN_SWITCH", "check_params", "update_rin
 
 def test_the_callers_imports_resolve_to_ours():
     with rfa_hf_cases.installed():
+        import ring_flash_attn.adapters.hf_adapter as by_path
         from ring_flash_attn import substitute_hf_flash_attn, update_ring_flash_attn_params
         from ring_flash_attn.adapters import hf_adapter
-        import ring_flash_attn.adapters.hf_adapter as by_path
 
         assert hf_adapter is by_path is rfa_hf_adapter
         assert substitute_hf_flash_attn is rfa_hf_adapter.substitute_hf_flash_attn

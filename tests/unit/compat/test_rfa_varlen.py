@@ -14,10 +14,9 @@ import torch
 import cp_attention
 import cp_attention.compat.ring_flash_attn as ours
 from cp_attention.compat import rfa_varlen
-
-from tests.support.cuda import flash_attn_standin
 from tests.support.core import rfa_cases
 from tests.support.core import rfa_varlen_cases as vc
+from tests.support.cuda import flash_attn_standin
 
 WORLD_SIZES = (2, 3, 4)
 VARLEN_NAMES = [vc.function_name(kind, p) for kind in vc.KINDS for p in vc.PACKINGS]

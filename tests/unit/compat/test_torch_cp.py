@@ -16,7 +16,6 @@ import cp_attention as cpa
 from cp_attention.compat import torch_cp
 from cp_attention.compat.torch_cp import context_parallel, context_parallel_unshard
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.hf import torch_cp_cases
 
 SDPA = F.scaled_dot_product_attention  # torch's own, taken before any context patches it

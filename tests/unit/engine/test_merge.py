@@ -19,7 +19,6 @@ import torch
 
 from cp_attention.engine import merge
 from cp_attention.engine.merge import merge_at, merge_block
-
 from tests.support.core.merge_cases import CASES, Case, check, make, rows_arg, run
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -170,7 +169,7 @@ def test_the_kernel_refuses_shapes_it_would_read_out_of_bounds(wrong):
         _check(out, lse, lb, idx, blk)
 
 
-def _interpreter_missing() -> "str | None":
+def _interpreter_missing() -> str | None:
     missing = [m for m in ("triton", "numpy") if importlib.util.find_spec(m) is None]
     return f"triton's interpreter needs {' and '.join(missing)}: pip install triton numpy" if missing else None
 

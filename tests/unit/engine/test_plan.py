@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import cp_attention as cpa
-from cp_attention.engine import plan as plan_module
 from benchmarks.gpu import ReplayTransport
+from cp_attention.engine import plan as plan_module
 from cp_attention.transport import LoopbackGroup, ProcessGroupTransport, Transport
-
 from tests.support.core.loopback_cases import loopback_errors
 
 

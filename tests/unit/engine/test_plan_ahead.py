@@ -13,7 +13,6 @@ import cp_attention as cpa
 from cp_attention.engine.plan import AttentionPlan
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.cuda.fake_cuda_cases import check_clean, env, ring_case  # noqa: F401 - env: the fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")

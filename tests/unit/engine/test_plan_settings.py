@@ -10,7 +10,6 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.core.reference import reference_attention
 
 TIMEOUT_S = 10.0  # the loopback's wait for a message: what a hang becomes here

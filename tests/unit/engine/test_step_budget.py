@@ -36,7 +36,6 @@ import cp_attention as cpa
 import cp_attention.engine.ring as ring_mod
 from cp_attention.engine.ring import RingSource
 from cp_attention.transport import loopback
-
 from tests.support.cuda.fake_cuda_cases import check_clean, env, lengths, ring_case  # noqa: F401 - env: the fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")

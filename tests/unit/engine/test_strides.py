@@ -5,8 +5,8 @@ The cause this guards against: PyTorch's CPU flash op (``kernel="auto"``'s choic
 computes garbage when a tensor's last dim is not contiguous. The kernel protocol says every tensor a
 kernel receives has a unit last-dim stride; :func:`test_every_kernel_receives_unit_last_stride` checks
 that property of the engine for whatever kernel runs. The CUDA kernels meet the same strided inputs on
-fake CUDA tensors (tests/unit/kernels/test_fake_cuda.py, tests/unit/strategies/test_fake_cuda_strategies.py), where the real ops'
-own stride checks refuse anything else.
+fake CUDA tensors (tests/unit/kernels/test_fake_cuda.py, tests/unit/strategies/test_fake_cuda_strategies.py), where
+the real ops' own stride checks refuse anything else.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 
 from cp_attention import kernels
 from cp_attention.kernels.base import unit_stride
-
 from tests.support.core.loopback_cases import loopback_errors
 from tests.support.core.strides import STRIDE_FORMS
 

@@ -14,9 +14,8 @@ from cp_attention.kernels import cuda_flash
 from cp_attention.kernels.cuda_flash import FlashKernel
 from cp_attention.schedules import BlockTask, VarlenSpec, block_schedules, lower_steps
 from cp_attention.schedules.lowering import square_pieces
-
-from tests.support.cuda.aten_standins import AtenStandIns
 from tests.support.core.loopback_cases import loopback_errors
+from tests.support.cuda.aten_standins import AtenStandIns
 
 
 @pytest.fixture

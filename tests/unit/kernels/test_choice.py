@@ -12,7 +12,6 @@ from cp_attention.kernels import BLOCK_KINDS, cuda_cudnn, cuda_efficient, cuda_f
 from cp_attention.kernels._cuda import band_pieces
 from cp_attention.kernels.choice import AUTO_TABLE, KernelChoice
 from cp_attention.layouts import get_layout
-
 from tests.support.cuda.aten_standins import AtenStandIns
 from tests.support.cuda.flash_attn_standin import attend, band
 

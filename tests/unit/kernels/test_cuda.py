@@ -12,7 +12,6 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.kernels import get_kernel
-
 from tests.support.cuda.flash_attn_standin import attend, attend_grads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

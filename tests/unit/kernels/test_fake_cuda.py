@@ -22,12 +22,10 @@ import itertools
 import pytest
 import torch
 
-import cp_attention as cpa
 from cp_attention.kernels import cuda_flash_attn, get_kernel
-
+from tests.support.core.strides import STRIDE_FORMS
 from tests.support.cuda import flash_attn_standin
 from tests.support.cuda.fake_cuda_cases import check_clean, env, lengths, ring_case  # noqa: F401 - env: the fixture
-from tests.support.core.strides import STRIDE_FORMS
 
 # pad_head reads data_ptr(): a fake tensor's is its storage offset in bytes (a real one's is 256-aligned)
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
@@ -75,7 +73,7 @@ FEATURES = [  # (label, ring_case kwargs)
 ]
 
 
-def refusal(kernel: str, kw: dict) -> "str | None":
+def refusal(kernel: str, kw: dict) -> str | None:
     """The ValueError a named kernel must raise for these features (a regex), or None if it runs them."""
     if kw.get("softcap") and kernel != "flash_attn":
         return rf"kernel '{kernel}' cannot apply softcap; use kernel='flash_attn'"

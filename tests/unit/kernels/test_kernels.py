@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import cp_attention as cpa
-from cp_attention.kernels import get_kernel, reference as math_kernel
 from cp_attention.engine.merge import merge_block
-
+from cp_attention.kernels import get_kernel
+from cp_attention.kernels import reference as math_kernel
 from tests.support.core.reference import reference_attention
 
 

@@ -8,10 +8,15 @@ import sys
 import pytest
 import torch
 
-from cp_attention.kernels import (KERNEL_NAMES, CpuFlashKernel, SdpaCpuKernel, check_kernel_name, get_kernel,
-                                  resolve_kernel_name)
+from cp_attention.kernels import (
+    KERNEL_NAMES,
+    CpuFlashKernel,
+    SdpaCpuKernel,
+    check_kernel_name,
+    get_kernel,
+    resolve_kernel_name,
+)
 from cp_attention.kernels import SdpaCpuKernel as OldImport
-
 from tests.support.cuda import flash_attn_standin
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64

@@ -13,7 +13,6 @@ import torch
 
 from cp_attention.kernels import cuda_cudnn, cuda_efficient, cuda_flash, cuda_flash_attn, get_kernel
 from cp_attention.kernels.cuda_flash_attn import FlashAttnKernel, split_window_api
-
 from tests.support.cuda import flash_attn_standin
 from tests.support.cuda.aten_standins import AtenStandIns, bind
 from tests.support.cuda.flash_attn_standin import attend

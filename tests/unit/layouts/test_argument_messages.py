@@ -13,7 +13,6 @@ import torch
 import cp_attention as cpa
 from cp_attention.layouts.documents import check_cu_seqlens, cu_seqlens_tuple
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.core.reference import reference_attention
 
 CU = [0, 5, 9, 16]

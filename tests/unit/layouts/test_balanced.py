@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cp_attention as cpa
 from cp_attention.layouts import balanced
@@ -15,7 +16,6 @@ from cp_attention.layouts.balanced import Piece, place_documents, placement_pict
 from cp_attention.layouts.documents import cu_seqlens_from_lengths
 from cp_attention.schedules.blocks import doc_block_pairs
 from cp_attention.schedules.derived import block_schedules
-
 from tests.unit.schedules.test_documents import allowed, coverage
 
 BAL, ZIG = cpa.get_layout("balanced"), cpa.get_layout("zigzag")

@@ -14,10 +14,9 @@ import torch
 
 import cp_attention as cpa
 from cp_attention.layouts import register_layout
-
+from tests.distributed.test_ring import _assert_within
 from tests.support.core import custom_layouts
 from tests.support.core.reference import tolerance
-from tests.distributed.test_ring import _assert_within
 from tests.unit.schedules.test_causal import allowed, coverage
 
 ROOT = Path(__file__).resolve().parents[3]

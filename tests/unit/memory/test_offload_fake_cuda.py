@@ -16,7 +16,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_attention.memory import offload as off
-
 from tests.support.cuda.fake_cuda_support import _SYNC_OPS, _is_pinned, _pin_memory, cuda_guard_problem
 
 aten = torch.ops.aten
@@ -26,10 +25,10 @@ class Stream:
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
 
-    def wait_stream(self, other: "Stream") -> None:
+    def wait_stream(self, other: Stream) -> None:
         self.log.append(("wait_stream", self.name, other.name))
 
-    def wait_event(self, event: "Event") -> None:
+    def wait_event(self, event: Event) -> None:
         self.log.append(("wait_event", self.name, event.id))
 
 
@@ -143,7 +142,7 @@ def test_offload_checkpoint_forward_and_recompute(fake):
     assert stash.host.device.type == "cpu" and _is_pinned(stash.host)
     assert [e for e in log if e[0] in ("copy", "sync")] == [("copy", "cuda", "cpu", True, False)]
     del seen[0]
-    out.grad_fn.next_functions[0][0].next_functions[0][0]._saved_result  # tanh's output: the recompute
+    _ = out.grad_fn.next_functions[0][0].next_functions[0][0]._saved_result  # tanh's output: the recompute
     assert len(seen) == 1 and seen[0].device.type == "cuda" and seen[0].is_leaf and seen[0].requires_grad
     assert [e for e in log if e[0] in ("copy", "sync", "wait_event")] == \
         [("copy", "cuda", "cpu", True, False), *COPY_BACK]

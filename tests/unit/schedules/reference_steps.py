@@ -5,11 +5,11 @@ batches' and variable-length batches' index tensors. Not collected as tests."""
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
-from cp_attention.schedules import BlockTask, DocBlock, source_rank, split_doc_block
+from cp_attention.schedules import DocBlock, source_rank, split_doc_block
 from cp_attention.schedules.lowering import SMALL_BLOCK, square_pieces
 
 
@@ -128,8 +128,8 @@ class _KeySpan(NamedTuple):
     kv_len: int
     q_off: int
     q_len: int
-    diag: Optional[int]
-    lo: Optional[int]
+    diag: int | None
+    lo: int | None
 
 
 class _Spec(NamedTuple):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cp_attention as cpa
 from cp_attention.schedules import BlockTask, source_rank, task_pairs

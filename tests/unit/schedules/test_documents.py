@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cp_attention as cpa
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
-from cp_attention.schedules import (BatchSpec, BlockTask, DocBlock, block_schedules, doc_block_pairs, lower_steps,
-                                    source_rank, split_doc_block, task_pairs)
+from cp_attention.schedules import (
+    BatchSpec,
+    BlockTask,
+    DocBlock,
+    block_schedules,
+    doc_block_pairs,
+    lower_steps,
+    source_rank,
+    split_doc_block,
+    task_pairs,
+)
 from cp_attention.schedules.lowering import SMALL_BLOCK
 
 

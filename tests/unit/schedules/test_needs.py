@@ -9,7 +9,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cp_attention as cpa
 from cp_attention.engine.plan import AttentionPlan
@@ -19,7 +20,6 @@ from cp_attention.schedules.needs import rank_needs, traffic_model
 from cp_attention.schedules.windows import normalize_window
 from cp_attention.strategies.dispatch import _Seat
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.core.loopback_cases import loopback_errors
 
 LAYOUTS = ("contiguous", "zigzag", "interleaved", "balanced")

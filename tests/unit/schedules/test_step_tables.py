@@ -5,14 +5,14 @@ and index tensors, in the same order, for every layout, causal or not, with and 
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cp_attention as cpa
 from cp_attention.engine.doc_batch import DocBatch
 from cp_attention.engine.varlen_batch import VarlenBatch
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
 from cp_attention.schedules import BatchSpec, BlockTask, VarlenSpec, block_schedules, normalize_window
-
 from tests.unit.schedules import reference_steps as ref
 
 LENGTHS = st.one_of(st.lists(st.integers(1, 12), min_size=1, max_size=40),
@@ -119,8 +119,9 @@ def test_varlen_pieces_whose_rows_overlap_go_to_separate_calls():
 def test_boundaries_checked_once_are_still_checked_for_their_total_and_positions_are_copies():
     """The plan's build checks one tuple of boundaries and asks for every rank's positions of it once per
     rank: the shortcuts it takes (layouts.documents, layouts.builtin) change no answer."""
-    from cp_attention.layouts.documents import check_cu_seqlens
     import pytest
+
+    from cp_attention.layouts.documents import check_cu_seqlens
     cu = (0, 3, 4, 16)
     assert check_cu_seqlens(cu, total=16) is cu
     with pytest.raises(ValueError, match="must end at the packed length 12"):

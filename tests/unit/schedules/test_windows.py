@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cp_attention as cpa
-from cp_attention.schedules import lowering
-from cp_attention.schedules import DocBlock, doc_block_pairs, split_doc_block
 from cp_attention.layouts.documents import cu_seqlens_from_lengths, document_ids, pad_cu_seqlens
-from cp_attention.schedules import BlockTask, source_rank, task_pairs
-from cp_attention.schedules import block_schedules, normalize_window, ring_length
-
+from cp_attention.schedules import (
+    BlockTask,
+    DocBlock,
+    block_schedules,
+    doc_block_pairs,
+    lowering,
+    normalize_window,
+    ring_length,
+    source_rank,
+    split_doc_block,
+    task_pairs,
+)
 from tests.support.core import dist_cases
 from tests.support.core.reference import tolerance
 

@@ -12,16 +12,23 @@ import torch
 import cp_attention as cpa
 from cp_attention.schedules.derived import ring_length
 from cp_attention.schedules.work import work_model
-from cp_attention.strategies import STRATEGIES
-from cp_attention.strategies import cost
-from cp_attention.strategies.cost import (HARDWARE, Workload, choose, closed_ring_length, estimate, infeasible,
-                                          pairs, rank_pairs, set_hardware)
+from cp_attention.strategies import STRATEGIES, cost
+from cp_attention.strategies.cost import (
+    HARDWARE,
+    Workload,
+    choose,
+    closed_ring_length,
+    estimate,
+    infeasible,
+    pairs,
+    rank_pairs,
+    set_hardware,
+)
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.core.loopback_cases import loopback_errors
 
 
-def _seen(total: int, causal: bool, window: tuple, cu: "tuple | None") -> torch.Tensor:
+def _seen(total: int, causal: bool, window: tuple, cu: tuple | None) -> torch.Tensor:
     """The mask oracle: [query, key] of packed positions, True where the query sees the key."""
     cu = cu or (0, total)
     doc = torch.bucketize(torch.arange(total), torch.tensor(cu[1:]), right=True)
@@ -67,9 +74,10 @@ _DOCS = (0, 5, 39, 48)
 
 
 @pytest.mark.parametrize("layout,world,causal,window,cu", [
-    (layout, world, causal, window, cu) for layout in ("contiguous", "zigzag", "interleaved") for world, causal, window, cu
-    in ((4, True, (7, 0), None), (3, True, (16, 0), None), (4, True, (1, -1), _DOCS), (4, True, (0, 0), None),
-        (4, False, (9, 3), None), (4, False, (-1, 0), _DOCS), (3, False, (40, -1), _DOCS))])
+    (layout, world, causal, window, cu) for layout in ("contiguous", "zigzag", "interleaved")
+    for world, causal, window, cu in ((4, True, (7, 0), None), (3, True, (16, 0), None), (4, True, (1, -1), _DOCS),
+                                      (4, True, (0, 0), None), (4, False, (9, 3), None), (4, False, (-1, 0), _DOCS),
+                                      (3, False, (40, -1), _DOCS))])
 def test_ring_lengths_match_the_schedules(layout, world, causal, window, cu):
     """The ring's length under a window (closed forms) against the one the schedules derive from
     positions (contiguous: 1 + ceil(reach / n); interleaved: 1 + reach; zigzag: every step)."""
@@ -198,7 +206,6 @@ def test_auto_is_agreed_when_ranks_model_different_hardware(monkeypatch):
 
     from cp_attention.strategies import auto
     from cp_attention.strategies.plan_cache import plan_cache
-
     from tests.support.core.reference import reference_attention
 
     seat = threading.local()

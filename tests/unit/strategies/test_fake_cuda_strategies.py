@@ -10,12 +10,11 @@ import pytest
 import torch
 
 import cp_attention as cpa
-from cp_attention.strategies import alltoall, dispatch
 from cp_attention.engine.function import AttentionFunction
-
-from tests.support.cuda.fake_cuda_support import ManualRingFunction, phase, tape
+from cp_attention.strategies import alltoall, dispatch
 from tests.support.core.strides import restride
 from tests.support.cuda.fake_cuda_cases import check_clean, env  # noqa: F401 - env: the fixture
+from tests.support.cuda.fake_cuda_support import ManualRingFunction, phase, tape
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
@@ -32,7 +31,7 @@ CASES = [  # (cp_comm_type, world, mesh shape, kernel, ring_case-like options)
 
 def strategy_case(env, comm: str, world: int, mesh, kernel: str, layout: str, h: int = 8, hkv: int = 2, d: int = 64,
                   n: int = 64, b: int = 1, lengths=None, window=(-1, -1), sinks: bool = False,
-                  stride_form: "str | None" = None) -> dict:
+                  stride_form: str | None = None) -> dict:
     """Two layers' calls with one plan, then their backwards (the composite's and the all-to-all's) in
     reverse; the problems and the watcher's events of every rank. ``stride_form``: q, k, v and dout in
     that memory form of :mod:`tests.support.core.strides` (a last dim whose stride is not 1)."""
@@ -55,7 +54,7 @@ def strategy_case(env, comm: str, world: int, mesh, kernel: str, layout: str, h:
                                                return_lse=True))
         inner = rank.levels[1] if comm == "a2a+p2p" else rank
         with phase(watch, "step"):
-            for (ctx, (qh, kh, vh, _)), (q, k, v), (out, lse) in reversed(list(zip(tape(), layers, outs))):
+            for (ctx, (_qh, kh, vh, _)), (q, k, v), (out, lse) in reversed(list(zip(tape(), layers, outs))):
                 if tuple(out.shape) != (b, n, h, d) or tuple(lse.shape) != (b, h, n):
                     problems.append(f"out {tuple(out.shape)}, lse {tuple(lse.shape)}")
                 saved_out = ctx.saved_tensors[3]
@@ -125,7 +124,8 @@ def test_decode_attention_on_fake_cuda(env, world):  # noqa: F811 - the fixture
             out, lse = decode_attention(q, k, v, visible, rank, 0.125, 30.0, sinks)
         ok = (tuple(out.shape), out.dtype, out.device.type, tuple(lse.shape)) == ((3, 8, 64), torch.bfloat16, "cuda",
                                                                                  (3, 8))
-        return ([] if ok else [f"out {tuple(out.shape)} {out.dtype} {out.device}, lse {tuple(lse.shape)}"]), watch.events
+        problems = [] if ok else [f"out {tuple(out.shape)} {out.dtype} {out.device}, lse {tuple(lse.shape)}"]
+        return problems, watch.events
 
     per_rank = env.run(world, rank_fn)
     check_clean({"problems": [p for probs, _ in per_rank for p in probs],

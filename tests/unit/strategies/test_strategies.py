@@ -13,7 +13,6 @@ import torch
 import cp_attention as cpa
 from cp_attention.strategies.composite import pair_steps
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.core import dist_cases
 from tests.support.core.loopback_cases import loopback_errors
 

@@ -20,7 +20,6 @@ from cp_attention.kernels import MathKernel
 from cp_attention.schedules import rank_steps
 from cp_attention.strategies.composite import CompositeSource
 from cp_attention.transport.base import Seat
-
 from tests.support.core.reference import reference_attention
 
 # (module, old name, new name): every module-level alias

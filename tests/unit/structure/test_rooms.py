@@ -65,13 +65,13 @@ def _imports(name: str, source: str, is_package: bool, known: set[str]) -> set[s
     return {t for t in targets if t in known and t != name}
 
 
-def _graph(mods: "dict[str, Path] | None" = None) -> dict[str, set[str]]:
+def _graph(mods: dict[str, Path] | None = None) -> dict[str, set[str]]:
     mods = _modules() if mods is None else mods
     known = set(mods)
     return {name: _imports(name, path.read_text(), path.name == "__init__.py", known) for name, path in mods.items()}
 
 
-def _adapter(module: str) -> "str | None":
+def _adapter(module: str) -> str | None:
     return next((a for a in ADAPTER_PACKAGES if module == a or module.startswith(a + ".")), None)
 
 
@@ -98,12 +98,12 @@ def _module_level_source(source: str) -> str:
     return ast.unparse(ast.Module(body=found, type_ignores=[]))
 
 
-def _cycle(graph: dict[str, set[str]]) -> "list[str] | None":
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle of ``graph``, or None (depth-first search with colours)."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
-    def visit(node: str) -> "list[str] | None":
+    def visit(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
@@ -208,8 +208,9 @@ def test_setup_installs_every_room():
     assert 'runpy.run_path(str(Path(__file__).resolve().parent / "cp_attention" / "rooms.py"))["PACKAGE_ROOMS"]' \
         in source, "setup.py must install cp_attention/rooms.py's PACKAGE_ROOMS"
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert packages == set(PACKAGE_ROOMS), f"rooms.py's PACKAGE_ROOMS misses {sorted(packages - set(PACKAGE_ROOMS))}, " \
-                                           f"names no package {sorted(set(PACKAGE_ROOMS) - packages)}"
+    assert packages == set(PACKAGE_ROOMS), \
+        f"rooms.py's PACKAGE_ROOMS misses {sorted(packages - set(PACKAGE_ROOMS))}, " \
+        f"names no package {sorted(set(PACKAGE_ROOMS) - packages)}"
 
 
 def test_the_checkers_can_fail():

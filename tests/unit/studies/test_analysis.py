@@ -10,7 +10,6 @@ import cp_attention as cpa
 from benchmarks.modelled import AttentionShape
 from studies.layout_comparison.analysis import ClusterSpec, pair_owners, project, split_problem, summarize
 
-
 # ---------------------------------------------------------------- summaries and splits
 
 @pytest.mark.parametrize("layout", cpa.LAYOUT_NAMES)

@@ -9,7 +9,14 @@ import pytest
 from benchmarks.modelled import AttentionShape, comm_bytes_per_rank
 from studies.layout_comparison import balance
 from studies.layout_comparison.traffic import (
-    Batch, batch_figures, corpus_batches, giant_batch, kernel_calls, lognormal_batch, model_bytes, stdlib_lengths,
+    Batch,
+    batch_figures,
+    corpus_batches,
+    giant_batch,
+    kernel_calls,
+    lognormal_batch,
+    model_bytes,
+    stdlib_lengths,
     training_bytes,
 )
 

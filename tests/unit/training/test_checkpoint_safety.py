@@ -18,8 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cp_attention.training.checkpoint import (UnsafeCheckpointError, checkpoint_info, find_complete_checkpoint,
-                                              load_checkpoint, save_checkpoint)
+from cp_attention.training.checkpoint import (
+    UnsafeCheckpointError,
+    checkpoint_info,
+    find_complete_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from cp_attention.training.config import optimizer
 from cp_attention.training.sharded_checkpoint import TRAINER_STATE, load_sharded_checkpoint
 
@@ -34,7 +39,7 @@ class Plant:
         return (os.mkdir, (self.marker,))
 
 
-def _model_and_opt() -> "tuple[torch.nn.Module, torch.optim.Optimizer, object]":
+def _model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt, sched = optimizer(model.parameters(), {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1,
@@ -87,7 +92,7 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_unrun(tmp_path):
     assert marker.exists()
 
 
-def _sharded(tmp_path: Path, optim_state_edit=None) -> "tuple[Path, torch.nn.Module, torch.optim.Optimizer]":
+def _sharded(tmp_path: Path, optim_state_edit=None) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

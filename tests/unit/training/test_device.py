@@ -15,8 +15,16 @@ import torch.distributed as dist
 
 import cp_attention.transport
 from cp_attention.launch import free_port, process_group
-from cp_attention.training.device import (Placement, all_reduce_, autocast, backend_device_type, backend_for,
-                                          collective_device, placement, rank_device)
+from cp_attention.training.device import (
+    Placement,
+    all_reduce_,
+    autocast,
+    backend_device_type,
+    backend_for,
+    collective_device,
+    placement,
+    rank_device,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAINING = ROOT / "cp_attention" / "training"
@@ -189,7 +197,8 @@ def loop_collectives(rank: int, world_size: int, cfgs: list, run_dir: str) -> li
     out = []
     for i, cfg in enumerate(cfgs):
         os.makedirs(os.path.join(run_dir, str(i)), exist_ok=True)  # Hydra's run directory
-        out.append(_record_collectives_and_forwards(lambda: loop.train(cfg, os.path.join(run_dir, str(i)))))
+        out.append(_record_collectives_and_forwards(
+            lambda cfg=cfg, i=i: loop.train(cfg, os.path.join(run_dir, str(i)))))
     out.append(_record_collectives_and_forwards(lambda: hf_example.train(example)))
     if importlib.util.find_spec("megatron.core") is not None:
         from megatron.core import parallel_state as ps

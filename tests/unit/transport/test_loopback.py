@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from cp_attention.transport.loopback import LoopbackGroup
-
 from tests.support.core.loopback_cases import loopback_errors, loopback_refusal
 
 
