@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from cp_attention.training import loop
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "train.py"
 
 
 def kill_self(rank: int, at: int, step: int) -> None:

@@ -17,7 +17,7 @@ from .aten_standins import bind
 
 aten = torch.ops.aten
 _LIB_DIR = os.sep + "cp_attention" + os.sep
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 __all__ = ["CheckedAten", "PreconditionError", "register_flash_attn_fakes", "round_up", "where_in_library"]
 

@@ -62,7 +62,7 @@ from .fake_cuda_checks import CheckedAten, where_in_library
 
 aten = torch.ops.aten
 _LIB_DIR = os.sep + "cp_attention" + os.sep
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # ------------------------------------------------------------------------------------------- P1
 # A shared library whose static initialiser registers the guard when none is (a few seconds to build:
