@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (see README.md):
 #   make train   install what training needs, then run scripts/train.py's default job
-#   make test    install everything the tests need, then run them (what CI runs: .ci/run)
+#   make test    install everything the tests need, then make lint and the tests (what CI runs: .ci/run)
 #   make test-fast  ruff, mypy, then the tests that start no process (no dist, slow or gpu mark) on two workers
 #   make test-floor the oldest versions we support (cp_attention/versions.py) in a venv of their own, tested
 PYTHON ?= python3
