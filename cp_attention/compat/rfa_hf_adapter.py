@@ -55,12 +55,6 @@ _NAME = "ring_flash_attn's HF adapter"
 # transformers' own _flash_attention_forward, saved by the first substitute_hf_flash_attn (a second call must
 # not take the first one's switch for it).
 _ORIGINAL: dict = {}
-# Model-level switches transformers hands every attention call that cannot change its values, and the loss's
-# arguments it hands down with them (as in cp_attention.integrations.huggingface.attention).
-_HARMLESS = frozenset({"use_cache", "output_hidden_states", "output_router_logits", "return_dict",
-                       "num_items_in_batch", "shift_labels", "ignore_index"})
-
-
 def check_params(f1: Callable, f2: Callable) -> bool:
     """Whether ``f1`` and ``f2`` take the same number of parameters (the original's signature test)."""
     return len(inspect.signature(f1).parameters) == len(inspect.signature(f2).parameters)
@@ -131,7 +125,12 @@ def _agree_batch(position_ids: torch.Tensor | None, cu: tuple[int, ...], total: 
 def _refuse(attention_mask, dropout: float, use_top_left_mask: bool, cu_seq_lens_q, cu_seq_lens_k,
             others: dict) -> None:
     """What the ring cannot honour, by name, before any communication (every rank runs the same model)."""
-    unknown = sorted(n for n, v in others.items() if v is not None and n not in _HARMLESS
+    # The switches and loss arguments transformers hands every attention call, which cannot change it: the HF
+    # adapter's own lists.
+    from cp_attention.integrations.huggingface.attention import _LOSS_ONLY, _OUTPUT_FLAGS
+
+    harmless = _OUTPUT_FLAGS | _LOSS_ONLY
+    unknown = sorted(n for n, v in others.items() if v is not None and n not in harmless
                      and not (n == "output_attentions" and not v))
     if unknown:
         raise NotImplementedError(f"{_NAME} got attention argument(s) it does not implement: {', '.join(unknown)}; "
